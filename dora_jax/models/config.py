@@ -1,0 +1,210 @@
+"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 dense family.
+
+`ModelConfig.from_hf(dict)` reads a HF `config.json`; `to_hf()` writes one back. Unsupported
+architectures and options are refused with an error naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: `kind` is "default" (plain) or "llama3" (Llama 3.1 frequency scaling)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters. Field names follow HF where they exist."""
+
+    model_type: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+    attention_out_bias: bool = False  # o_proj bias (Llama/Qwen3 with attention_bias=true)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    param_dtype: Any = jnp.float32
+    dtype: Any = jnp.float32  # compute dtype
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rope.kind not in ("default", "llama3"):
+            raise ValueError(f"rope kind {self.rope.kind!r} not supported; expected 'default' or 'llama3'")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    # ------------------------------------------------------------------ HF I/O
+    @classmethod
+    def from_hf(cls, hf: dict, *, dtype=jnp.float32, param_dtype=None, source: str = "config.json"):
+        """Builds a config from a HF config dict; `source` names the file in error messages."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type={model_type!r} is not supported; expected one of "
+                f"{SUPPORTED_MODEL_TYPES} (dense Llama 3.x, Qwen2/2.5, Qwen3)"
+            )
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported; expected false")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act={act!r} is not supported; expected 'silu'")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported; expected false")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"{source}: required field {key!r} is missing")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope = _rope_from_hf(hf, source)
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=rope,
+            # Qwen2 always has q/k/v biases and none on o_proj; Llama/Qwen3 bias all four or none.
+            attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            attention_out_bias=False if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            param_dtype=param_dtype or dtype,
+            dtype=dtype,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=_as_eos(hf.get("eos_token_id")),
+        )
+
+    def to_hf(self) -> dict:
+        """A HF config dict that transformers loads as the matching *ForCausalLM."""
+        rope_parameters: dict[str, Any] = {"rope_theta": self.rope.theta, "rope_type": self.rope.kind}
+        if self.rope.kind == "llama3":
+            rope_parameters.update(
+                factor=self.rope.factor,
+                low_freq_factor=self.rope.low_freq_factor,
+                high_freq_factor=self.rope.high_freq_factor,
+                original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            )
+        hf = {
+            "architectures": [_HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "dtype": _dtype_name(self.param_dtype),
+        }
+        if self.rope.kind == "llama3":
+            hf["rope_scaling"] = dict(rope_parameters)
+        if self.model_type == "llama":
+            hf["attention_bias"] = self.attention_bias
+            hf["mlp_bias"] = False
+        if self.model_type == "qwen3":
+            hf["attention_bias"] = self.attention_bias
+        if self.bos_token_id is not None:
+            hf["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            hf["eos_token_id"] = self.eos_token_id if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+        return hf
+
+
+def _as_eos(value):
+    if value is None or isinstance(value, int):
+        return value
+    return tuple(value)
+
+
+def _rope_from_hf(hf: dict, source: str) -> RopeConfig:
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind != "llama3":
+        raise ValueError(
+            f"{source}: rope type {kind!r} is not supported; expected 'default' or 'llama3'"
+        )
+    try:
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=params["factor"],
+            low_freq_factor=params["low_freq_factor"],
+            high_freq_factor=params["high_freq_factor"],
+            original_max_position_embeddings=params["original_max_position_embeddings"],
+        )
+    except KeyError as err:
+        raise ValueError(f"{source}: llama3 rope scaling is missing field {err.args[0]!r}") from None
+
+
+def dtype_from_name(name: str):
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} not supported; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _dtype_name(dtype) -> str:
+    for name, value in _DTYPES.items():
+        if jnp.dtype(value) == jnp.dtype(dtype):
+            return name
+    raise ValueError(f"dtype {dtype} has no HF name")

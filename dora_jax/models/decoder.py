@@ -1,0 +1,203 @@
+"""One flax.nnx decoder for Llama 3.x, Qwen2/2.5 and Qwen3 (dense).
+
+Shape letters: B batch, T query time, S key/cache time, E embed (hidden), H query heads,
+K kv heads, G = H / K query heads per kv head, D head_dim, M mlp, V vocab, L layers.
+
+Two call paths share every layer:
+  * full forward: `model(input_ids_BT)` -> logits_BTV (training, log-probs);
+  * cached: `model(input_ids_BT, positions_BT, cache=KVCache)` -> (logits_BTV, KVCache): the T new
+    tokens' keys/values are written at their positions and attention reads the cache (prefill
+    with T = prompt length, decode with T = 1).
+Every parameter carries logical axis names in its `out_sharding` metadata (`embed`, `heads`,
+`kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`); `dora_jax.sharding` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dora_jax.models.config import ModelConfig
+from dora_jax.models.rope import apply_rope, inverse_frequencies
+
+
+def _param(value, names: tuple[str, ...]) -> nnx.Param:
+    # eager_sharding=False: the names are metadata only; placement happens in dora_jax.sharding.
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values after RoPE. `k_LBSKD`/`v_LBSKD`: [layers, batch, length, kv_heads, head_dim]."""
+
+    k_LBSKD: jax.Array
+    v_LBSKD: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        dtype = dtype or config.dtype
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def length(self) -> int:
+        return self.k_LBSKD.shape[2]
+
+
+KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = _param(jnp.ones((dim,), param_dtype), ("norm",))
+
+    def __call__(self, x):
+        # fp32 statistics, as HF does, then back to the input dtype before the scale.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        E, H, K, D, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+        self.cfg = cfg
+        self.q_EHD = _param(_normal(rngs, (E, H, D), pd), ("embed", "heads", "head_dim"))
+        self.k_EKD = _param(_normal(rngs, (E, K, D), pd), ("embed", "kv_heads", "head_dim"))
+        self.v_EKD = _param(_normal(rngs, (E, K, D), pd), ("embed", "kv_heads", "head_dim"))
+        self.o_HDE = _param(_normal(rngs, (H, D, E), pd), ("heads", "head_dim", "embed"))
+        if cfg.attention_bias:
+            self.q_bias_HD = _param(jnp.zeros((H, D), pd), ("heads", "head_dim"))
+            self.k_bias_KD = _param(jnp.zeros((K, D), pd), ("kv_heads", "head_dim"))
+            self.v_bias_KD = _param(jnp.zeros((K, D), pd), ("kv_heads", "head_dim"))
+        if cfg.attention_out_bias:
+            self.o_bias_E = _param(jnp.zeros((E,), pd), ("embed",))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
+
+    def __call__(self, x_BTE, positions_BT, cache_k_BSKD=None, cache_v_BSKD=None):
+        cfg, dt = self.cfg, self.cfg.dtype
+        q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, self.q_EHD[...].astype(dt))
+        k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.k_EKD[...].astype(dt))
+        v_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.v_EKD[...].astype(dt))
+        if cfg.attention_bias:
+            q_BTHD = q_BTHD + self.q_bias_HD[...].astype(dt)
+            k_BTKD = k_BTKD + self.k_bias_KD[...].astype(dt)
+            v_BTKD = v_BTKD + self.v_bias_KD[...].astype(dt)
+        if cfg.qk_norm:
+            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
+        inv_freq_F = inverse_frequencies(cfg.rope, cfg.head_dim)  # a host constant, folded by XLA
+        q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq_F)
+        k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq_F)
+
+        if cache_k_BSKD is None:  # full forward: causal over the T tokens themselves
+            keys_BSKD, values_BSKD = k_BTKD, v_BTKD
+            key_pos_BS = positions_BT
+        else:  # write the new rows at their positions, attend over the whole cache
+            start_B = positions_BT[:, 0]
+            write = jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (p, 0, 0)))
+            keys_BSKD = write(cache_k_BSKD, k_BTKD, start_B)
+            values_BSKD = write(cache_v_BSKD, v_BTKD, start_B)
+            S = keys_BSKD.shape[1]
+            key_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (x_BTE.shape[0], S))
+        mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+        out_BTHD = _attend(q_BTHD, keys_BSKD.astype(dt), values_BSKD.astype(dt), mask_BTS)
+        y_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, self.o_HDE[...].astype(dt))
+        if cfg.attention_out_bias:
+            y_BTE = y_BTE + self.o_bias_E[...].astype(dt)
+        return y_BTE, keys_BSKD, values_BSKD
+
+
+def _attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+    B, T, H, D = q_BTHD.shape
+    K = k_BSKD.shape[2]
+    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
+    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32)
+    scores_BKGTS = scores_BKGTS * (D**-0.5)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
+    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
+    return out_BTKGD.reshape(B, T, H, D)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        E, M, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
+        self.dtype = cfg.dtype
+        self.gate_EM = _param(_normal(rngs, (E, M), pd), ("embed", "mlp"))
+        self.up_EM = _param(_normal(rngs, (E, M), pd), ("embed", "mlp"))
+        self.down_ME = _param(_normal(rngs, (M, E), pd), ("mlp", "embed"))
+
+    def __call__(self, x_BTE):
+        dt = self.dtype
+        gate_BTM = jax.nn.silu(x_BTE @ self.gate_EM[...].astype(dt))
+        return (gate_BTM * (x_BTE @ self.up_EM[...].astype(dt))) @ self.down_ME[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTE, positions_BT, cache_k_BSKD=None, cache_v_BSKD=None):
+        h_BTE, k_BSKD, v_BSKD = self.attn(self.input_norm(x_BTE), positions_BT, cache_k_BSKD, cache_v_BSKD)
+        x_BTE = x_BTE + h_BTE
+        x_BTE = x_BTE + self.mlp(self.post_attn_norm(x_BTE))
+        return x_BTE, k_BSKD, v_BSKD
+
+
+class Decoder(nnx.Module):
+    """The causal LM: embedding, `num_layers` blocks, final norm, (tied or untied) LM head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_VE = _param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype), ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head_EV = _param(_normal(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype), ("embed", "vocab"))
+
+    def __call__(self, input_ids_BT, positions_BT=None, *, cache: KVCache | None = None, return_kv: bool = False):
+        """Logits (float32) for every input position.
+
+        Without `cache`: a causal forward over the T tokens (positions default to 0..T-1); with
+        `return_kv=True` it also returns a KVCache holding exactly those T rows (a prefill).
+        With `cache`: the tokens sit at `positions_BT` (contiguous per row); returns
+        (logits_BTV, updated cache).
+        """
+        cfg = self.config
+        B, T = input_ids_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        x_BTE = jnp.take(self.embed_VE[...], input_ids_BT, axis=0).astype(cfg.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            ck = None if cache is None else cache.k_LBSKD[i]
+            cv = None if cache is None else cache.v_LBSKD[i]
+            x_BTE, k_BSKD, v_BSKD = layer(x_BTE, positions_BT, ck, cv)
+            new_k.append(k_BSKD)
+            new_v.append(v_BSKD)
+        x_BTE = self.final_norm(x_BTE)
+        head_EV = self.embed_VE[...].T if cfg.tie_word_embeddings else self.lm_head_EV[...]
+        logits_BTV = jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        if cache is None and not return_kv:
+            return logits_BTV
+        kv = KVCache(jnp.stack(new_k), jnp.stack(new_v))
+        return logits_BTV, kv
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    """A randomly initialised decoder (std 0.02 normals, unit norms, zero biases)."""
+    return Decoder(cfg, nnx.Rngs(params=seed))
