@@ -1,0 +1,74 @@
+"""The in-process tier: versions held as arrays in this process (the embedded default).
+
+`write` copies the writer's arrays (the trainer donates its state buffers to the next step, so the
+store must own its own) and `read` is one `jax.device_put` to the reader's shardings, again a copy
+so that a reader may donate what it gets. With `device_versions=n` only the newest n versions stay
+on device; older ones are offloaded to host memory (numpy) and put back on a device when read.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+from dora_jax.store.param_store import Params, Shardings
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(tree)))
+
+
+class InProcessTier:
+    """Versions as device arrays (newest `device_versions`) or host numpy arrays (older)."""
+
+    def __init__(self, device_versions: int | None = None):
+        if device_versions is not None and device_versions < 1:
+            raise ValueError(f"device_versions={device_versions}; expected None (all on device) or >= 1")
+        self._device_versions = device_versions
+        self._lock = threading.Lock()
+        self._on_device: dict[int, Params] = {}
+        self._on_host: dict[int, Params] = {}
+
+    def write(self, version: int, params: Params) -> None:
+        owned = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params)
+        jax.block_until_ready(owned)
+        with self._lock:
+            self._on_device[version] = owned
+            offload = []
+            if self._device_versions is not None:
+                offload = sorted(self._on_device)[: -self._device_versions]
+            moved = {v: self._on_device[v] for v in offload}
+        # Device-to-host copies outside the lock; readers of these versions still see device copies.
+        moved = {v: jax.tree.map(np.asarray, tree) for v, tree in moved.items()}
+        with self._lock:
+            for v, host_tree in moved.items():
+                if v in self._on_device:  # not deleted meanwhile
+                    self._on_host[v] = host_tree
+                    del self._on_device[v]
+
+    def read(self, version: int, shardings: Shardings) -> Params:
+        with self._lock:
+            tree = self._on_device.get(version)
+            if tree is None:
+                tree = self._on_host.get(version)
+        if tree is None:
+            raise KeyError(f"in-process tier holds no version {version}")
+        return jax.device_put(tree, shardings, may_alias=False)
+
+    def delete(self, version: int) -> None:
+        with self._lock:
+            self._on_device.pop(version, None)
+            self._on_host.pop(version, None)
+
+    def versions(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(sorted(self._on_device.keys() | self._on_host.keys()))
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "device": sum(tree_bytes(t) for t in self._on_device.values()),
+                "host": sum(tree_bytes(t) for t in self._on_host.values()),
+            }

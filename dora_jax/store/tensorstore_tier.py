@@ -1,0 +1,143 @@
+"""The tensorstore tier: one orbax checkpoint (zarr3 + OCDBT) per version under a root directory.
+
+Layout: `<root>/v_00000042/` per version. Orbax commits atomically: on a local filesystem it
+writes `<name>.orbax-checkpoint-tmp-<ts>` and renames it when complete; on `gs://` it writes a
+`commit_success.txt` last. Only committed directories are listed, so a reader (in this process or
+another one that opens the same root) never sees half a version, and a writer killed mid-write
+leaves only a temporary directory that the next writer removes. Reads restore straight into the
+reader's shardings (each process reads only the shards it holds).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from dora_jax.store.param_store import Params, Shardings
+
+_NAME = re.compile(r"^v_(\d+)$")
+
+
+def version_dir_name(version: int) -> str:
+    return f"v_{version:08d}"
+
+
+class TensorStoreTier:
+    """Versions as orbax/tensorstore checkpoints under `root` (a local path or `gs://...`).
+
+    `read_only=True` opens an existing root for reading from another process: it lists what is
+    committed there (`versions()` rescans the directory) and refuses to write or delete.
+    """
+
+    def __init__(self, root: str | epath.PathLike, *, read_only: bool = False, compression: bool = True):
+        self._root = epath.Path(root)
+        self._read_only = read_only
+        self._compression = compression
+        self._lock = threading.Lock()  # guards the version cache; I/O happens outside it
+        self._cache: dict[int, epath.Path] = {}
+        self._bytes: dict[int, int] = {}
+        if read_only:
+            if not self._root.exists():
+                raise FileNotFoundError(f"param store root {self._root} does not exist")
+        else:
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._remove_uncommitted()
+        self._scan()
+
+    @property
+    def root(self) -> epath.Path:
+        return self._root
+
+    # ------------------------------------------------------------------ Tier
+    def write(self, version: int, params: Params) -> None:
+        if self._read_only:
+            raise PermissionError(f"param store at {self._root} was opened read-only")
+        path = self._root / version_dir_name(version)
+        self._checkpointer().save(path, args=ocp.args.PyTreeSave(params))
+        size = _dir_bytes(path)
+        with self._lock:
+            self._cache[version] = path
+            self._bytes[version] = size
+
+    def read(self, version: int, shardings: Shardings) -> Params:
+        path = self._path(version)
+        # `item` gives the tree structure (dict keys such as layer indices stay ints); shapes
+        # and dtypes come from the checkpoint's metadata, placement from the shardings.
+        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), shardings)
+        args = ocp.args.PyTreeRestore(item=shardings, restore_args=restore_args)
+        return self._checkpointer().restore(path, args=args)
+
+    def delete(self, version: int) -> None:
+        if self._read_only:
+            raise PermissionError(f"param store at {self._root} was opened read-only")
+        with self._lock:
+            path = self._cache.pop(version, None)
+            self._bytes.pop(version, None)
+        if path is None:
+            return
+        if path.as_posix().startswith("gs://"):
+            # Drop the commit marker first, so no reader lists it while the rest goes.
+            (path / "commit_success.txt").unlink(missing_ok=True)
+            path.rmtree()
+            return
+        # Local: a rename is atomic, so readers see the version either whole or gone.
+        doomed = self._root / f".retired-{path.name}-{uuid.uuid4().hex[:8]}"
+        path.rename(doomed)
+        doomed.rmtree(missing_ok=True)
+
+    def versions(self) -> tuple[int, ...]:
+        if self._read_only:
+            self._scan()
+        with self._lock:
+            return tuple(sorted(self._cache))
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        with self._lock:
+            return {"tensorstore": sum(self._bytes.values())}
+
+    # -------------------------------------------------------------- internals
+    def _checkpointer(self) -> ocp.Checkpointer:
+        # One per call: orbax checkpointers are cheap and not documented as thread-safe.
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=self._compression)
+        return ocp.Checkpointer(handler)
+
+    def _path(self, version: int) -> epath.Path:
+        with self._lock:
+            path = self._cache.get(version)
+        if path is None:
+            raise KeyError(f"no committed version {version} under {self._root}")
+        return path
+
+    def _scan(self) -> None:
+        found: dict[int, epath.Path] = {}
+        for child in self._root.iterdir():
+            match = _NAME.match(child.name)
+            if match and ocp.utils.is_checkpoint_finalized(child):
+                found[int(match.group(1))] = child
+        with self._lock:
+            for version in found.keys() - self._cache.keys():
+                self._bytes[version] = _dir_bytes(found[version])
+            for version in self._cache.keys() - found.keys():
+                self._bytes.pop(version, None)
+            self._cache = found
+
+    def _remove_uncommitted(self) -> None:
+        """A writer opening the root removes what an earlier writer left half-done."""
+        for child in self._root.iterdir():
+            leftover = child.name.startswith(".retired-") or ocp.path.atomicity_types.TMP_DIR_SUFFIX in child.name
+            if _NAME.match(child.name) and not ocp.utils.is_checkpoint_finalized(child):
+                leftover = True  # gs://: a directory without its commit marker
+            if leftover:
+                child.rmtree(missing_ok=True)
+
+
+def _dir_bytes(path: epath.Path) -> int:
+    total = 0
+    for child in path.iterdir():
+        total += _dir_bytes(child) if child.is_dir() else child.stat().length
+    return total
