@@ -1,0 +1,462 @@
+"""The host-side coordinator: dispatch, scoring, the TransferQueue, the version window, and the
+mode's switching policy (DORA's orchestrator, idle switching, or partial-rollout interrupts).
+
+Plain Python over records and ports: it imports no JAX. Everything that happens is written to
+the ledger. Thread model: worker threads and reward callbacks only `post` events into the inbox;
+one thread (the runner's coordinator loop, or a test) calls `process()`, which applies them and
+runs the rebalancing triggers; the trainer thread calls `take_batch`, which waits on a condition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from typing import Callable, Mapping, Optional, Protocol, Sequence
+
+from dora_jax.coordinator import orchestrator
+from dora_jax.coordinator.ledger import Ledger
+from dora_jax.coordinator.ports import RolloutPort
+from dora_jax.coordinator.transfer_queue import TransferQueue
+from dora_jax.modes import Supply, Switch, policy_for
+from dora_jax.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    mode: str = "dora"
+    k_max: int = 2
+    rollout_batch_size: int = 32  # RBS: samples kept in flight in streaming modes (<= k_max * TBS)
+    train_batch_size: int = 16  # TBS: samples per training step
+    group_size: int = 4  # G samples per prompt
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    rebalance_period_s: float = 0.5  # periodic trigger
+
+    def validate(self, num_slices: int) -> None:
+        """Rejects inconsistent settings, naming the field."""
+        policy = policy_for(self.mode)
+        if self.group_size < 1:
+            raise ValueError(f"coordinator.group_size={self.group_size}; expected >= 1")
+        if self.train_batch_size % self.group_size:
+            raise ValueError(
+                f"coordinator.train_batch_size={self.train_batch_size} is not a multiple of "
+                f"coordinator.group_size={self.group_size}"
+            )
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError(
+                f"coordinator.rollout_batch_size={self.rollout_batch_size} is not a multiple of "
+                f"coordinator.group_size={self.group_size}"
+            )
+        if policy.supply == Supply.STREAM:
+            if self.k_max < 1:
+                raise ValueError(f"coordinator.k_max={self.k_max}; mode {self.mode} needs k_max >= 1")
+            if self.rollout_batch_size < self.train_batch_size:
+                raise ValueError(
+                    f"coordinator.rollout_batch_size={self.rollout_batch_size} < train_batch_size="
+                    f"{self.train_batch_size}; mode {self.mode} keeps at least one batch in flight"
+                )
+            if self.rollout_batch_size > self.k_max * self.train_batch_size:
+                raise ValueError(
+                    f"coordinator.rollout_batch_size={self.rollout_batch_size} exceeds k_max * "
+                    f"train_batch_size={self.k_max * self.train_batch_size}: the version window never lets "
+                    "more samples than K steps can train on be unconsumed, so it could never be reached"
+                )
+        if num_slices < 1:
+            raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
+
+    @property
+    def window(self) -> int:
+        promised = policy_for(self.mode).max_staleness
+        return self.k_max if promised is None else promised
+
+
+class RewardScorer(Protocol):
+    def submit(self, trajectory: Trajectory) -> "Future[tuple[float, Optional[str]]]":
+        """Scores off the critical path; resolves to (reward, error or None)."""
+
+
+@dataclasses.dataclass
+class _GroupState:
+    version: int
+    size: int
+    scored: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class CoordinatorStats:
+    dispatched: int = 0
+    finished: int = 0
+    consumed: int = 0
+    migrations_kv: int = 0
+    migrations_queued: int = 0
+    interrupts: int = 0
+    rebalances: int = 0
+    switches: int = 0
+    reward_failures: int = 0
+    trainer_wait_s: float = 0.0
+    max_versions_in_flight: int = 0
+
+
+class Coordinator:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        ports: Mapping[int, RolloutPort],
+        next_prompt: Callable[[], tuple[str, Sequence[int]]],
+        scorer: RewardScorer,
+        ledger: Ledger,
+        *,
+        forced_length: Optional[Callable[[str, int], Optional[int]]] = None,
+        initial_version: int = 0,
+    ):
+        config.validate(len(ports))
+        self.config = config
+        self.policy = policy_for(config.mode)
+        self.ports = dict(ports)
+        self._next_prompt = next_prompt
+        self._scorer = scorer
+        self.ledger = ledger
+        self._forced_length = forced_length
+        self.latest = initial_version  # newest published version
+        self.slice_version: dict[int, Optional[int]] = {sid: None for sid in self.ports}
+        self.slice_trajs: dict[int, list[str]] = {sid: [] for sid in self.ports}
+        self.requests: dict[str, Request] = {}  # in flight (dispatched, not finished)
+        self.slice_of: dict[str, int] = {}
+        self.origin: dict[str, int] = {}
+        self.backlog: list[Request] = []  # dispatched, waiting for a slice serving their version
+        self.groups: dict[str, _GroupState] = {}
+        self.queue = TransferQueue()
+        self.stats = CoordinatorStats()
+        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._cond = threading.Condition()
+        self._group_ids = itertools.count()
+        self._last_rebalance = 0.0
+        self.closed = False
+        ledger.write("run", mode=config.mode, k_max=config.window, rbs=config.rollout_batch_size,
+                     tbs=config.train_batch_size, group_size=config.group_size, slices=len(self.ports))
+
+    # ------------------------------------------------------------------ events in
+    def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None:
+        self._inbox.put(("finished", slice_id, tuple(trajectories)))
+
+    def post_published(self, version: int) -> None:
+        self._inbox.put(("published", version))
+
+    def start(self) -> None:
+        """First dispatch at the initial version."""
+        with self._cond:
+            self._supply(initial=True)
+            self._apply_switching()
+
+    def process(self, timeout: float = 0.0) -> int:
+        """Applies pending events (waiting up to `timeout` for the first) and runs the triggers."""
+        handled = 0
+        try:
+            event = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            event = None
+        with self._cond:
+            while event is not None:
+                self._handle(event)
+                handled += 1
+                try:
+                    event = self._inbox.get_nowait()
+                except queue.Empty:
+                    event = None
+            if self.policy.switch == Switch.ORCHESTRATE and time.monotonic() - self._last_rebalance > self.config.rebalance_period_s:
+                self._apply_switching()  # periodic trigger
+            self._cond.notify_all()
+        return handled
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "finished":
+            for traj in event[2]:
+                self._on_finished(event[1], traj)
+            if self.policy.switch == Switch.ORCHESTRATE and self._pressure():
+                self._apply_switching()  # pressure trigger
+            elif self.policy.switch != Switch.ORCHESTRATE:
+                self._apply_switching()  # idle slices may now switch and take the backlog
+        elif kind == "scored":
+            self._on_scored(*event[1:])
+        elif kind == "published":
+            self._on_published(event[1])
+
+    # ------------------------------------------------------------------ dispatch
+    def _unconsumed(self) -> int:
+        return sum(g.size for g in self.groups.values()) + self.queue.num_samples
+
+    def _absorb(self) -> None:
+        """Applies finished/scored events already in the inbox, without triggers. A worker posts
+        what finished before it executes the next command, so after an export returns this makes
+        the coordinator's view of that slice exact. Publishes are put back for `process`."""
+        deferred = []
+        while True:
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if event[0] == "finished":
+                for traj in event[2]:
+                    self._on_finished(event[1], traj)
+            elif event[0] == "scored":
+                self._on_scored(*event[1:])
+            else:
+                deferred.append(event)
+        for event in deferred:
+            self._inbox.put(event)
+
+    def _supply(self, *, initial: bool = False, after_publish: bool = False, after_take: bool = False) -> list[Request]:
+        cfg, supply = self.config, self.policy.supply
+        unconsumed = self._unconsumed()
+        if supply == Supply.BARRIER:  # sync: the next batch only once the last one is trained on
+            want = cfg.train_batch_size if (initial or after_publish) and unconsumed == 0 else 0
+        elif supply == Supply.ONE_AHEAD:  # one_step_off: the next batch as the trainer takes one
+            want = cfg.train_batch_size if (initial or after_take) and unconsumed == 0 else 0
+        else:  # streaming: RBS in flight, and never more unconsumed than K steps can train on
+            in_flight = len(self.requests) + len(self.backlog)
+            want = min(cfg.rollout_batch_size - in_flight, cfg.window * cfg.train_batch_size - unconsumed)
+        new = []
+        for _ in range(max(want, 0) // cfg.group_size):
+            new += self._new_group()
+        self.backlog += new
+        return new
+
+    def _new_group(self) -> list[Request]:
+        cfg = self.config
+        group_id = f"g{next(self._group_ids)}"
+        prompt_id, prompt_ids = self._next_prompt()
+        self.groups[group_id] = _GroupState(self.latest, cfg.group_size)
+        requests = []
+        for i in range(cfg.group_size):
+            traj_id = f"{group_id}/{i}"
+            sampling = dataclasses.replace(cfg.sampling, seed=zlib.crc32(f"{cfg.seed}:{traj_id}".encode()) & 0x7FFFFFFF)
+            forced = self._forced_length(prompt_id, i) if self._forced_length else None
+            requests.append(Request(traj_id, group_id, str(prompt_id), tuple(int(t) for t in prompt_ids),
+                                    self.latest, cfg.max_new_tokens, sampling, tuple(cfg.stop_ids), forced))
+        return requests
+
+    def _send(self, requests: Sequence[Request], slice_id: int) -> None:
+        for request in requests:
+            self.requests[request.traj_id] = request
+            self.slice_of[request.traj_id] = slice_id
+            self.origin.setdefault(request.traj_id, slice_id)
+            self.slice_trajs[slice_id].append(request.traj_id)
+            self.ledger.write("dispatch", traj=request.traj_id, group=request.group_id, prompt=request.prompt_id,
+                              version=request.version, slice=slice_id)
+            self.stats.dispatched += 1
+        if requests:
+            self.ports[slice_id].submit(list(requests))
+        self.stats.max_versions_in_flight = max(self.stats.max_versions_in_flight, len(self.versions_in_flight()))
+
+    def versions_in_flight(self) -> set[int]:
+        return {r.version for r in self.requests.values()} | {r.version for r in self.backlog}
+
+    # ------------------------------------------------------------------ switching policies
+    def _apply_switching(self) -> None:
+        self._last_rebalance = time.monotonic()
+        if self.policy.switch == Switch.ORCHESTRATE:
+            self._orchestrate()
+        else:
+            self._switch_idle()
+
+    def _views(self) -> list[orchestrator.SliceView]:
+        return [orchestrator.SliceView(sid, self.slice_version[sid], self.ports[sid].num_slots,
+                                       tuple(self.slice_trajs[sid])) for sid in self.ports]
+
+    def _orchestrate(self) -> None:
+        self._absorb()
+        backlog = {r.traj_id: r for r in self.backlog}
+        plan = orchestrator.plan_rebalance(self._views(), self.latest, list(backlog), self.origin)
+        self.stats.rebalances += 1
+        self._migrate(plan.migrations)
+        for sid, version in plan.switches:
+            self._load(sid, version)
+        by_slice: dict[int, list[Request]] = {}
+        for traj_id, sid in plan.placements:
+            by_slice.setdefault(sid, []).append(backlog.pop(traj_id))
+        self.backlog = list(backlog.values())
+        for sid, requests in sorted(by_slice.items()):
+            self._send(requests, sid)
+        self._migrate(plan.fills)
+
+    def _switch_idle(self) -> None:
+        """sync / one_step_off / partial_rollout: a slice loads the newest version only when empty;
+        the backlog goes to slices serving its version, least loaded first."""
+        for sid in self.ports:
+            if not self.slice_trajs[sid] and self.slice_version[sid] != self.latest and any(
+                r.version == self.latest for r in self.backlog
+            ):
+                self._load(sid, self.latest)
+        remaining = []
+        for request in self.backlog:
+            serving = [s for s in self.ports if self.slice_version[s] == request.version]
+            if not serving:
+                remaining.append(request)
+                continue
+            sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self.ports[s].num_slots, s))
+            self._send([request], sid)
+        self.backlog = remaining
+
+    def _load(self, slice_id: int, version: int) -> None:
+        if self.slice_trajs[slice_id]:
+            raise RuntimeError(f"slice {slice_id} still holds {self.slice_trajs[slice_id][:3]}; cannot switch")
+        self.ports[slice_id].load_version(version)
+        self.slice_version[slice_id] = version
+        self.stats.switches += 1
+        self.ledger.write("load_version", slice=slice_id, version=version)
+
+    def _migrate(self, migrations: Sequence[orchestrator.Migration]) -> None:
+        by_route: dict[tuple[int, int], list[str]] = {}
+        for m in migrations:
+            by_route.setdefault((m.src, m.dst), []).append(m.traj_id)
+        for (src, dst), traj_ids in by_route.items():
+            items = self.ports[src].export(traj_ids)
+            self._absorb()  # ids missing from `items` finished before the export
+            for item in items:
+                traj_id = item.request.traj_id if isinstance(item, SlotState) else item.traj_id
+                version = item.request.version if isinstance(item, SlotState) else item.version
+                if self.slice_version[dst] != version:
+                    raise RuntimeError(f"{traj_id} (v{version}) routed to slice {dst} serving v{self.slice_version[dst]}")
+                self.slice_trajs[src].remove(traj_id)
+                self.slice_trajs[dst].append(traj_id)
+                self.slice_of[traj_id] = dst
+                kv = isinstance(item, SlotState)
+                self.stats.migrations_kv += kv
+                self.stats.migrations_queued += not kv
+                self.ledger.write("migrate", traj=traj_id, **{"from": src, "to": dst}, version=version, kv=kv)
+            if items:
+                self.ports[dst].import_(items)
+
+    def _pressure(self) -> bool:
+        """A slice has queued work while a same-version slice has free slots, or an old-version
+        slice sits empty while newer work waits."""
+        for sid, trajs in self.slice_trajs.items():
+            v = self.slice_version[sid]
+            if len(trajs) > self.ports[sid].num_slots and any(
+                self.slice_version[o] == v and len(self.slice_trajs[o]) < self.ports[o].num_slots for o in self.ports if o != sid
+            ):
+                return True
+            if not trajs and v != self.latest:
+                return True
+        return bool(self.backlog)
+
+    # ------------------------------------------------------------------ partial rollout
+    def _interrupt_all(self) -> None:
+        """At a publish, every in-flight request continues on the new version after re-prefill."""
+        for sid in self.ports:
+            items = self.ports[sid].export(list(self.slice_trajs[sid]))
+            self._absorb()
+            for item in items:
+                self.slice_trajs[sid].remove(item.request.traj_id if isinstance(item, SlotState) else item.traj_id)
+            requests = [_as_request(item) for item in items]
+            if self.slice_version[sid] != self.latest:
+                self._load(sid, self.latest)
+            for request in requests:
+                self.stats.interrupts += 1
+                self.ledger.write("interrupt", traj=request.traj_id, version=request.version, to_version=self.latest,
+                                  tokens=len(request.prefix_response_ids), slice=sid)
+                self.slice_trajs[sid].append(request.traj_id)
+            if requests:
+                self.ports[sid].import_(requests)
+
+    # ------------------------------------------------------------------ results
+    def _on_finished(self, slice_id: int, traj: Trajectory) -> None:
+        if traj.traj_id not in self.requests:
+            raise RuntimeError(f"slice {slice_id} finished unknown trajectory {traj.traj_id}")
+        self.requests.pop(traj.traj_id)
+        sid = self.slice_of.pop(traj.traj_id)
+        self.slice_trajs[sid].remove(traj.traj_id)
+        self.stats.finished += 1
+        self.ledger.write("finish", traj=traj.traj_id, version=traj.version, versions_seen=list(traj.versions_seen),
+                          tokens=traj.num_tokens, reason=traj.finish_reason.value, slice=slice_id,
+                          **({"error": traj.error} if traj.error else {}))
+        if traj.finish_reason == FinishReason.REJECTED:
+            self._inbox.put(("scored", traj, 0.0, f"rejected: {traj.error}"))
+            return
+        future = self._scorer.submit(traj)
+        future.add_done_callback(lambda f, t=traj: self._inbox.put(("scored", t, *_result(f))))
+
+    def _on_scored(self, traj: Trajectory, reward: float, error: Optional[str]) -> None:
+        group = self.groups[traj.group_id]
+        group.scored[traj.traj_id] = ScoredTrajectory(traj, float(reward), error)
+        if error:
+            self.stats.reward_failures += 1
+            self.ledger.write("reward_error", traj=traj.traj_id, error=error)
+        if len(group.scored) == group.size:
+            del self.groups[traj.group_id]
+            samples = tuple(group.scored[k] for k in sorted(group.scored, key=lambda k: int(k.rsplit("/", 1)[1])))
+            self.queue.put(Group(traj.group_id, group.version, samples))
+
+    def _on_published(self, version: int) -> None:
+        if version <= self.latest:
+            raise ValueError(f"published version {version} is not newer than {self.latest}")
+        self.latest = version
+        self.ledger.write("publish", version=version, step=version)
+        if self.policy.switch == Switch.INTERRUPT:
+            self._interrupt_all()
+        self._supply(after_publish=True)
+        self._apply_switching()
+
+    # ------------------------------------------------------------------ trainer side
+    def try_take_batch(self, trainer_version: int) -> Optional[list[Group]]:
+        """TBS samples, oldest version first, if the version window lets the trainer advance from
+        `trainer_version` to `trainer_version + 1`; None otherwise. Caller holds no lock."""
+        with self._cond:
+            need = self.config.train_batch_size // self.config.group_size
+            if len(self.queue) < need:
+                return None
+            floor = trainer_version + 1 - self.config.window
+            rest = list(self.queue.versions())[need:]
+            rest += [g.version for g in self.groups.values()] + [r.version for r in self.backlog]
+            if any(v < floor for v in rest):
+                return None  # an older trajectory is still unconsumed: wait for it (never drop it)
+            batch = self.queue.take_oldest(need)
+            for group in batch:
+                for sample in group.samples:
+                    self.ledger.write("consume", traj=sample.trajectory.traj_id, step=trainer_version,
+                                      trainer_version=trainer_version)
+                    self.stats.consumed += 1
+            self._supply(after_take=True)
+            self._apply_switching()
+            return batch
+
+    def take_batch(self, trainer_version: int, timeout: float | None = None) -> Optional[list[Group]]:
+        """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s."""
+        start = time.monotonic()
+        while True:
+            batch = self.try_take_batch(trainer_version)
+            if batch is not None or self.closed:
+                self.stats.trainer_wait_s += time.monotonic() - start
+                return batch
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
+            with self._cond:
+                self._cond.wait(0.05)
+
+
+def _as_request(item) -> Request:
+    if isinstance(item, Request):
+        return item
+    r = item.request
+    return dataclasses.replace(
+        r,
+        prefix_response_ids=tuple(item.response_ids),
+        prefix_logprobs=tuple(item.logprobs),
+        prefix_versions=tuple(item.token_versions),
+    )
+
+
+def _result(future: Future) -> tuple[float, Optional[str]]:
+    try:
+        reward, error = future.result()
+    except Exception as err:  # the scorer itself failed: mask the sample, keep the run
+        return 0.0, f"scorer error: {type(err).__name__}: {err}"
+    return reward, error

@@ -1,0 +1,162 @@
+"""DORA's load-balancing orchestrator (PAPER.md, "Algorithm 1") as a pure planning function.
+
+Given where every in-flight request sits and which version each slice serves, `plan_rebalance`
+returns what to do; the coordinator carries it out through the ports. One cycle:
+  1. supplement: new requests (already made by the caller) belong to the newest version only;
+  2. repartition: DP_w = round(N * R_w / sum_w R_w) slices per live version (largest remainder,
+     at least one slice for every version that still has requests, C1 first);
+  3. migrate: old-version slices beyond their share are emptied by moving their requests, with
+     their KV slot state, onto slices that keep serving that version (the request's original
+     slice first); a slice that cannot be emptied within free capacity stays where it is; emptied
+     slices and idle old-version slices switch to the newest version;
+  4. fill: queued (not yet admitted) requests move from over-full slices to same-version slices
+     with free slots; new requests go to the newest version's least-loaded slices.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Mapping, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceView:
+    slice_id: int
+    version: int | None  # None: nothing loaded yet
+    num_slots: int
+    trajs: tuple[str, ...]  # requests on the slice (admitted or queued), oldest first
+
+    @property
+    def free(self) -> int:
+        return self.num_slots - len(self.trajs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    traj_id: str
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    migrations: tuple[Migration, ...] = ()
+    switches: tuple[tuple[int, int], ...] = ()  # (slice_id, new version), after migrations
+    placements: tuple[tuple[str, int], ...] = ()  # (new traj id, slice id), after switches
+    fills: tuple[Migration, ...] = ()  # queued requests to same-version free slots, last
+    targets: Mapping[int, int] = dataclasses.field(default_factory=dict)  # version -> DP_w
+
+
+def target_partition(loads: Mapping[int, int], num_slices: int, newest: int) -> dict[int, int]:
+    """DP_w by largest remainder; every version with load keeps >= 1 slice; idle versions get 0."""
+    live = {v: r for v, r in loads.items() if r > 0}
+    if not live:
+        return {newest: num_slices}
+    total = sum(live.values())
+    exact = {v: num_slices * r / total for v, r in live.items()}
+    counts = {v: max(1, int(e)) for v, e in exact.items()}
+    order = sorted(live, key=lambda v: (exact[v] - int(exact[v]), v), reverse=True)
+    spare = num_slices - sum(counts.values())
+    for v in order:
+        if spare <= 0:
+            break
+        counts[v] += 1
+        spare -= 1
+    while spare < 0:  # more live versions than slices can hold at one each: newest gives way last
+        donor = max((v for v in counts if counts[v] > 1), key=lambda v: counts[v], default=None)
+        if donor is None:
+            break
+        counts[donor] -= 1
+        spare += 1
+    return counts
+
+
+def plan_rebalance(
+    slices: Sequence[SliceView],
+    newest: int,
+    new_trajs: Sequence[str] = (),
+    origin: Mapping[str, int] | None = None,
+) -> Plan:
+    origin = origin or {}
+    trajs = {s.slice_id: list(s.trajs) for s in slices}
+    version = {s.slice_id: s.version for s in slices}
+    slots = {s.slice_id: s.num_slots for s in slices}
+    loads = collections.Counter()
+    for s in slices:
+        if s.version is not None:
+            loads[s.version] += len(s.trajs)
+    loads[newest] += len(new_trajs)
+    targets = target_partition(loads, len(slices), newest)
+
+    migrations, switches = [], []
+    for v in sorted(v for v in set(version.values()) if v is not None and v != newest):
+        members = [sid for sid in version if version[sid] == v]
+        excess = len(members) - targets.get(v, 0)
+        for sid in sorted(members, key=lambda s: len(trajs[s]))[: max(excess, 0)]:
+            keepers = [k for k in members if k != sid and version[k] == v]
+            moves = _empty_slice(sid, trajs, keepers, slots, origin)
+            if moves is None:
+                continue  # cannot empty it within free capacity: C1 first, it stays
+            migrations += moves
+            version[sid] = newest
+            switches.append((sid, newest))
+    for sid in version:  # unloaded slices, and empty old-version slices nobody queues for
+        v = version[sid]
+        if v is None or (v != newest and not trajs[sid] and not _has_queue(v, version, trajs, slots)):
+            version[sid] = newest
+            switches.append((sid, newest))
+
+    placements = _place(new_trajs, [sid for sid in version if version[sid] == newest], trajs, slots)
+    fills = _fill(version, trajs, slots)
+    return Plan(tuple(migrations), tuple(switches), tuple(placements), tuple(fills), targets)
+
+
+def _empty_slice(sid, trajs, keepers, slots, origin) -> list[Migration] | None:
+    free = {k: slots[k] - len(trajs[k]) for k in keepers}
+    if sum(max(f, 0) for f in free.values()) < len(trajs[sid]):
+        return None
+    moves = []
+    for traj in list(trajs[sid]):
+        home = origin.get(traj)
+        dst = home if home in free and free[home] > 0 else max(free, key=lambda k: (free[k], -k))
+        free[dst] -= 1
+        moves.append(Migration(traj, sid, dst))
+    for move in moves:
+        trajs[move.dst].append(move.traj_id)
+    trajs[sid] = []
+    return moves
+
+
+def _place(new_trajs, targets, trajs, slots) -> list[tuple[str, int]]:
+    placements = []
+    if not targets:
+        return placements
+    for traj in new_trajs:
+        dst = max(targets, key=lambda k: (slots[k] - len(trajs[k]), -k))
+        trajs[dst].append(traj)
+        placements.append((traj, dst))
+    return placements
+
+
+def _has_queue(v, version, trajs, slots) -> bool:
+    return any(version[k] == v and len(trajs[k]) > slots[k] for k in version)
+
+
+def _fill(version, trajs, slots) -> list[Migration]:
+    """Moves the most recently placed (so most likely still queued) requests of over-full slices
+    to slices of the same version with free slots."""
+    moves = []
+    for v in set(version.values()):
+        members = [sid for sid in version if version[sid] == v]
+        under = {s: slots[s] - len(trajs[s]) for s in members if len(trajs[s]) < slots[s]}
+        for src in members:
+            while len(trajs[src]) > slots[src] and under:
+                dst = max(under, key=lambda s: (under[s], -s))
+                traj = trajs[src].pop()
+                trajs[dst].append(traj)
+                moves.append(Migration(traj, src, dst))
+                under[dst] -= 1
+                if under[dst] == 0:
+                    del under[dst]
+    return moves

@@ -1,0 +1,32 @@
+"""The transport seam between the coordinator and rollout slices.
+
+The coordinator never touches an engine: it sends commands to a `RolloutPort` (in-process: a
+worker thread's inbox; across processes: a gRPC stub) and receives finished trajectories as
+events. Commands on one port are executed in order; each call returns once the worker has done it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, Union
+
+from dora_jax.records import Request, SlotState
+
+Migratable = Union[SlotState, Request]  # an admitted request moves with its KV; a queued one as is
+
+
+class RolloutPort(Protocol):
+    slice_id: int
+    num_slots: int
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests on the slice (admitted into free slots as they open)."""
+
+    def load_version(self, version: int) -> None:
+        """Switch the slice's params to `version` (fetched from the ParamStore); no request may be on it."""
+
+    def export(self, traj_ids: Sequence[str]) -> list[Migratable]:
+        """Remove these requests from the slice: admitted ones as SlotState (KV rows included),
+        queued ones as Request. Ids that already finished are absent from the result."""
+
+    def import_(self, items: Sequence[Migratable]) -> None:
+        """Continue exported requests here: SlotStates with no prefill, Requests via the queue."""

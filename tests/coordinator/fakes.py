@@ -1,0 +1,112 @@
+"""Scripted fake rollout workers: a unit-test stand-in for RolloutWorker behind the same port.
+
+Each request decodes one token per `tick`, up to a scripted length; the per-token version is the
+version loaded at that tick, so versions_seen is observed, not copied. The real worker is tested
+in tests/rollout and end to end in tests/test_train_smoke.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+
+import numpy as np
+
+from dora_jax.records import FinishReason, Request, SlotState, Trajectory
+
+
+class FakeWorker:
+    def __init__(self, slice_id, num_slots, coordinator_ref, length_of):
+        self.slice_id, self.num_slots = slice_id, num_slots
+        self._coord = coordinator_ref  # a one-element list, filled once the coordinator exists
+        self._length_of = length_of
+        self.version = None
+        self.queued: list[Request] = []
+        self.active: dict[str, dict] = {}
+        self.prefills = 0
+        self.imports_kv = 0
+        self.idle_slot_ticks = 0
+        self.slot_ticks = 0
+
+    # -- port
+    def submit(self, requests):
+        self.queued += list(requests)
+
+    def load_version(self, version):
+        if self.active or self.queued:
+            raise RuntimeError(f"fake slice {self.slice_id}: load_version with requests on it")
+        self.version = version
+
+    def export(self, traj_ids):
+        out = []
+        for traj_id in traj_ids:
+            if traj_id in self.active:
+                st = self.active.pop(traj_id)
+                out.append(SlotState(st["req"], np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), 0, 0,
+                                     tuple(st["tokens"]), tuple(st["logps"]), tuple(st["versions"]), np.zeros(2, np.uint32), self.version))
+            else:
+                for r in list(self.queued):
+                    if r.traj_id == traj_id:
+                        self.queued.remove(r)
+                        out.append(r)
+        return out
+
+    def import_(self, items):
+        for item in items:
+            if isinstance(item, SlotState):
+                self.active[item.request.traj_id] = dict(req=item.request, tokens=list(item.response_ids),
+                                                         logps=list(item.logprobs), versions=list(item.token_versions))
+                self.imports_kv += 1
+            else:
+                self.queued.append(item)
+
+    # -- the scripted decode loop
+    def tick(self):
+        while self.queued and len(self.active) < self.num_slots:
+            r = self.queued.pop(0)
+            self.prefills += 1
+            self.active[r.traj_id] = dict(req=r, tokens=list(r.prefix_response_ids), logps=list(r.prefix_logprobs),
+                                          versions=list(r.prefix_versions))
+        self.slot_ticks += self.num_slots
+        self.idle_slot_ticks += self.num_slots - len(self.active)
+        done = []
+        for traj_id, st in list(self.active.items()):
+            st["tokens"].append(1)
+            st["logps"].append(-0.5)
+            st["versions"].append(self.version)
+            r = st["req"]
+            target = r.forced_length or self._length_of(traj_id)
+            if len(st["tokens"]) >= min(target, r.max_new_tokens):
+                del self.active[traj_id]
+                done.append(Trajectory(traj_id, r.group_id, r.prompt_id, r.prompt_ids, tuple(st["tokens"]),
+                                       tuple(st["logps"]), r.version, tuple(sorted(set(st["versions"]))),
+                                       FinishReason.LENGTH, self.slice_id))
+        if done:
+            self._coord[0].post_finished(self.slice_id, done)
+
+
+class InstantScorer:
+    """Scores synchronously; `fail_every` masks some samples with an error, as a bad reward would."""
+
+    def __init__(self, fail_every: int = 0):
+        self.fail_every = fail_every
+        self.count = 0
+
+    def submit(self, trajectory):
+        self.count += 1
+        future = Future()
+        if self.fail_every and self.count % self.fail_every == 0:
+            future.set_result((0.0, "reward timeout"))
+        else:
+            future.set_result((float(len(trajectory.response_ids) % 2), None))
+        return future
+
+
+def prompts():
+    counter = iter(range(10**9))
+
+    def next_prompt():
+        i = next(counter)
+        return f"p{i}", (1, 2, 3)
+
+    return next_prompt
