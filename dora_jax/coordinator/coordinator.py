@@ -245,6 +245,8 @@ class Coordinator:
 
     def _send(self, requests: Sequence[Request], slice_id: int) -> None:
         for request in requests:
+            if request.version != self.slice_version[slice_id]:
+                raise RuntimeError(f"{request.traj_id} (v{request.version}) sent to slice {slice_id} serving v{self.slice_version[slice_id]}")
             self.requests[request.traj_id] = request
             self.slice_of[request.traj_id] = slice_id
             self.origin.setdefault(request.traj_id, slice_id)
@@ -400,6 +402,11 @@ class Coordinator:
             raise ValueError(f"published version {version} is not newer than {self.latest}")
         self.latest = version
         self.ledger.write("publish", version=version, step=version)
+        # Backlog requests were never sent (no dispatch line yet) and hold whole groups: they are
+        # re-tagged to the newest version, which is where new work belongs.
+        self.backlog = [dataclasses.replace(r, version=version) for r in self.backlog]
+        for request in self.backlog:
+            self.groups[request.group_id].version = version
         if self.policy.switch == Switch.INTERRUPT:
             self._interrupt_all()
         self._supply(after_publish=True)
@@ -413,11 +420,10 @@ class Coordinator:
             need = self.config.train_batch_size // self.config.group_size
             if len(self.queue) < need:
                 return None
-            floor = trainer_version + 1 - self.config.window
-            rest = list(self.queue.versions())[need:]
-            rest += [g.version for g in self.groups.values()] + [r.version for r in self.backlog]
-            if any(v < floor for v in rest):
-                return None  # an older trajectory is still unconsumed: wait for it (never drop it)
+            rest = [v for v in list(self.queue.versions())[need:] for _ in range(self.config.group_size)]
+            rest += [g.version for g in self.groups.values() for _ in range(g.size)]
+            if not window_allows(rest, trainer_version, self.config.window, self.config.train_batch_size):
+                return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
             for group in batch:
                 for sample in group.samples:
@@ -440,6 +446,22 @@ class Coordinator:
                 raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
             with self._cond:
                 self._cond.wait(0.05)
+
+
+def window_allows(rest_versions: Sequence[int], trainer_version: int, k_max: int, train_batch_size: int) -> bool:
+    """Whether the trainer may advance from t to t+1, leaving `rest_versions` unconsumed.
+
+    The window itself: nothing left below t+1-K. And, looking ahead, every later step can still
+    keep it: after m more steps (m * TBS samples, oldest first) nothing may remain below
+    t+1+m-K, so at most m * TBS of what is left may be older than that. Without the look-ahead
+    the trainer could take newer samples while old ones are still decoding, and be stuck later
+    with more old samples than one step can consume.
+    """
+    for m in range(k_max + 1):
+        floor = trainer_version + 1 + m - k_max
+        if sum(v < floor for v in rest_versions) > m * train_batch_size:
+            return False
+    return True
 
 
 def _as_request(item) -> Request:

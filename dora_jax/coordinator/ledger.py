@@ -46,20 +46,29 @@ class Ledger:
                 self._file = None
 
 
-def read_ledger(path: str) -> Iterator[dict]:
-    """Yields the complete events of a ledger file; a torn (unparseable) last line is skipped."""
+def read_ledger(path: str, torn: list | None = None) -> Iterator[dict]:
+    """Yields the complete events of a ledger file.
+
+    A line that does not parse is a write torn by a crash (the last line, or the last line before
+    a `resume`); it is skipped and, when `torn` is given, its line number appended to it.
+    """
     with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    complete, tail = lines[:-1], lines[-1]
-    for number, line in enumerate(complete, start=1):
-        if not line.strip():
-            continue
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON event ({err.msg}); the ledger is corrupt") from None
-    if tail.strip():  # no trailing newline: the writer died mid-line; ignore it
-        try:
-            yield json.loads(tail)
-        except json.JSONDecodeError:
-            return
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                if torn is not None:
+                    torn.append(number)
+
+
+def repair_torn_tail(path: str) -> int:
+    """Truncates a torn last line (no trailing newline) so appends start on a fresh line; returns
+    the number of complete lines kept."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep != len(data):
+            f.truncate(keep)
+        return data[:keep].count(b"\n")
