@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import importlib
 import itertools
@@ -31,6 +32,7 @@ import math
 import numbers
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -182,21 +184,27 @@ class RewardPool:
 
     def _run(self) -> None:
         try:
-            while not self._closing:
-                self._start_workers()
-                self._assign()
-                now = time.monotonic()
-                deadlines = [w.deadline for w in self._workers if w.task is not None or not w.ready]
-                timeout = max(0.0, min(deadlines) - now) if deadlines else None
-                ready = wait([self._wake_r, *(w.outbox for w in self._workers)], timeout)
-                for item in ready:
-                    if item == self._wake_r:
-                        self._drain_wake()
-                    else:
-                        self._receive(next(w for w in self._workers if w.outbox is item))
-                self._expire(time.monotonic())
+            self._loop()
+        except BaseException as err:  # a bug here: make it visible to submit() as well
+            with self._lock:
+                self._broken = f"dispatcher thread failed: {type(err).__name__}: {err}"
+            raise
         finally:
             self._shutdown()
+
+    def _loop(self) -> None:
+        while not self._closing:
+            self._start_workers()
+            self._assign()
+            deadlines = [w.deadline for w in self._workers if w.task is not None or not w.ready]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            ready = wait([self._wake_r, *(w.outbox for w in self._workers)], timeout)
+            for item in ready:
+                if item == self._wake_r:
+                    self._drain_wake()
+                else:
+                    self._receive(next(w for w in self._workers if w.outbox is item))
+            self._expire(time.monotonic())
 
     def _drain_wake(self) -> None:
         try:
@@ -214,6 +222,7 @@ class RewardPool:
         result_r, result_w = os.pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        env["DORA_REWARD_PARENT_PID"] = str(os.getpid())
         process = subprocess.Popen(
             [sys.executable, "-m", "dora_jax.tasks.reward_pool", str(task_r), str(result_w)],
             pass_fds=(task_r, result_w), env=env, stdin=subprocess.DEVNULL,
@@ -357,8 +366,22 @@ class InlineRewardPool:
         pass
 
 
+def _tie_to_parent(parent_pid: int) -> None:
+    """Ctrl-C goes to the parent (which closes the pool); on Linux, the worker is SIGKILLed when
+    its parent dies, so a worker hung in C code cannot outlive the run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
 def _worker_main(task_fd: int, result_fd: int) -> int:
     """A worker: load the function, then score one sample at a time until EOF or None."""
+    _tie_to_parent(int(os.environ.get("DORA_REWARD_PARENT_PID", os.getppid())))
     inbox, outbox = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
     try:
         fn, preload = pickle.loads(inbox.recv_bytes())
