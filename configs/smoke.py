@@ -1,0 +1,92 @@
+"""Smoke run: DORA on the running-sums task with a tiny char-level model, on a laptop CPU.
+
+    python -m dora_jax.train --config=configs/smoke.py --workdir=/tmp/dora_smoke
+    python -m dora_jax.train --config=configs/smoke.py --workdir=/tmp/dora_sync --config.mode=sync
+    python -m dora_jax.audit /tmp/dora_smoke
+
+On CPU the local devices are 8 fake ones (`mesh.fake_cpu_devices`): a trainer slice of 2 and
+4 rollout slices of 1. Without `init.checkpoint` the run first trains the model briefly on
+correct demonstrations (cached in WORKDIR/sft) so that RL starts from a model that sometimes
+answers right.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    del arg
+    c = ml_collections.ConfigDict()
+    c.mode = "dora"  # sync | one_step_off | partial_rollout | dora
+    c.num_steps = 30  # training steps (= versions published)
+    c.seed = 0  # model init, prompt order, sampling seeds
+
+    c.model = ml_collections.ConfigDict()
+    c.model.hf_path = ""  # a HF checkpoint directory; "" = a fresh tiny model from the fields below
+    c.model.num_layers = 2  # decoder blocks
+    c.model.hidden_size = 128  # embed width
+    c.model.intermediate_size = 256  # SwiGLU width
+    c.model.num_heads = 4  # query heads
+    c.model.num_kv_heads = 2  # key/value heads (GQA)
+    c.model.head_dim = 32  # per-head width
+    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+    c.model.param_dtype = "float32"  # storage dtype of params
+
+    c.init = ml_collections.ConfigDict()
+    c.init.checkpoint = ""  # a HF checkpoint dir to start RL from; "" = SFT cold start in WORKDIR/sft
+    c.init.sft_steps = 300  # SFT updates for the cold start
+    c.init.sft_batch_size = 32  # demonstrations per SFT update
+    c.init.sft_lr = 3e-3  # SFT learning rate
+
+    c.task = ml_collections.ConfigDict()
+    c.task.kind = "running_sums"  # running_sums | gsm8k | math
+    c.task.median_k = 3.0  # running_sums: median number of terms
+    c.task.sigma = 1.0  # running_sums: log-normal shape of the number of terms (the long tail)
+    c.task.k_max = 40  # running_sums: most terms in one prompt
+    c.task.reward_workers = 2  # reward processes
+    c.task.reward_timeout_s = 10.0  # per-sample reward timeout
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.fake_cpu_devices = 8  # on CPU only: XLA host devices to fake (0 = leave XLA_FLAGS alone)
+    c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 2})  # trainer slice mesh shape
+    c.mesh.rollout = ml_collections.ConfigDict({"tensor": 1})  # each rollout slice's mesh shape
+    c.mesh.time_shared = False  # allow slices to share devices (one Colab GPU / TPU core)
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.num_slices = 4  # rollout slices (data-parallel rollout groups)
+    c.rollout.slots = 8  # concurrent decodes per slice
+    c.rollout.cache_length = 256  # prompt + response tokens per slot
+    c.rollout.max_prefill_length = 128  # largest prefill bucket (power of two)
+    c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
+    c.rollout.top_p = 1.0  # nucleus filter (1 = off)
+    c.rollout.top_k = 0  # top-k filter (0 = off)
+    c.rollout.max_new_tokens = 120  # response cap
+    c.rollout.forced_lengths = False  # trace-driven benchmark: stop each request at a drawn length
+
+    c.coordinator = ml_collections.ConfigDict()
+    c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer
+    c.coordinator.group_size = 4  # G samples per prompt
+    c.coordinator.train_batch_size = 32  # TBS samples per training step
+    c.coordinator.rollout_batch_size = 48  # RBS samples in flight (dora / partial_rollout)
+    c.coordinator.rebalance_period_s = 0.5  # periodic orchestrator trigger
+
+    c.trainer = ml_collections.ConfigDict()
+    c.trainer.lr = 5e-4  # AdamW learning rate
+    c.trainer.warmup_steps = 0  # linear warm-up updates
+    c.trainer.clip_grad_norm = 1.0  # global-norm gradient clip
+    c.trainer.eps_low = 0.2  # PPO clip below
+    c.trainer.eps_high = 0.28  # PPO clip above (DAPO clip-higher)
+    c.trainer.dual_clip = 3.0  # dual-clip bound for negative advantages
+    c.trainer.tis_cap = 2.0  # truncated importance weight cap (0 = off)
+    c.trainer.loss_norm = "token_mean"  # token_mean | seq_mean_token_mean | constant
+    c.trainer.advantage = "grpo"  # grpo | dr_grpo | rloo
+    c.trainer.num_updates = 1  # optimizer updates per batch
+    c.trainer.micro_batch_size = 16  # rows per forward/backward
+    c.trainer.pad_to = 32  # sequence lengths are padded to a multiple of this (bounded compiles)
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 0  # 0 = no periodic checkpoints
+
+    c.log = ml_collections.ConfigDict()
+    c.log.tensorboard = True  # write TensorBoard events under WORKDIR/tb
+    c.lock()
+    return c

@@ -1,0 +1,142 @@
+"""Turns an experiment's ConfigDict into the frozen dataclasses each role takes, validated once.
+
+Every error names the config field (`coordinator.train_batch_size`, `mesh.trainer`, ...) and what
+was expected. Nothing downstream sees the ConfigDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import ml_collections
+
+from dora_jax.coordinator.coordinator import CoordinatorConfig
+from dora_jax.modes import Mode
+from dora_jax.records import SamplingParams
+from dora_jax.sharding import MESH_AXES, mesh_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    hf_path: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    param_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSpec:
+    checkpoint: str
+    sft_steps: int
+    sft_batch_size: int
+    sft_lr: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    num_slices: int
+    slots: int
+    cache_length: int
+    max_prefill_length: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    forced_lengths: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    trainer: tuple[tuple[str, int], ...]
+    rollout: tuple[tuple[str, int], ...]
+    time_shared: bool
+    fake_cpu_devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    mode: str
+    num_steps: int
+    seed: int
+    model: ModelSpec
+    init: InitSpec
+    task: ml_collections.FrozenConfigDict
+    mesh: MeshSpec
+    rollout: RolloutSpec
+    coordinator: CoordinatorConfig
+    trainer: "object"  # dora_jax.trainer.TrainerConfig (imported lazily: it pulls in JAX)
+    pad_to: int
+    checkpoint_every: int
+    tensorboard: bool
+
+
+def _mesh_shape(group: ml_collections.ConfigDict, field: str) -> tuple[tuple[str, int], ...]:
+    shape = dict(group)
+    for axis, size in shape.items():
+        if axis not in MESH_AXES:
+            raise ValueError(f"{field} has axis {axis!r}; expected axes from {MESH_AXES}")
+        if int(size) < 1:
+            raise ValueError(f"{field}.{axis}={size}; expected >= 1")
+    return tuple((axis, int(size)) for axis, size in shape.items())
+
+
+def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig:
+    """Validates and converts. `trainer_config_cls` defaults to dora_jax.trainer.TrainerConfig."""
+    if trainer_config_cls is None:
+        from dora_jax.trainer import TrainerConfig as trainer_config_cls
+    try:
+        mode = Mode(c.mode).value
+    except ValueError:
+        raise ValueError(f"mode={c.mode!r}; expected one of {[m.value for m in Mode]}") from None
+    if c.num_steps < 1:
+        raise ValueError(f"num_steps={c.num_steps}; expected >= 1")
+    r = c.rollout
+    sampling = SamplingParams(temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k))
+    rollout = RolloutSpec(int(r.num_slices), int(r.slots), int(r.cache_length), int(r.max_prefill_length),
+                          sampling, int(r.max_new_tokens), bool(r.forced_lengths))
+    if rollout.max_new_tokens >= rollout.cache_length:
+        raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} must be < rollout.cache_length={rollout.cache_length}")
+    k = c.coordinator
+    coordinator = CoordinatorConfig(
+        mode=mode, k_max=int(k.k_max), rollout_batch_size=int(k.rollout_batch_size),
+        train_batch_size=int(k.train_batch_size), group_size=int(k.group_size),
+        max_new_tokens=rollout.max_new_tokens, sampling=sampling, seed=int(c.seed),
+        rebalance_period_s=float(k.rebalance_period_s),
+    )
+    coordinator.validate(rollout.num_slices)
+    t = dict(c.trainer)
+    pad_to = int(t.pop("pad_to"))
+    if t.get("tis_cap") == 0:
+        t["tis_cap"] = None
+    trainer = trainer_config_cls(**t)
+    rows = trainer.micro_batch_size * trainer.num_updates
+    if coordinator.train_batch_size % rows:
+        raise ValueError(
+            f"coordinator.train_batch_size={coordinator.train_batch_size} must be a multiple of "
+            f"trainer.micro_batch_size * trainer.num_updates = {rows}"
+        )
+    mesh = MeshSpec(_mesh_shape(c.mesh.trainer, "mesh.trainer"), _mesh_shape(c.mesh.rollout, "mesh.rollout"),
+                    bool(c.mesh.time_shared), int(c.mesh.fake_cpu_devices))
+    m = c.model
+    model = ModelSpec(str(m.hf_path), int(m.num_layers), int(m.hidden_size), int(m.intermediate_size),
+                      int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype), str(m.param_dtype))
+    i = c.init
+    init = InitSpec(str(i.checkpoint), int(i.sft_steps), int(i.sft_batch_size), float(i.sft_lr))
+    return RunConfig(
+        mode=mode, num_steps=int(c.num_steps), seed=int(c.seed), model=model, init=init,
+        task=ml_collections.FrozenConfigDict(c.task), mesh=mesh, rollout=rollout, coordinator=coordinator,
+        trainer=trainer, pad_to=pad_to, checkpoint_every=int(c.checkpoint.every_steps),
+        tensorboard=bool(c.log.tensorboard),
+    )
+
+
+def devices_needed(config: RunConfig) -> int:
+    return mesh_size(dict(config.mesh.trainer)) + config.rollout.num_slices * mesh_size(dict(config.mesh.rollout))
+
+
+def optional(value: str) -> Optional[str]:
+    return value or None

@@ -1,0 +1,129 @@
+"""The in-process transport: a RolloutWorker on its own thread behind the `RolloutPort` seam.
+
+The thread alternates between the commands in its inbox (submit, load a version, export,
+import) and one `worker.step()`; finished trajectories go to the coordinator's inbox. Commands
+are answered through futures, so a coordinator call returns once the worker has done it, and a
+trajectory that finished before an export is already posted when the export returns. A worker
+that raises stops its thread and surfaces the error, with its slice, to the runner.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Sequence
+
+from dora_jax.records import Request, SlotState
+from dora_jax.rollout.worker import RolloutWorker
+
+
+class SliceError(RuntimeError):
+    def __init__(self, slice_id: int, error: BaseException):
+        super().__init__(f"rollout slice {slice_id} failed: {type(error).__name__}: {error}")
+        self.slice_id = slice_id
+
+
+class WorkerThread:
+    """Implements dora_jax.coordinator.ports.RolloutPort for one in-process RolloutWorker."""
+
+    def __init__(self, worker: RolloutWorker, fetch_params: Callable[[int], object], post_finished, *,
+                 command_timeout_s: float = 600.0):
+        self.worker = worker
+        self.slice_id = worker.slice_id
+        self.num_slots = worker.num_slots
+        self._fetch_params = fetch_params  # version -> params laid out for this slice
+        self._post_finished = post_finished
+        self._timeout = command_timeout_s
+        self._inbox: "queue.Queue[tuple[Callable, Future]]" = queue.Queue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.busy_s = 0.0  # wall time spent inside worker.step()
+        self.timeline: list[tuple[float, float, int | None, int]] = []  # (start, end, version, active) per step
+        self._thread = threading.Thread(target=self._loop, name=f"rollout-{self.slice_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ RolloutPort
+    def submit(self, requests: Sequence[Request]) -> None:
+        self._call(lambda: [self.worker.submit(r) for r in requests])
+
+    def load_version(self, version: int) -> None:
+        params = self._fetch_params(version)  # outside the worker thread: decoding goes on meanwhile
+        self._call(lambda: self.worker.load_version(version, params))
+
+    def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
+        def run():
+            wanted = set(traj_ids)
+            active = [t for t in self.worker.active_traj_ids if t in wanted]
+            queued = [t for t in self.worker.queued_traj_ids if t in wanted]
+            out: list[SlotState | Request] = self.worker.export_requests(active) if active else []
+            return out + (self.worker.take_queued(queued) if queued else [])
+
+        return self._call(run)
+
+    def import_(self, items: Sequence[SlotState | Request]) -> None:
+        states = [i for i in items if isinstance(i, SlotState)]
+        requests = [i for i in items if isinstance(i, Request)]
+
+        def run():
+            if states:
+                self.worker.import_requests(states)
+            for request in requests:
+                self.worker.submit(request)
+
+        self._call(run)
+
+    # ------------------------------------------------------------------ thread
+    def _call(self, fn: Callable):
+        if self.error is not None:
+            raise SliceError(self.slice_id, self.error)
+        future: Future = Future()
+        self._inbox.put((fn, future))
+        return future.result(timeout=self._timeout)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands(block=not self.worker.has_work)
+                if self.worker.has_work:
+                    start = time.perf_counter()
+                    active = self.worker.num_active
+                    finished = self.worker.step()
+                    end = time.perf_counter()
+                    self.busy_s += end - start
+                    self.timeline.append((start, end, self.worker.version, active))
+                    if finished:
+                        self._post_finished(self.slice_id, finished)
+        except BaseException as err:  # surfaced by the runner with the slice id
+            self.error = err
+            self._fail_pending(err)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.01) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as err:
+                future.set_exception(err)
+                raise
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _fail_pending(self, err: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(SliceError(self.slice_id, err))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
