@@ -140,8 +140,8 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_parquet_with_dotted_fields_and_message_prompts(tmp_path, hf_tokenizer):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     table = pa.Table.from_pylist([
         {"prompt": [{"role": "user", "content": f"what is {i} + 1 ?"}], "reward_model": {"ground_truth": str(i + 1)}}
         for i in range(6)
@@ -168,7 +168,7 @@ def test_url_paths_read_through_tensorstore(tmp_path):
 
 
 def test_hf_datasets_saved_to_disk(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # the test extra installs it
     rows = _good_rows(5)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
