@@ -1,0 +1,462 @@
+"""The rollout engine: JetStream's Engine API over our decoder, on one rollout slice's mesh.
+
+Shape letters: B decode slots, T prefill tokens (a bucket), R prefix rows, S cache rows per slot,
+L layers, K kv heads, D head_dim, V vocab.
+
+Same meanings as google/JetStream `engine_api.Engine` (jetstream itself is imported only by
+`jetstream_adapter.py`): `prefill` computes a request's KV rows and samples its first token,
+`insert` puts a prefix into a decode slot, `generate` feeds every slot's pending token and samples
+the next one. Params are passed on every call, so the caller always knows which version produced
+each token. The decode state is a pure pytree: per-slot KV cache, position, pending token, RNG key
+and sampling params; `export_slot`/`import_slot` move one slot between engines with no prefill.
+
+Compiled programs are bounded: one `generate`; one `prefill` per bucket (powers of two from
+`min_prefill_bucket` to `max_prefill_length`); one `insert` per row bucket (powers of two up to
+the cache length; imports reuse them). The decode state is donated to `insert` and `generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from dora_jax import sharding as sharding_lib
+from dora_jax.models import KV_CACHE_AXES, KVCache, ModelConfig, abstract_model, load_hf, logical_axes, split
+from dora_jax.records import Request, SamplingParams, SlotState
+from dora_jax.rollout import sampling
+
+_PREFIX_KV_AXES = ("layers", "length", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine sizes; every field is a compile-time shape."""
+
+    num_slots: int = 8  # B: concurrent decodes (JetStream's max_concurrent_decodes)
+    cache_length: int = 256  # S: prompt + response tokens one slot can hold
+    max_prefill_length: int = 128  # largest prefill bucket; a power of two
+    min_prefill_bucket: int = 16  # smallest prefill bucket; a power of two
+    default_sampling: SamplingParams = SamplingParams(temperature=0.0)  # when a call passes none
+
+    def __post_init__(self):
+        for name in ("max_prefill_length", "min_prefill_bucket"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"engine.{name}={value}; expected a power of two")
+        if self.min_prefill_bucket > self.max_prefill_length:
+            raise ValueError(f"engine.min_prefill_bucket={self.min_prefill_bucket} > max_prefill_length={self.max_prefill_length}")
+        if self.max_prefill_length > self.cache_length:
+            raise ValueError(f"engine.max_prefill_length={self.max_prefill_length} > cache_length={self.cache_length}")
+        if self.num_slots < 1:
+            raise ValueError(f"engine.num_slots={self.num_slots}; expected >= 1")
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        sizes, size = [], self.min_prefill_bucket
+        while size <= self.max_prefill_length:
+            sizes.append(size)
+            size *= 2
+        return tuple(sizes)
+
+    def rows_bucket(self, rows: int) -> int:
+        """Rows of a prefix holding `rows` valid rows: a power of two, capped at the cache length."""
+        size = self.min_prefill_bucket
+        while size < rows:
+            size *= 2
+        return min(size, self.cache_length)
+
+
+@flax.struct.dataclass
+class Prefix:
+    """One request after prefill: KV rows 0..length-1 valid, `token` pending (not yet fed)."""
+
+    k_LRKD: jax.Array
+    v_LRKD: jax.Array
+    length: jax.Array  # int32: valid rows = position where `token` will be written
+    token: jax.Array  # int32
+    logp: jax.Array  # float32: temperature-1 log-prob of `token` (0 when it was not sampled)
+    key_data: jax.Array  # uint32[2]: the slot's base sampling key
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    generated: jax.Array  # int32: tokens this engine has sampled for the request
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Every slot's state; the only thing `generate` transforms."""
+
+    cache: KVCache  # k_LBSKD / v_LBSKD
+    position_B: jax.Array  # row where each slot's pending token goes
+    token_B: jax.Array  # pending token (the last sampled one)
+    generated_B: jax.Array
+    key_data_B2: jax.Array
+    temperature_B: jax.Array
+    top_p_B: jax.Array
+    top_k_B: jax.Array
+
+
+@flax.struct.dataclass
+class ResultTokens:
+    """JetStream's ResultTokens layout (`data` = [token | valid | length] per slot) plus log-probs."""
+
+    data: jax.Array  # [B, 3] int32
+    log_prob: jax.Array  # [B, 1] temperature-1 log-prob of each token
+    sample_log_prob: jax.Array  # [B, 1] log-prob under the sampling distribution
+    tokens_idx: tuple[int, int] = flax.struct.field(pytree_node=False, default=(0, 1))
+    valid_idx: tuple[int, int] = flax.struct.field(pytree_node=False, default=(1, 2))
+    length_idx: tuple[int, int] = flax.struct.field(pytree_node=False, default=(2, 3))
+    samples_per_slot: int = flax.struct.field(pytree_node=False, default=1)
+
+    def copy_to_host_async(self) -> None:
+        for array in (self.data, self.log_prob, self.sample_log_prob):
+            if isinstance(array, jax.Array):
+                array.copy_to_host_async()
+
+    def convert_to_numpy(self) -> "ResultTokens":
+        return jax.tree.map(np.asarray, jax.device_get(self))
+
+
+def _prefill_step(graphdef, config: EngineConfig, params, tokens_T, prior, start, true_length, key_data_2,
+                  temperature, top_p, top_k, sample_first, *, sampler):
+    """Writes tokens_T at rows start.. of a fresh R-row cache (after `prior` rows) and samples."""
+    model = nnx.merge(graphdef, params)
+    T = tokens_T.shape[0]
+    rows = (0 if prior is None else prior[0].shape[1]) + T
+    cache = KVCache.zeros(model.config, batch=1, length=config.rows_bucket(rows))
+    if prior is not None:
+        cache = KVCache(*(jax.lax.dynamic_update_slice(c, p[:, None].astype(c.dtype), (0, 0, 0, 0, 0))
+                          for c, p in zip((cache.k_LBSKD, cache.v_LBSKD), prior)))
+    positions_1T = (start + jnp.arange(T, dtype=jnp.int32))[None]
+    logits_1TV, cache = model(tokens_T[None], positions_1T, cache=cache)
+    logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], true_length - 1, keepdims=True)
+    end = start + true_length
+    token_1, logp_1, sample_logp_1 = _pick(logits_1V, key_data_2[None], end[None], temperature[None],
+                                           top_p[None], top_k[None], sampler)
+    pending = jax.lax.dynamic_index_in_dim(tokens_T, true_length - 1, keepdims=False)
+    prefix = Prefix(
+        k_LRKD=cache.k_LBSKD[:, 0], v_LRKD=cache.v_LBSKD[:, 0],
+        length=jnp.where(sample_first, end, end - 1).astype(jnp.int32),
+        token=jnp.where(sample_first, token_1[0], pending).astype(jnp.int32),
+        logp=jnp.where(sample_first, logp_1[0], 0.0), key_data=key_data_2,
+        temperature=temperature, top_p=top_p, top_k=top_k,
+        generated=sample_first.astype(jnp.int32),
+    )
+    valid = sample_first.astype(jnp.int32)
+    result = ResultTokens(
+        data=jnp.stack([prefix.token, valid, prefix.generated])[None],
+        log_prob=prefix.logp[None, None], sample_log_prob=jnp.where(sample_first, sample_logp_1, 0.0)[None],
+    )
+    return prefix, result
+
+
+def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler):
+    if sampler is None:
+        return sampling.sample(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B)
+    tokens_B = jnp.asarray(sampler(logits_BV), jnp.int32).reshape(logits_BV.shape[0])
+    logp_B = sampling.log_prob_of(logits_BV, tokens_B)
+    return tokens_B, logp_B, logp_B
+
+
+def _insert_step(prefix: Prefix, state: DecodeState, slot):
+    def rows(cache_LBSKD, rows_LRKD):
+        return jax.lax.dynamic_update_slice(cache_LBSKD, rows_LRKD[:, None].astype(cache_LBSKD.dtype), (0, slot, 0, 0, 0))
+
+    def put(vector, value):
+        value = jnp.asarray(value, vector.dtype).reshape((1,) + vector.shape[1:])
+        return jax.lax.dynamic_update_slice(vector, value, (slot,) + (0,) * (vector.ndim - 1))
+
+    return DecodeState(
+        cache=KVCache(rows(state.cache.k_LBSKD, prefix.k_LRKD), rows(state.cache.v_LBSKD, prefix.v_LRKD)),
+        position_B=put(state.position_B, prefix.length), token_B=put(state.token_B, prefix.token),
+        generated_B=put(state.generated_B, prefix.generated), key_data_B2=put(state.key_data_B2, prefix.key_data),
+        temperature_B=put(state.temperature_B, prefix.temperature), top_p_B=put(state.top_p_B, prefix.top_p),
+        top_k_B=put(state.top_k_B, prefix.top_k),
+    )
+
+
+def _generate_step(graphdef, params, state: DecodeState, *, sampler):
+    model = nnx.merge(graphdef, params)
+    logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
+    next_B = state.position_B + 1
+    tokens_B, logp_B, sample_logp_B = _pick(logits_B1V[:, 0], state.key_data_B2, next_B, state.temperature_B,
+                                            state.top_p_B, state.top_k_B, sampler)
+    generated_B = state.generated_B + 1
+    # Free slots keep stepping on garbage; clamping keeps their writes inside the cache.
+    state = state.replace(cache=cache, position_B=jnp.minimum(next_B, cache.length - 1), token_B=tokens_B,
+                          generated_B=generated_B)
+    data = jnp.stack([tokens_B, jnp.ones_like(tokens_B), generated_B], axis=1)
+    return state, ResultTokens(data=data, log_prob=logp_B[:, None], sample_log_prob=sample_logp_B[:, None])
+
+
+def _read_slot(state: DecodeState, slot, *, rows: int):
+    cut = lambda c: jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(c, slot, 1, False), 0, rows, 1)
+    at = lambda v: jax.lax.dynamic_index_in_dim(v, slot, 0, False)
+    return (cut(state.cache.k_LBSKD), cut(state.cache.v_LBSKD), at(state.position_B), at(state.token_B),
+            at(state.key_data_B2))
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_cached(model_config, config, mesh, rules, graphdef, state_shardings, prefix_shardings):
+    replicated = sharding_lib.replicated(mesh)
+    result_shardings = ResultTokens(data=replicated, log_prob=replicated, sample_log_prob=replicated)
+    return (
+        jax.jit(functools.partial(_zero_state, config, model_config), out_shardings=state_shardings),
+        jax.jit(functools.partial(_prefill_step, graphdef, config), static_argnames=("sampler",),
+                out_shardings=(prefix_shardings, result_shardings)),
+        jax.jit(_insert_step, donate_argnums=(1,), out_shardings=state_shardings),
+        jax.jit(functools.partial(_generate_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,),
+                out_shardings=(state_shardings, result_shardings)),
+        jax.jit(_read_slot, static_argnames=("rows",)),
+    )
+
+
+def _programs(model_config, config, mesh, rules, engine: "RolloutEngine"):
+    return _programs_cached(model_config, config, mesh, rules, engine._graphdef, engine._state_shardings,
+                            engine._prefix_shardings)
+
+
+def _zero_state(config: EngineConfig, model_config: ModelConfig) -> DecodeState:
+    B = config.num_slots
+    return DecodeState(
+        cache=KVCache.zeros(model_config, batch=B, length=config.cache_length),
+        position_B=jnp.zeros((B,), jnp.int32), token_B=jnp.zeros((B,), jnp.int32),
+        generated_B=jnp.zeros((B,), jnp.int32), key_data_B2=jnp.zeros((B, 2), jnp.uint32),
+        temperature_B=jnp.zeros((B,), jnp.float32), top_p_B=jnp.ones((B,), jnp.float32),
+        top_k_B=jnp.zeros((B,), jnp.int32),
+    )
+
+
+class RolloutEngine:
+    """JetStream-style engine for one rollout slice: `mesh` with `rules` (tensor parallel weights,
+    KV heads over `tensor`, slots over `data`)."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, mesh: Mesh,
+                 rules: sharding_lib.Rules = sharding_lib.ROLLOUT_RULES, tokenizer: Any = None):
+        self.model_config, self.config, self._mesh, self._rules = model_config, config, mesh, rules
+        self.tokenizer = tokenizer
+        abstract = abstract_model(model_config)
+        self._graphdef, abstract_params = split(abstract)
+        self._param_shardings = sharding_lib.tree_shardings(logical_axes(abstract), abstract_params, mesh, rules)
+        self._param_structure = jax.tree.structure(abstract_params)
+        self._param_shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract_params)]
+        self._state_shardings = self._shardings_for(jax.eval_shape(lambda: _zero_state(config, model_config)))
+        self._prefix_shardings = self._prefix_sharding_tree()
+        # Engines with the same model, sizes and mesh share compiled programs (a worker per
+        # time-shared slice, a re-created engine) instead of compiling them again.
+        (self._init_jit, self._prefill_jit, self._insert_jit, self._generate_jit,
+         self._read_jit) = _programs(model_config, config, mesh, rules, self)
+
+    # ------------------------------------------------------------------ shardings
+    def _spec(self, names: Sequence[str | None], shape) -> NamedSharding:
+        return sharding_lib.logical_sharding(tuple(names), tuple(shape), self._mesh, self._rules)
+
+    def _shardings_for(self, state: DecodeState) -> DecodeState:
+        def vector(x):
+            return self._spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
+
+        cache = KVCache(*(self._spec(KV_CACHE_AXES, c.shape) for c in (state.cache.k_LBSKD, state.cache.v_LBSKD)))
+        return jax.tree.map(vector, state.replace(cache=None)).replace(cache=cache)
+
+    def _prefix_sharding_tree(self) -> Prefix:
+        cfg = self.model_config
+        kv = self._spec(_PREFIX_KV_AXES, (cfg.num_layers, self.config.min_prefill_bucket, cfg.num_kv_heads, cfg.head_dim))
+        rep = sharding_lib.replicated(self._mesh)
+        return Prefix(kv, kv, rep, rep, rep, rep, rep, rep, rep, rep)
+
+    # ------------------------------------------------------------------ JetStream Engine API
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        return None
+
+    def get_prefix_destination_sharding(self) -> Prefix:
+        """Shardings a Prefix must have to be inserted here (a pytree like Prefix)."""
+        return self._prefix_shardings
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer given at construction (HFTokenizer / CharTokenizer) or None."""
+        return self.tokenizer
+
+    def free_resource(self, slot: int) -> None:
+        """Nothing to free: the cache is dense and a slot is simply overwritten by the next insert."""
+        self._check_slot(slot)
+
+    def load_params(self, params: Any = None, *, hf_path: str | None = None) -> Any:
+        """Params placed with this slice's shardings: `params` (a pure dict like `models.split`'s)
+        moved here, or a HF checkpoint read shard-by-shard from `hf_path`."""
+        if (params is None) == (hf_path is None):
+            raise ValueError("load_params needs exactly one of params= or hf_path=")
+        if hf_path is not None:
+            model = load_hf(hf_path, self.model_config.dtype, param_dtype=self.model_config.param_dtype,
+                            mesh=self._mesh, rules=self._rules)
+            params = split(model)[1]
+        if jax.tree.structure(params) != self._param_structure:
+            raise ValueError("params tree does not match this engine's model config (different architecture?)")
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+        if shapes != self._param_shapes:
+            bad = next(i for i, (a, b) in enumerate(zip(shapes, self._param_shapes)) if a != b)
+            raise ValueError(f"params leaf {bad} has shape {shapes[bad]}, expected {self._param_shapes[bad]}")
+        return jax.device_put(params, self._param_shardings)
+
+    def init_decode_state(self) -> DecodeState:
+        """All slots empty (zeros), born with the slice's shardings."""
+        return self._init_jit()
+
+    def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens, true_length: int,
+                sampler: Callable | None = None, rng: Any = None, sampling: SamplingParams | None = None,
+                sample_first: bool = True) -> tuple[Prefix, ResultTokens]:
+        """KV rows for `padded_tokens[:true_length]` (appended after `existing_prefix` if given) and
+        the first sampled token with its log-prob.
+
+        `rng`: the request's base key (typed key or raw uint32[2]); default: from `sampling.seed`.
+        `sample_first=False` samples nothing: the last true token stays pending, so decoding resumes
+        a response whose last token was already sampled (re-dispatch with a response prefix).
+        `sampler(logits_BV) -> tokens_B` replaces per-slot sampling (one compile per sampler).
+        """
+        tokens = np.asarray(padded_tokens).reshape(-1)
+        true_length = int(true_length)
+        if not 1 <= true_length <= tokens.shape[0]:
+            raise ValueError(f"true_length={true_length}; expected 1..{tokens.shape[0]} (len(padded_tokens))")
+        if true_length > self.config.max_prefill_length:
+            raise ValueError(f"true_length={true_length} exceeds max_prefill_length={self.config.max_prefill_length}")
+        self._check_ids(tokens[:true_length], "padded_tokens")
+        sampling_params = self._check_sampling(sampling or self.config.default_sampling)
+        bucket = next(b for b in self.config.prefill_buckets if b >= true_length)
+        padded = np.zeros((bucket,), np.int32)
+        padded[:true_length] = tokens[:true_length]
+        prior, start = None, 0
+        if existing_prefix is not None:
+            prior, start = (existing_prefix.k_LRKD, existing_prefix.v_LRKD), int(existing_prefix.length)
+            if existing_prefix.k_LRKD.shape[1] + bucket > self.config.cache_length:
+                raise ValueError(f"existing_prefix ({existing_prefix.k_LRKD.shape[1]} rows) + {bucket} tokens exceed "
+                                 f"cache_length={self.config.cache_length}")
+        return self._prefill_jit(
+            params, padded, prior, np.int32(start), np.int32(true_length), self._key_data(rng, sampling_params),
+            np.float32(sampling_params.temperature), np.float32(sampling_params.top_p), np.int32(sampling_params.top_k),
+            np.bool_(sample_first), sampler=sampler)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Puts `prefix` into `slot` (its previous occupant is overwritten); donates decode_state."""
+        self._check_slot(slot)
+        if prefix.k_LRKD.shape[1] > self.config.cache_length:
+            raise ValueError(f"prefix has {prefix.k_LRKD.shape[1]} rows, more than cache_length={self.config.cache_length}")
+        return self._insert_jit(prefix, decode_state, np.int32(slot))
+
+    def generate(self, params, decode_state: DecodeState, sampler: Callable | None = None) -> tuple[DecodeState, ResultTokens]:
+        """One decode step over every slot; donates decode_state."""
+        return self._generate_jit(params, decode_state, sampler=sampler)
+
+    # ------------------------------------------------------------------ migration
+    def export_slot(self, decode_state: DecodeState, slot: int, *, request: Request, response_ids: Sequence[int],
+                    logprobs: Sequence[float], token_versions: Sequence[int], version: int) -> SlotState:
+        """The slot's device state (KV rows 0..position-1 on host, position, pending token, RNG key)
+        joined with the host-side record the caller keeps; checked against each other."""
+        self._check_slot(slot)
+        position = int(jax.device_get(decode_state.position_B[slot]))
+        rows = self.config.rows_bucket(max(position, 1))
+        k, v, position_dev, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
+        expected = len(request.prompt_ids) + len(response_ids) - 1
+        if not response_ids or int(token) != response_ids[-1] or position != expected:
+            raise ValueError(f"slot {slot} holds position {position} / token {int(token)} but the record expects "
+                             f"position {expected} / token {response_ids[-1] if response_ids else None}")
+        return SlotState(
+            request=request, k_LSKD=np.asarray(k[:, :position]), v_LSKD=np.asarray(v[:, :position]),
+            position=position, last_token=int(token), response_ids=tuple(int(t) for t in response_ids),
+            logprobs=tuple(float(x) for x in logprobs), token_versions=tuple(int(x) for x in token_versions),
+            rng_key=np.asarray(key_data, np.uint32), version=int(version))
+
+    def import_slot(self, decode_state: DecodeState, slot: int, state: SlotState) -> DecodeState:
+        """Writes an exported slot into `slot`; decoding continues with no prefill (donates decode_state)."""
+        cfg = self.model_config
+        expected = (cfg.num_layers, state.position, cfg.num_kv_heads, cfg.head_dim)
+        if state.k_LSKD.shape != expected or state.v_LSKD.shape != expected:
+            raise ValueError(f"slot state KV has shape {state.k_LSKD.shape}, expected {expected} for this model")
+        if state.position + 1 > self.config.cache_length:
+            raise ValueError(f"slot state position {state.position} does not fit cache_length={self.config.cache_length}")
+        params = self._check_sampling(state.request.sampling)
+        rows = self.config.rows_bucket(max(state.position, 1))
+        pad = ((0, 0), (0, rows - state.position), (0, 0), (0, 0))
+        prefix = Prefix(
+            k_LRKD=np.pad(state.k_LSKD, pad), v_LRKD=np.pad(state.v_LSKD, pad), length=np.int32(state.position),
+            token=np.int32(state.last_token), logp=np.float32(0.0), key_data=np.asarray(state.rng_key, np.uint32),
+            temperature=np.float32(params.temperature), top_p=np.float32(params.top_p), top_k=np.int32(params.top_k),
+            generated=np.int32(len(state.response_ids)))
+        prefix = jax.device_put(prefix, self._prefix_shardings)
+        return self.insert(prefix, decode_state, slot)
+
+    # ------------------------------------------------------------------ helpers
+    def compile_counts(self) -> dict[str, int]:
+        """Compiled programs per jitted function (for no-recompile checks)."""
+        return {name: fn._cache_size() for name, fn in (
+            ("prefill", self._prefill_jit), ("insert", self._insert_jit), ("generate", self._generate_jit),
+            ("read_slot", self._read_jit))}
+
+    def warmup(self, params) -> None:
+        """Compiles generate, every prefill bucket and every insert row bucket once."""
+        state = self.init_decode_state()
+        for bucket in self.config.prefill_buckets:
+            prefix, _ = self.prefill(params=params, padded_tokens=np.zeros((bucket,), np.int32), true_length=bucket)
+            state = self.insert(prefix, state, 0)
+        state, result = self.generate(params, state)
+        jax.block_until_ready(result)
+
+    def _key_data(self, rng, params: SamplingParams) -> np.ndarray:
+        if rng is None:
+            return sampling.base_key_data(params.seed)
+        if isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.key_data(rng)
+        rng = np.asarray(rng, np.uint32)
+        if rng.shape != (2,):
+            raise ValueError(f"rng has shape {rng.shape}; expected a threefry key or uint32[2] key data")
+        return rng
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= int(slot) < self.config.num_slots:
+            raise ValueError(f"slot={slot}; expected 0..{self.config.num_slots - 1}")
+
+    def _check_ids(self, ids: np.ndarray, field: str) -> None:
+        bad = ids[(ids < 0) | (ids >= self.model_config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"{field} holds token id {int(bad[0])} outside the vocabulary [0, {self.model_config.vocab_size})")
+
+    @staticmethod
+    def _check_sampling(params: SamplingParams) -> SamplingParams:
+        problem = check_sampling(params)
+        if problem:
+            raise ValueError(problem)
+        return params
+
+
+def check_sampling(params: SamplingParams) -> str | None:
+    """An error naming the bad field, or None."""
+    if not params.temperature >= 0:
+        return f"sampling.temperature={params.temperature}; expected >= 0 (0 = greedy)"
+    if not 0 < params.top_p <= 1:
+        return f"sampling.top_p={params.top_p}; expected 0 < top_p <= 1"
+    if params.top_k < 0:
+        return f"sampling.top_k={params.top_k}; expected >= 0 (0 = off)"
+    return None

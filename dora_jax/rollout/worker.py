@@ -1,0 +1,319 @@
+"""The per-slice continuous-batching worker: Requests in, Trajectories out, one params version at a time.
+
+A `RolloutWorker` owns one `RolloutEngine` (one rollout slice) and its decode state. It is a
+synchronous object: one thread calls it. Each `step()` admits queued requests into free slots
+(prefill + insert), runs one `generate` over all slots, and returns the trajectories that finished.
+The version of the params used by every call is recorded per token, so `versions_seen` of a
+trajectory is what actually produced it, not what it was dispatched with.
+
+Migration: `export_requests` removes in-flight requests as `SlotState`s (KV rows, position, RNG
+key, tokens, log-probs, per-token versions); `import_requests` on a worker serving the same version
+continues them with no prefill. Queued, not yet admitted requests leave with `take_queued()` as
+plain Requests. A Request with `prefix_response_ids` (re-dispatch after a failure, or partial
+rollout) is re-prefilled on prompt + prefix and continues; `as_redispatch(slot_state)` builds one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from dora_jax.records import FinishReason, Request, SlotState, Trajectory
+from dora_jax.rollout.engine import RolloutEngine, check_sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerCounters:
+    """Cumulative counts; occupancy = active slot-steps / slot-steps."""
+
+    decode_steps: int = 0
+    slot_steps: int = 0  # decode_steps x num_slots
+    idle_slot_steps: int = 0  # slot-steps spent on empty slots
+    prefills: int = 0
+    prefill_tokens: int = 0  # true (unpadded) tokens prefilled
+    generated_tokens: int = 0  # tokens sampled by prefill and generate
+    imports: int = 0
+    exports: int = 0
+    finished: int = 0
+    rejected: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        return 1.0 - self.bubble_ratio if self.slot_steps else 0.0
+
+    @property
+    def bubble_ratio(self) -> float:
+        return self.idle_slot_steps / self.slot_steps if self.slot_steps else 0.0
+
+
+@dataclasses.dataclass
+class _Active:
+    """Host-side record of one occupied slot."""
+
+    request: Request
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    dispatch_t: float
+    num_migrations: int = 0
+
+
+def as_redispatch(state: SlotState) -> Request:
+    """The Request that resumes `state` by re-prefill (prompt + tokens so far), e.g. on a worker
+    serving another version (partial rollout) or after the source slice failed."""
+    return dataclasses.replace(
+        state.request, prefix_response_ids=state.response_ids, prefix_logprobs=state.logprobs,
+        prefix_versions=state.token_versions)
+
+
+class RolloutWorker:
+    """Continuous batching over one engine; `eos_ids` default to the model config's."""
+
+    def __init__(self, engine: RolloutEngine, *, slice_id: int = 0, eos_ids: Sequence[int] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self._engine = engine
+        self.slice_id = slice_id
+        self._eos = frozenset(engine.model_config.eos_ids if eos_ids is None else eos_ids)
+        self._clock = clock
+        self._state = engine.init_decode_state()
+        self._params = None
+        self._version: int | None = None
+        self._slots: list[_Active | None] = [None] * engine.max_concurrent_decodes
+        self._queue: collections.deque[tuple[Request, float]] = collections.deque()
+        self._rejected: list[Trajectory] = []
+        self._tally: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def engine(self) -> RolloutEngine:
+        return self._engine
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_active(self) -> int:
+        return sum(record is not None for record in self._slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.num_slots - self.num_active
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_traj_ids(self) -> tuple[str, ...]:
+        return tuple(record.request.traj_id for record in self._slots if record is not None)
+
+    @property
+    def queued_traj_ids(self) -> tuple[str, ...]:
+        return tuple(request.traj_id for request, _ in self._queue)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.num_active or self._queue or self._rejected)
+
+    @property
+    def counters(self) -> WorkerCounters:
+        """A snapshot of the cumulative counts."""
+        return WorkerCounters(**self._tally)
+
+    def _count(self, **increments: int) -> None:
+        self._tally.update(increments)
+
+    # ------------------------------------------------------------------ versions
+    def load_version(self, version: int, params, *, allow_active: bool = False) -> None:
+        """Serves `version` from now on. Refused while requests are in flight unless `allow_active`
+        (partial rollout: in-flight requests continue on the new params, and say so in versions_seen)."""
+        if self.num_active and not allow_active:
+            raise RuntimeError(
+                f"worker {self.slice_id}: {self.num_active} requests are active on version {self._version}; "
+                f"finish or export them before loading version {version}, or pass allow_active=True")
+        self._params = self._engine.load_params(params)
+        self._version = int(version)
+
+    # ------------------------------------------------------------------ requests in
+    def submit(self, request: Request) -> None:
+        """Queues `request`; a bad one comes back from the next `step()` as a REJECTED trajectory."""
+        self._check_new_id(request.traj_id)
+        now = self._clock()
+        problem = self._validate(request)
+        if problem:
+            self._count(rejected=1)
+            self._rejected.append(self._trajectory(
+                _Active(request, list(request.prefix_response_ids), list(request.prefix_logprobs),
+                        list(request.prefix_versions), now), FinishReason.REJECTED, error=problem))
+            return
+        self._queue.append((request, now))
+
+    def _check_new_id(self, traj_id: str) -> None:
+        if traj_id in self.active_traj_ids or traj_id in self.queued_traj_ids:
+            raise ValueError(f"traj_id {traj_id!r} is already on worker {self.slice_id}")
+
+    def _validate(self, request: Request, *, prefill: bool = True) -> str | None:
+        """An error naming the bad field and value, or None."""
+        cfg, vocab = self._engine.config, self._engine.model_config.vocab_size
+        prefix = request.prefix_response_ids
+        limit = request.max_new_tokens if request.forced_length is None else request.forced_length
+        checks = (
+            (request.max_new_tokens < 1, f"max_new_tokens={request.max_new_tokens}; expected >= 1"),
+            (request.forced_length is not None and not 1 <= request.forced_length <= request.max_new_tokens,
+             f"forced_length={request.forced_length}; expected 1..max_new_tokens={request.max_new_tokens}"),
+            (not request.prompt_ids, "prompt_ids is empty"),
+            (prefill and len(request.prompt_ids) + len(prefix) > cfg.max_prefill_length,
+             f"prompt_ids has {len(request.prompt_ids)} tokens (+{len(prefix)} prefix_response_ids), more than "
+             f"the largest prefill bucket max_prefill_length={cfg.max_prefill_length}"),
+            (len(request.prompt_ids) + request.max_new_tokens > cfg.cache_length,
+             f"max_new_tokens={request.max_new_tokens} with {len(request.prompt_ids)} prompt tokens exceeds "
+             f"cache_length={cfg.cache_length}"),
+            (not len(prefix) == len(request.prefix_logprobs) == len(request.prefix_versions),
+             f"prefix_response_ids has {len(prefix)} tokens but prefix_logprobs {len(request.prefix_logprobs)} "
+             f"and prefix_versions {len(request.prefix_versions)}"),
+            (len(prefix) >= limit, f"prefix_response_ids has {len(prefix)} tokens; the request stops at {limit}"),
+        )
+        for failed, message in checks:
+            if failed:
+                return message
+        for field in ("prompt_ids", "prefix_response_ids"):
+            bad = [t for t in getattr(request, field) if not 0 <= t < vocab]
+            if bad:
+                return f"{field} holds token id {bad[0]} outside the vocabulary [0, {vocab})"
+        return check_sampling(request.sampling)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Trajectory]:
+        """One loop iteration: admit queued requests into free slots, one generate over all slots;
+        returns the trajectories that finished (and any rejected at submit)."""
+        finished, self._rejected = self._rejected, []
+        if (self._queue or self.num_active) and self._params is None:
+            raise RuntimeError(f"worker {self.slice_id} has no params; call load_version first")
+        finished += self._admit()
+        if self.num_active:
+            finished += self._decode()
+        return finished
+
+    def _admit(self) -> list[Trajectory]:
+        firsts = []
+        for slot, record in enumerate(self._slots):
+            if record is not None or not self._queue:
+                continue
+            request, dispatch_t = self._queue.popleft()
+            ids = np.asarray(request.prompt_ids + request.prefix_response_ids, np.int32)
+            sample_first = not request.prefix_response_ids
+            prefix, first = self._engine.prefill(params=self._params, padded_tokens=ids, true_length=len(ids),
+                                                 sampling=request.sampling, sample_first=sample_first)
+            self._state = self._engine.insert(prefix, self._state, slot)
+            self._slots[slot] = _Active(request, list(request.prefix_response_ids), list(request.prefix_logprobs),
+                                        list(request.prefix_versions), dispatch_t)
+            self._count(prefills=1, prefill_tokens=len(ids))
+            if sample_first:
+                firsts.append((slot, first))
+        done = []
+        for (slot, _), (data, log_prob) in zip(firsts, jax.device_get([(f.data, f.log_prob) for _, f in firsts])):
+            done += self._append(slot, int(data[0, 0]), float(log_prob[0, 0]))
+        return done
+
+    def _decode(self) -> list[Trajectory]:
+        active = self.num_active
+        self._state, result = self._engine.generate(self._params, self._state)
+        data, log_prob = jax.device_get((result.data, result.log_prob))
+        self._count(decode_steps=1, slot_steps=self.num_slots, idle_slot_steps=self.num_slots - active)
+        done = []
+        for slot, record in enumerate(self._slots):
+            if record is not None:
+                done += self._append(slot, int(data[slot, 0]), float(log_prob[slot, 0]))
+        return done
+
+    def _append(self, slot: int, token: int, logprob: float) -> list[Trajectory]:
+        record = self._slots[slot]
+        record.response_ids.append(token)
+        record.logprobs.append(logprob)
+        record.versions.append(self._version)
+        self._count(generated_tokens=1)
+        reason = self._finish_reason(record)
+        if reason is None:
+            return []
+        self._slots[slot] = None
+        self._engine.free_resource(slot)
+        self._count(finished=1)
+        return [self._trajectory(record, reason)]
+
+    def _finish_reason(self, record: _Active) -> FinishReason | None:
+        request, count, token = record.request, len(record.response_ids), record.response_ids[-1]
+        if request.forced_length is not None:
+            return FinishReason.FORCED if count >= request.forced_length else None
+        if token in self._eos:
+            return FinishReason.EOS
+        if token in request.stop_ids:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if count >= request.max_new_tokens else None
+
+    def _trajectory(self, record: _Active, reason: FinishReason, error: str | None = None) -> Trajectory:
+        request = record.request
+        return Trajectory(
+            traj_id=request.traj_id, group_id=request.group_id, prompt_id=request.prompt_id,
+            prompt_ids=request.prompt_ids, response_ids=tuple(record.response_ids), logprobs=tuple(record.logprobs),
+            version=request.version, versions_seen=tuple(sorted(set(record.versions))), finish_reason=reason,
+            slice_id=self.slice_id, error=error, dispatch_t=record.dispatch_t, finish_t=self._clock(),
+            num_migrations=record.num_migrations)
+
+    # ------------------------------------------------------------------ migration
+    def export_requests(self, traj_ids: Iterable[str] | None = None) -> list[SlotState]:
+        """Removes in-flight requests (all, or `traj_ids`) from this worker, with their KV cache."""
+        wanted = None if traj_ids is None else set(traj_ids)
+        if wanted is not None:
+            unknown = wanted - set(self.active_traj_ids)
+            if unknown:
+                raise ValueError(f"worker {self.slice_id} has no in-flight request {sorted(unknown)} "
+                                 f"(queued ones leave with take_queued)")
+        exported = []
+        for slot, record in enumerate(self._slots):
+            if record is None or (wanted is not None and record.request.traj_id not in wanted):
+                continue
+            exported.append(self._engine.export_slot(
+                self._state, slot, request=record.request, response_ids=record.response_ids,
+                logprobs=record.logprobs, token_versions=record.versions, version=self._version))
+            self._slots[slot] = None
+            self._engine.free_resource(slot)
+            self._count(exports=1)
+        return exported
+
+    def take_queued(self, traj_ids: Iterable[str] | None = None) -> list[Request]:
+        """Removes queued, not yet admitted requests (all, or `traj_ids`) and returns them."""
+        wanted = None if traj_ids is None else set(traj_ids)
+        taken, kept = [], collections.deque()
+        for request, dispatch_t in self._queue:
+            (taken if wanted is None or request.traj_id in wanted else kept).append((request, dispatch_t))
+        self._queue = kept
+        return [request for request, _ in taken]
+
+    def import_requests(self, states: Sequence[SlotState]) -> None:
+        """Continues exported requests here with no prefill; they must match this worker's version."""
+        if len(states) > self.num_free_slots:
+            raise ValueError(f"worker {self.slice_id} has {self.num_free_slots} free slots; cannot import {len(states)}")
+        for state in states:
+            self._check_new_id(state.request.traj_id)
+            if state.version != self._version:
+                raise ValueError(f"slot state of {state.request.traj_id!r} is version {state.version}; worker "
+                                 f"{self.slice_id} serves version {self._version} (migrate only within a version)")
+            problem = self._validate(state.request, prefill=False)
+            if problem:
+                raise ValueError(f"cannot import {state.request.traj_id!r}: {problem}")
+        for state in states:
+            slot = self._slots.index(None)
+            self._state = self._engine.import_slot(self._state, slot, state)
+            self._slots[slot] = _Active(state.request, list(state.response_ids), list(state.logprobs),
+                                        list(state.token_versions), self._clock(), num_migrations=1)
+            self._count(imports=1)

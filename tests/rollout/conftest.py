@@ -1,0 +1,42 @@
+"""Shared tiny models and engines for the rollout tests (session scope: compiles are the cost)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from dora_jax import sharding
+from dora_jax.models import ModelConfig, init_model, split
+from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+
+TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, eos_token_id=2)
+ENGINE = EngineConfig(num_slots=4, cache_length=64, max_prefill_length=32, min_prefill_bucket=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return init_model(TINY, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_model):
+    return split(tiny_model)[1]
+
+
+@pytest.fixture(scope="session")
+def slices():
+    """Two rollout slices of 2 devices each (tensor parallel), disjoint from a 1-device trainer."""
+    return sharding.split_devices({"data": 1}, {"tensor": 2}, 2, devices=jax.devices()[:5])
+
+
+@pytest.fixture(scope="session")
+def engine(slices):
+    """The engine most tests share: 4 slots on rollout slice 0."""
+    return RolloutEngine(TINY, ENGINE, slices.rollout[0])
+
+
+@pytest.fixture(scope="session")
+def engine_b(slices):
+    """The same engine shape on rollout slice 1 (other devices): the migration destination."""
+    return RolloutEngine(TINY, ENGINE, slices.rollout[1])
