@@ -224,6 +224,13 @@ def _programs(model_config, config, mesh, rules, engine: "RolloutEngine"):
                             engine._prefix_shardings)
 
 
+def _empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
+    kv = np.zeros((model_config.num_layers, rows, model_config.num_kv_heads, model_config.head_dim),
+                  jnp.dtype(model_config.dtype))
+    return Prefix(kv, kv, np.int32(0), np.int32(0), np.float32(0), np.zeros((2,), np.uint32), np.float32(0),
+                  np.float32(1), np.int32(0), np.int32(0))
+
+
 def _zero_state(config: EngineConfig, model_config: ModelConfig) -> DecodeState:
     B = config.num_slots
     return DecodeState(
@@ -415,14 +422,24 @@ class RolloutEngine:
             ("prefill", self._prefill_jit), ("insert", self._insert_jit), ("generate", self._generate_jit),
             ("read_slot", self._read_jit))}
 
-    def warmup(self, params) -> None:
-        """Compiles generate, every prefill bucket and every insert row bucket once."""
+    def warmup(self, params, *, migration: bool = True) -> None:
+        """Compiles generate and every prefill bucket; with `migration`, also the insert and slot
+        read of every row bucket (so that imports and exports compile nothing later)."""
         state = self.init_decode_state()
         for bucket in self.config.prefill_buckets:
             prefix, _ = self.prefill(params=params, padded_tokens=np.zeros((bucket,), np.int32), true_length=bucket)
             state = self.insert(prefix, state, 0)
         state, result = self.generate(params, state)
-        jax.block_until_ready(result)
+        rows = sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}) if migration else []
+        for size in rows:
+            state = self.insert(jax.device_put(_empty_prefix(self.model_config, size), self._prefix_shardings), state, 0)
+            jax.block_until_ready(self._read_jit(state, np.int32(0), rows=size))
+        jax.block_until_ready((state, result))
+
+    @property
+    def param_shardings(self) -> Any:
+        """NamedShardings of the params on this slice (a tree like `models.split(model)[1]`)."""
+        return self._param_shardings
 
     def _key_data(self, rng, params: SamplingParams) -> np.ndarray:
         if rng is None:

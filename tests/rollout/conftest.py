@@ -40,3 +40,20 @@ def engine(slices):
 def engine_b(slices):
     """The same engine shape on rollout slice 1 (other devices): the migration destination."""
     return RolloutEngine(TINY, ENGINE, slices.rollout[1])
+
+
+@pytest.fixture(scope="session")
+def warm_engine(engine, tiny_params):
+    """`engine` with every program compiled (prefill buckets, row buckets, generate)."""
+    engine.warmup(engine.load_params(tiny_params))
+    return engine
+
+
+def run_to_end(worker, max_steps: int = 500) -> dict:
+    """Steps `worker` until it has no work; {traj_id: Trajectory}."""
+    done = {}
+    for _ in range(max_steps):
+        if not worker.has_work:
+            return done
+        done.update({t.traj_id: t for t in worker.step()})
+    raise AssertionError(f"worker still busy after {max_steps} steps")

@@ -1,0 +1,86 @@
+"""Engine: log-probs vs a full forward, no recompiles after warm-up, bad calls, existing_prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from dora_jax.records import Request, SamplingParams
+from dora_jax.rollout.worker import RolloutWorker, as_redispatch
+from tests.rollout.conftest import TINY, run_to_end
+
+
+def _request(i, prompt, max_new, sampling=SamplingParams(temperature=0.0), **kw):
+    return Request(f"t{i}", "g", f"p{i}", tuple(prompt), 0, max_new, sampling, **kw)
+
+
+def test_logprobs_equal_full_forward_log_softmax(warm_engine, tiny_model, tiny_params):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    samplings = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=2),
+                 SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=3)]
+    for i, sampling in enumerate(samplings):
+        worker.submit(_request(i, [1, 5 + i, 9, 14, 3 + 2 * i][: 3 + i % 3], 14, sampling))
+    done = run_to_end(worker)
+    for i in range(len(samplings)):
+        traj = done[f"t{i}"]
+        ids = np.asarray(traj.prompt_ids + traj.response_ids)
+        logits = np.asarray(tiny_model(ids[None, :-1]))[0]  # full forward, fp32
+        logp = jax.nn.log_softmax(logits, axis=-1)[len(traj.prompt_ids) - 1:]
+        expected = np.take_along_axis(np.asarray(logp), np.asarray(traj.response_ids)[:, None], axis=-1)[:, 0]
+        np.testing.assert_allclose(traj.logprobs, expected, atol=2e-5, rtol=0)
+        assert len(traj.response_ids) == 14 and traj.finish_reason.value == "length"
+
+
+def test_no_recompiles_after_warmup(warm_engine, tiny_params):
+    counts = warm_engine.compile_counts()
+    assert counts["generate"] == 1
+    assert counts["prefill"] >= len(warm_engine.config.prefill_buckets)
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    for i, length in enumerate([1, 2, 15, 16, 17, 31, 32, 7]):  # every prefill bucket, edges included
+        prompt = [(3 * i + j) % TINY.vocab_size for j in range(length)]
+        worker.submit(_request(i, prompt, 6 + i, SamplingParams(temperature=1.0, top_p=0.8, seed=i)))
+    for _ in range(3):
+        worker.step()
+    states = worker.export_requests()
+    worker.import_requests(states[::-1])  # every exported slot comes back, in other slots
+    worker.submit(as_redispatch(dataclasses.replace(states[0], request=dataclasses.replace(states[0].request, traj_id="r"))))
+    run_to_end(worker)
+    assert warm_engine.compile_counts() == counts
+
+
+def test_bad_engine_calls_raise_value_errors(warm_engine, tiny_params):
+    params = warm_engine.load_params(tiny_params)
+    with pytest.raises(ValueError, match="max_prefill_length=32"):
+        warm_engine.prefill(params=params, padded_tokens=np.ones(40, np.int32), true_length=33)
+    with pytest.raises(ValueError, match="token id 96 outside the vocabulary"):
+        warm_engine.prefill(params=params, padded_tokens=np.array([1, 96]), true_length=2)
+    with pytest.raises(ValueError, match="true_length=0"):
+        warm_engine.prefill(params=params, padded_tokens=np.array([1, 2]), true_length=0)
+    with pytest.raises(ValueError, match="sampling.top_p=0.0"):
+        warm_engine.prefill(params=params, padded_tokens=np.array([1]), true_length=1,
+                            sampling=SamplingParams(top_p=0.0))
+    state = warm_engine.init_decode_state()
+    with pytest.raises(ValueError, match="slot=4"):
+        warm_engine.insert(None, state, 4)
+    bad = jax.tree.map(lambda x: x[..., :1], tiny_params)
+    with pytest.raises(ValueError, match="has shape"):
+        warm_engine.load_params(bad)
+
+
+def test_existing_prefix_continues_the_text(warm_engine, tiny_params):
+    params = warm_engine.load_params(tiny_params)
+    tokens = np.array([1, 7, 22, 40, 3, 11, 5, 60, 9], np.int32)
+    whole, first = warm_engine.prefill(params=params, padded_tokens=tokens, true_length=len(tokens))
+    head, _ = warm_engine.prefill(params=params, padded_tokens=tokens[:4], true_length=4)
+    joined, joined_first = warm_engine.prefill(params=params, existing_prefix=head, padded_tokens=tokens[4:],
+                                               true_length=len(tokens) - 4)
+    assert int(joined.length) == int(whole.length) == len(tokens)
+    assert int(joined_first.data[0, 0]) == int(first.data[0, 0])
+    np.testing.assert_allclose(joined_first.log_prob, first.log_prob, atol=1e-5)
+    rows = len(tokens)
+    np.testing.assert_allclose(np.asarray(joined.k_LRKD)[:, :rows], np.asarray(whole.k_LRKD)[:, :rows], atol=1e-5)

@@ -1,0 +1,143 @@
+"""Worker: versions_seen from the params used, continuous batching, rejections, re-dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from dora_jax.records import FinishReason, Request, SamplingParams
+from dora_jax.rollout.worker import RolloutWorker, as_redispatch
+from tests.rollout.conftest import run_to_end
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _request(traj_id, prompt=(1, 4, 9, 16), max_new=12, sampling=GREEDY, **kw):
+    return Request(traj_id, "g", "p", tuple(prompt), 0, max_new, sampling, **kw)
+
+
+@pytest.fixture(scope="module")
+def other_params(tiny_params):
+    return jax.tree.map(lambda x: x * 1.5, tiny_params)
+
+
+def test_versions_seen_come_from_the_params_used(warm_engine, tiny_params, other_params):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(3, tiny_params)
+    worker.submit(_request("a", max_new=10))
+    for _ in range(4):
+        worker.step()
+    with pytest.raises(RuntimeError, match="1 requests are active on version 3"):
+        worker.load_version(4, other_params)
+    worker.load_version(4, other_params, allow_active=True)  # partial-rollout style swap
+    traj = run_to_end(worker)["a"]
+    assert traj.version == 0  # as dispatched
+    assert traj.versions_seen == (3, 4)  # as generated
+    assert len(traj.response_ids) == 10
+
+
+def test_slots_are_refilled_while_the_queue_is_not_empty(warm_engine, tiny_params):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    lengths = [30, 2, 3, 2, 5, 2, 3, 2, 4, 2, 3, 2, 6, 2]  # long-tailed
+    for i, n in enumerate(lengths):
+        worker.submit(_request(f"r{i}", max_new=40, forced_length=n, sampling=SamplingParams(seed=i)))
+    done = {}
+    while worker.has_work:
+        queued_before = worker.num_queued
+        idle_before = worker.counters.idle_slot_steps
+        done.update({t.traj_id: t for t in worker.step()})
+        if queued_before:
+            assert worker.counters.idle_slot_steps == idle_before, "a slot sat idle while requests waited"
+    assert {t: len(done[t].response_ids) for t in done} == {f"r{i}": n for i, n in enumerate(lengths)}
+    assert all(t.finish_reason == FinishReason.FORCED for t in done.values())
+    counters = worker.counters
+    assert counters.prefills == len(lengths) and counters.finished == len(lengths)
+    assert counters.decode_steps == 29  # the long one (30 tokens: 1 from prefill + 29 decode steps)
+    assert counters.slot_steps == 29 * worker.num_slots
+    assert 0 < counters.bubble_ratio < 1 and counters.occupancy == pytest.approx(1 - counters.bubble_ratio)
+
+
+def test_bad_requests_are_rejected_and_the_loop_goes_on(warm_engine, tiny_params):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    bad = {
+        "long": (_request("long", prompt=range(1, 34)), "prompt_ids has 33 tokens"),
+        "cache": (_request("cache", max_new=61), "max_new_tokens=61 with 4 prompt tokens exceeds cache_length=64"),
+        "vocab": (_request("vocab", prompt=(1, 96)), "prompt_ids holds token id 96"),
+        "temp": (_request("temp", sampling=SamplingParams(temperature=-1.0)), "sampling.temperature=-1.0"),
+        "forced": (_request("forced", forced_length=13), "forced_length=13"),
+        "prefix": (_request("prefix", prefix_response_ids=(3, 4)), "prefix_response_ids has 2 tokens"),
+        "empty": (_request("empty", prompt=()), "prompt_ids is empty"),
+    }
+    worker.submit(_request("good", max_new=5))
+    for request, _ in bad.values():
+        worker.submit(request)
+    assert worker.num_queued == 1
+    done = run_to_end(worker)
+    assert done["good"].finish_reason == FinishReason.LENGTH and len(done["good"].response_ids) == 5
+    for traj_id, (_, message) in bad.items():
+        assert done[traj_id].finish_reason == FinishReason.REJECTED
+        assert message in done[traj_id].error, done[traj_id].error
+    assert worker.counters.rejected == len(bad)
+    with pytest.raises(ValueError, match="already on worker"):
+        worker.submit(_request("x"))
+        worker.submit(_request("x"))
+
+
+def test_stop_ids_eos_and_forced_length(warm_engine, tiny_params):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    worker.submit(_request("ref", max_new=16))
+    ref = run_to_end(worker)["ref"].response_ids
+    stop = ref[5]
+    eos_worker = RolloutWorker(warm_engine, eos_ids=(stop,))
+    eos_worker.load_version(0, tiny_params)
+    eos_worker.submit(_request("eos", max_new=16))
+    eos_worker.submit(_request("stop", max_new=16, stop_ids=(stop,)))
+    eos_worker.submit(_request("forced", max_new=16, forced_length=9))
+    done = run_to_end(eos_worker)
+    first = ref.index(stop)
+    assert done["eos"].response_ids == ref[: first + 1] and done["eos"].finish_reason == FinishReason.EOS
+    assert done["stop"].response_ids == ref[: first + 1] and done["stop"].finish_reason in (FinishReason.EOS,
+                                                                                             FinishReason.STOP)
+    assert done["forced"].response_ids == ref[:9] and done["forced"].finish_reason == FinishReason.FORCED
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=5)])
+def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_params, sampling):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    worker.submit(_request("a", max_new=20, sampling=sampling))
+    for _ in range(8):
+        worker.step()
+    (state,) = worker.export_requests()
+    worker.submit(as_redispatch(state))  # re-prefill on prompt + 9 tokens, on the same version
+    resumed = run_to_end(worker)["a"]
+    worker.submit(_request("b", max_new=20, sampling=sampling))
+    straight = run_to_end(worker)["b"]
+    assert resumed.response_ids == straight.response_ids
+    assert resumed.logprobs[:9] == straight.logprobs[:9]  # the prefix keeps its own log-probs
+    assert max(abs(a - b) for a, b in zip(resumed.logprobs, straight.logprobs)) < 1e-5
+    assert worker.counters.prefills == 3
+
+
+def test_prefix_tokens_keep_their_versions_and_queue_can_be_taken(warm_engine, tiny_params):
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(8, tiny_params)
+    worker.submit(_request("p", max_new=6, prefix_response_ids=(5, 6), prefix_logprobs=(-1.0, -2.0),
+                           prefix_versions=(6, 7)))
+    for i in range(6):
+        worker.submit(_request(f"q{i}"))
+    worker.step()
+    assert worker.num_active == 4 and worker.num_queued == 3
+    taken = worker.take_queued(["q5", "q4"])
+    assert [r.traj_id for r in taken] == ["q4", "q5"] and worker.queued_traj_ids == ("q3",)
+    with pytest.raises(ValueError, match="no in-flight request"):
+        worker.export_requests(["q3"])
+    traj = run_to_end(worker)["p"]
+    assert traj.response_ids[:2] == (5, 6) and traj.logprobs[:2] == (-1.0, -2.0)
+    assert traj.versions_seen == (6, 7, 8) and len(traj.response_ids) == 6
+    assert dataclasses.replace(traj).prompt_ids == (1, 4, 9, 16)
