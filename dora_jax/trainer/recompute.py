@@ -1,0 +1,92 @@
+"""Behaviour log-probs recomputed by the trainer, each sample with its own generating version.
+
+Shape letters: B samples, T positions, C chunk rows; U, M, C also name the trainer's layout of a
+batch as [updates, micro-batches, micro-batch rows] (B = U * M * C, row b at its C-order index).
+
+A batch mixes versions w_1..w_k. For each version the rows it generated are cut into chunks of C
+rows (the last one padded with a repeat of a row of the same version, whose result is dropped),
+the version's params are fetched once (from the ParamStore, in the trainer's shardings, or the
+trainer's own live params for its current version) and one jitted call per chunk runs the forward
+and scatters the log-probs into a [B, T] buffer that stays on device. Every call has the same
+shapes whatever the version mix, so nothing recompiles; the cost is B + (k - 1) * C rows of
+forward at most, instead of k * B for "whole batch per version, then select rows".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dora_jax.trainer.step import sequence_logps
+
+
+def _fill_chunk(params, out_UMCT, tokens_UMCT, src_C3, dst_C3, *, graphdef):
+    """Forward of the C rows at (u, m, c) = src_C3 and write their log-probs at dst_C3."""
+    rows_CT = tokens_UMCT[src_C3[:, 0], src_C3[:, 1], src_C3[:, 2]]
+    logps_CT, _ = sequence_logps(graphdef, params, rows_CT)
+    # Padding rows point at u = U, out of range: dropped.
+    return out_UMCT.at[dst_C3[:, 0], dst_C3[:, 1], dst_C3[:, 2]].set(logps_CT, mode="drop")
+
+
+def chunk_plan(versions_B: np.ndarray, chunk: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """[(version, src_C, dst_C)]: flat rows to read and to write for each chunk, oldest version first.
+
+    Padding entries read a row of the same version and write to row B (out of range).
+    """
+    versions_B = np.asarray(versions_B)
+    B = versions_B.shape[0]
+    plan = []
+    for version in np.unique(versions_B):
+        rows = np.flatnonzero(versions_B == version)
+        for start in range(0, rows.size, chunk):
+            part = rows[start : start + chunk]
+            pad = chunk - part.size
+            src = np.concatenate([part, np.full(pad, part[0])]).astype(np.int32)
+            dst = np.concatenate([part, np.full(pad, B)]).astype(np.int32)
+            plan.append((int(version), src, dst))
+    return plan
+
+
+def _unravel(rows_C: np.ndarray, lead: tuple[int, int, int]) -> np.ndarray:
+    """Flat rows -> [C, 3] (u, m, c) indices; row B (padding) -> u = U, out of range."""
+    pad = rows_C >= np.prod(lead)
+    index_C3 = np.stack(np.unravel_index(np.where(pad, 0, rows_C), lead), -1).astype(np.int32)
+    index_C3[pad, 0] = lead[0]
+    return index_C3
+
+
+class BehaviourLogps:
+    """Computes behaviour log-probs per version group with one compiled chunk function."""
+
+    def __init__(self, graphdef, param_shardings, rows_sharding, replicated, chunk: int,
+                 on_trace: Callable[[], None], compiler_options=None):
+        self._chunk = chunk
+        self._rows_sharding = rows_sharding  # the sharding of a [U, M, C, T] array
+        self._replicated = replicated
+
+        def traced(*args, **kwargs):
+            on_trace()
+            return _fill_chunk(*args, **kwargs)
+
+        self._fill = jax.jit(
+            functools.partial(traced, graphdef=graphdef),
+            in_shardings=(param_shardings, rows_sharding, rows_sharding, replicated, replicated),
+            out_shardings=rows_sharding,
+            donate_argnums=(1,),
+            compiler_options=compiler_options,
+        )
+
+    def __call__(self, tokens_UMCT: jax.Array, versions_B: np.ndarray, params_of: Callable[[int], Any]) -> jax.Array:
+        """logps_UMCT on device; `params_of(version)` returns that version in the trainer's shardings."""
+        lead = tokens_UMCT.shape[:3]
+        out_UMCT = jnp.zeros(tokens_UMCT.shape, jnp.float32, device=self._rows_sharding)
+        current, params = None, None
+        for version, src_C, dst_C in chunk_plan(versions_B, self._chunk):
+            if version != current:
+                current, params = version, params_of(version)
+            out_UMCT = self._fill(params, out_UMCT, tokens_UMCT, _unravel(src_C, lead), _unravel(dst_C, lead))
+        return out_UMCT

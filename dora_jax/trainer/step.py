@@ -1,0 +1,186 @@
+"""The pure train step: advantages, `num_updates` optimizer updates, micro-batch accumulation.
+
+Shape letters: B samples, T positions, U optimizer updates per batch, M micro-batches per update,
+C micro-batch rows (B = U * M * C).
+
+`train_step(state, inputs, ref_params, *, ...) -> (state, StepOutputs)` is pure; the `Trainer`
+jits it once with explicit shardings and donates the state. Each update's gradient is the sum of
+its micro-batch gradients, which equals the full mini-batch gradient because the token weights of
+`token_weights` are computed over the whole mini-batch first. An update whose loss or gradient is
+not finite is skipped (params and optimizer state kept) and counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dora_jax.trainer.advantages import group_advantages, informative_samples
+from dora_jax.trainer.loss import LossConfig, LossStats, policy_loss, token_logps, token_weights
+
+SCHEDULES = ("constant", "cosine")
+
+
+@flax.struct.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+
+
+@flax.struct.dataclass
+class StepInputs:
+    """A TrainBatch on device plus the recomputed behaviour log-probs.
+
+    Token arrays come laid out [U, M, C, T] (row b of the batch at its C-order index), sharded
+    over C, so that slicing an update or a micro-batch never moves data; per-sample arrays stay
+    flat [B] (group statistics need the whole batch) and replicated.
+    """
+
+    tokens_UMCT: jax.Array
+    loss_mask_UMCT: jax.Array
+    inference_logps_UMCT: jax.Array
+    behaviour_logps_UMCT: jax.Array
+    rewards_B: jax.Array
+    valid_B: jax.Array
+    group_ids_B: jax.Array
+
+
+@flax.struct.dataclass
+class StepOutputs:
+    loss: jax.Array  # mean over the U updates
+    grad_norm: jax.Array  # mean pre-clip global norm over the U updates
+    finite_U: jax.Array  # 1 where the update was applied
+    dropped_groups: jax.Array
+    stats: LossStats
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 0  # optimizer updates of linear warm-up from 0
+    schedule: str = "constant"  # "constant" or "cosine" after warm-up
+    decay_steps: int = 10_000  # optimizer updates from start to the end of the cosine
+    final_lr_fraction: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad_norm: float | None = 1.0
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on a warm-up + constant/cosine schedule."""
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={config.schedule!r}; expected one of {SCHEDULES}")
+    if config.schedule == "cosine":
+        if config.decay_steps <= config.warmup_steps:
+            raise ValueError(f"decay_steps={config.decay_steps} must exceed warmup_steps={config.warmup_steps}")
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, config.lr, config.warmup_steps, config.decay_steps, end_value=config.lr * config.final_lr_fraction
+        )
+    elif config.warmup_steps:
+        lr = optax.join_schedules(
+            [optax.linear_schedule(0.0, config.lr, config.warmup_steps), optax.constant_schedule(config.lr)],
+            [config.warmup_steps],
+        )
+    else:
+        lr = optax.constant_schedule(config.lr)
+    adamw = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.adam_eps, weight_decay=config.weight_decay)
+    if config.clip_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), adamw)
+
+
+def init_state(params, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(params=params, opt_state=tx.init(params))
+
+
+def sequence_logps(graphdef, params, tokens_BT):
+    """(logps_BT, entropy_BT) of a full forward of the model `nnx.merge(graphdef, params)`."""
+    logits_BTV = nnx.merge(graphdef, params)(tokens_BT)
+    return token_logps(logits_BTV, tokens_BT)
+
+
+def train_step(
+    state: TrainState,
+    inputs: StepInputs,
+    ref_params,
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    loss_config: LossConfig,
+    estimator: str,
+    dynamic_sampling: bool,
+    rows_sharding=None,
+) -> tuple[TrainState, StepOutputs]:
+    """U optimizer updates, one per leading slice of the [U, M, C, T] inputs; see the module docstring.
+
+    `rows_sharding` (optional) is the sharding of a [U, M, C] array (advantages, valid) so that
+    they are laid out like the token arrays.
+    """
+    U, M, C, _ = inputs.tokens_UMCT.shape
+    valid_B = inputs.valid_B.astype(jnp.float32)
+    dropped = jnp.zeros((), jnp.int32)
+    if dynamic_sampling:
+        keep_B, dropped = informative_samples(inputs.rewards_B, inputs.group_ids_B, valid_B)
+        valid_B = valid_B * keep_B
+    adv_UMC = group_advantages(inputs.rewards_B, inputs.group_ids_B, valid_B, estimator).reshape(U, M, C)
+    valid_UMC = valid_B.reshape(U, M, C)
+    if rows_sharding is not None:
+        adv_UMC = jax.lax.with_sharding_constraint(adv_UMC, rows_sharding)
+        valid_UMC = jax.lax.with_sharding_constraint(valid_UMC, rows_sharding)
+    rows_UMC = dict(
+        tokens=inputs.tokens_UMCT, mask=inputs.loss_mask_UMCT.astype(jnp.float32) * valid_UMC[..., None],
+        inference=inputs.inference_logps_UMCT, behaviour=inputs.behaviour_logps_UMCT, adv=adv_UMC,
+    )
+
+    def micro_loss(params, micro, weights_CT):
+        logps_CT, entropy_CT = sequence_logps(graphdef, params, micro["tokens"])
+        ref_CT = None
+        if ref_params is not None:
+            ref_CT = jax.lax.stop_gradient(sequence_logps(graphdef, ref_params, micro["tokens"])[0])
+        return policy_loss(
+            logps_CT, micro["behaviour"], micro["inference"], micro["adv"], micro["mask"], weights_CT,
+            loss_config, ref_logps_BT=ref_CT, entropy_BT=entropy_CT,
+        )
+
+    def one_update(state: TrainState, mini):
+        M_, C_, T = mini["mask"].shape
+        weights_MCT = token_weights(mini["mask"].reshape(M_ * C_, T), loss_config.loss_norm, loss_config.t_max)
+        weights_MCT = weights_MCT.reshape(M_, C_, T)
+
+        def accumulate(carry, xs):
+            grads, loss, stats = carry
+            micro, weights_CT = xs
+            (micro_loss_value, micro_stats), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
+                state.params, micro, weights_CT
+            )
+            grads = jax.tree.map(jnp.add, grads, micro_grads)
+            return (grads, loss + micro_loss_value, stats.merge(micro_stats)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        carry = (zeros, jnp.zeros((), jnp.float32), LossStats.empty())
+        (grads, loss, stats), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT))
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = TrainState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
+        return new_state, (loss, grad_norm, finite, stats)
+
+    state, (loss_U, grad_norm_U, finite_U, stats_U) = jax.lax.scan(one_update, state, rows_UMC)
+    stats = jax.tree.map(lambda x: x[0], stats_U)
+    for u in range(1, U):
+        stats = stats.merge(jax.tree.map(lambda x, u=u: x[u], stats_U))
+    outputs = StepOutputs(
+        loss=loss_U.mean(), grad_norm=grad_norm_U.mean(), finite_U=finite_U.astype(jnp.int32),
+        dropped_groups=dropped.astype(jnp.int32), stats=stats,
+    )
+    return state, outputs

@@ -1,0 +1,272 @@
+"""The Trainer: state born sharded on the trainer mesh, one jitted step, versions in and out.
+
+`Trainer.train_step(batch)` recomputes behaviour log-probs per generating version (from the
+ParamStore), runs `step.train_step` jitted with explicit shardings and a donated state, counts
+skipped (non-finite) updates and returns `StepMetrics`. `Trainer.version` is the step counter and
+the version of the current params; `publish()` stores them under that version.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.records import TrainBatch
+from dora_jax.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
+from dora_jax.store import ParamStore
+from dora_jax.trainer.advantages import ESTIMATORS
+from dora_jax.trainer.loss import LossConfig, LossStats
+from dora_jax.trainer.recompute import BehaviourLogps
+from dora_jax.trainer.step import OptimizerConfig, StepInputs, TrainState, init_state, make_optimizer, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    # Optimizer (counts are optimizer updates: num_updates per batch).
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"  # "constant" | "cosine" after warm-up
+    decay_steps: int = 10_000  # cosine: updates from start to the end of decay
+    final_lr_fraction: float = 0.1  # cosine: end lr = lr * this
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad_norm: float | None = 1.0  # global-norm clip; None disables
+    # Loss (see dora_jax.trainer.loss).
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = 3.0
+    tis_cap: float | None = None  # truncated importance weight cap C; None = off
+    loss_norm: str = "token_mean"  # "token_mean" | "seq_mean_token_mean" | "constant"
+    t_max: int = 4096  # the constant of loss_norm="constant"
+    kl_coef: float = 0.0  # k3 KL to the initial params; 0 = off (no reference kept)
+    # Advantages (see dora_jax.trainer.advantages).
+    advantage: str = "grpo"  # "grpo" | "dr_grpo" | "rloo"
+    dynamic_sampling: bool = False  # DAPO: mask groups whose rewards are all equal
+    # Batching.
+    num_updates: int = 1  # optimizer updates per batch (the batch is split into this many)
+    micro_batch_size: int = 8  # rows per forward/backward (and per recompute chunk)
+    max_nonfinite_in_a_row: int = 3  # raise after this many skipped updates in a row
+
+    def __post_init__(self):
+        self.loss_config()  # validates the loss fields
+        make_optimizer(self.optimizer_config())  # validates the schedule fields
+        if self.advantage not in ESTIMATORS:
+            raise ValueError(f"trainer.advantage={self.advantage!r}; expected one of {ESTIMATORS}")
+        for name in ("num_updates", "micro_batch_size", "max_nonfinite_in_a_row"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(self, name)}; expected >= 1")
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip, tis_cap=self.tis_cap,
+            loss_norm=self.loss_norm, t_max=self.t_max, kl_coef=self.kl_coef,
+        )
+
+    def optimizer_config(self) -> OptimizerConfig:
+        names = [f.name for f in dataclasses.fields(OptimizerConfig)]
+        return OptimizerConfig(**{name: getattr(self, name) for name in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    version: int  # the trainer's version after this step
+    loss: float
+    grad_norm: float
+    clip_frac_low: float
+    clip_frac_high: float
+    clip_frac_dual: float
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+    tis_mean: float
+    tis_max: float
+    entropy: float
+    kl: float
+    skipped_updates: int  # non-finite updates skipped in this step
+    nonfinite_in_a_row: int
+    dropped_groups: int  # DAPO dynamic sampling
+    loss_tokens: int  # response tokens of valid samples
+    tokens_per_s: float  # loss_tokens / step_time_s
+    step_time_s: float
+    staleness: dict[int, int]  # trainer version - generating version -> samples
+
+    def as_dict(self) -> dict[str, float]:
+        flat = {k: v for k, v in dataclasses.asdict(self).items() if k != "staleness"}
+        flat.update({f"staleness/{k}": v for k, v in sorted(self.staleness.items())})
+        return flat
+
+
+class Trainer:
+    """GRPO/DAPO trainer over one mesh. `params` are live buffers: the next step donates them."""
+
+    def __init__(self, graphdef, params, axes, mesh: Mesh, config: TrainerConfig = TrainerConfig(),
+                 store: ParamStore | None = None, *, rules: Rules = TRAINER_RULES, version: int = 0,
+                 compiler_options: Mapping[str, Any] | None = None):
+        """`version` is the version of `params` (0 for a fresh run, the checkpoint's on resume);
+        `compiler_options` go to every jit (XLA debug options, e.g. TPU scheduler flags)."""
+        self.config, self.mesh, self._store, self._version = config, mesh, store, int(version)
+        self._compiler_options = dict(compiler_options or {}) or None
+        self._nonfinite_in_a_row = 0
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        batch_axes = logical_to_spec(("batch",), (config.micro_batch_size,), mesh, rules)[0]
+        shards = 1 if batch_axes is None else int(np.prod([mesh.shape[a] for a in np.atleast_1d(batch_axes)]))
+        if config.micro_batch_size % shards:
+            raise ValueError(f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the {shards} batch shards of the mesh")
+        self._rows_UMC = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
+        self._rows_UMCT = NamedSharding(mesh, PartitionSpec(None, None, batch_axes, None))
+        self._replicated = replicated(mesh)
+
+        # State born sharded: abstract init -> shardings -> jitted init with those out_shardings.
+        self._tx = make_optimizer(config.optimizer_config())
+        self.param_shardings = tree_shardings(axes, params, mesh, rules)
+        init = functools.partial(init_state, tx=self._tx)
+        abstract = jax.eval_shape(init, params)
+        opt_shardings = optax.tree_map_params(
+            self._tx, lambda _, s: s, abstract.opt_state, self.param_shardings,
+            transform_non_params=lambda _: self._replicated,
+        )
+        self.state_shardings = TrainState(params=self.param_shardings, opt_state=opt_shardings)
+        placed = jax.device_put(params, self.param_shardings, may_alias=False)
+        init_jit = jax.jit(
+            init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings,
+            compiler_options=self._compiler_options,
+        )
+        self._state = init_jit(placed)
+        self._ref_params = placed if config.kl_coef > 0 else None
+
+        self._behaviour = BehaviourLogps(
+            graphdef, self.param_shardings, self._rows_UMCT, self._replicated, config.micro_batch_size,
+            on_trace=lambda: self.trace_counts.update(["recompute"]), compiler_options=self._compiler_options,
+        )
+        self._step = self._compile_step(graphdef)
+
+    def _compile_step(self, graphdef):
+        config = self.config
+        step = functools.partial(
+            train_step, graphdef=graphdef, tx=self._tx, loss_config=config.loss_config(),
+            estimator=config.advantage, dynamic_sampling=config.dynamic_sampling,
+            rows_sharding=self._rows_UMC,
+        )
+
+        def traced(state, inputs, ref_params):
+            self.trace_counts["train_step"] += 1
+            return step(state, inputs, ref_params)
+
+        rows, flat = self._rows_UMCT, self._replicated
+        inputs_shardings = StepInputs(rows, rows, rows, rows, flat, flat, flat)
+        ref_shardings = self.param_shardings if self._ref_params is not None else None
+        return jax.jit(
+            traced,
+            in_shardings=(self.state_shardings, inputs_shardings, ref_shardings),
+            out_shardings=(self.state_shardings, self._replicated),
+            donate_argnums=(0,),
+            compiler_options=self._compiler_options,
+        )
+
+    # ----------------------------------------------------------------- public
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def params(self):
+        return self._state.params
+
+    @property
+    def state(self) -> TrainState:
+        return self._state
+
+    def publish(self) -> int:
+        """Stores the current params under `version` in the ParamStore; returns the version."""
+        if self._store is None:
+            raise ValueError("Trainer.publish() needs a ParamStore; none was given")
+        self._store.publish(self._version, self._state.params)
+        return self._version
+
+    def behaviour_logps(self, batch: TrainBatch) -> np.ndarray:
+        """[B, T] log-probs of each sample under its own generating version (fetched to host)."""
+        versions_B = np.asarray(batch.versions_B, np.int64)
+        self._check_batch(batch, versions_B)
+        logps_UMCT = self._behaviour(self._rows(batch.tokens_BT, np.int32), versions_B, self._params_of)
+        return np.asarray(logps_UMCT).reshape(np.shape(batch.tokens_BT))
+
+    def train_step(self, batch: TrainBatch) -> StepMetrics:
+        versions_B = np.asarray(batch.versions_B, np.int64)
+        self._check_batch(batch, versions_B)
+        start = time.perf_counter()
+        tokens_UMCT = self._rows(batch.tokens_BT, np.int32)
+        inputs = StepInputs(
+            tokens_UMCT=tokens_UMCT,
+            loss_mask_UMCT=self._rows(batch.loss_mask_BT, np.float32),
+            inference_logps_UMCT=self._rows(batch.inference_logps_BT, np.float32),
+            behaviour_logps_UMCT=self._behaviour(tokens_UMCT, versions_B, self._params_of),
+            rewards_B=jax.device_put(np.asarray(batch.rewards_B, np.float32), self._replicated),
+            valid_B=jax.device_put(np.asarray(batch.valid_B, np.float32), self._replicated),
+            group_ids_B=jax.device_put(np.asarray(batch.group_ids_B, np.int32), self._replicated),
+        )
+        self._state, outputs = self._step(self._state, inputs, self._ref_params)
+        outputs = jax.device_get(outputs)
+        elapsed = time.perf_counter() - start
+        return self._finish(outputs, versions_B, elapsed)
+
+    # -------------------------------------------------------------- internals
+    def _rows(self, x_BT: np.ndarray, dtype) -> jax.Array:
+        """A host [B, T] array laid out [U, M, C, T] on the trainer mesh."""
+        U, C = self.config.num_updates, self.config.micro_batch_size
+        x_BT = np.asarray(x_BT, dtype)
+        return jax.device_put(x_BT.reshape(U, -1, C, x_BT.shape[-1]), self._rows_UMCT)
+
+    def _params_of(self, version: int):
+        if version == self._version:
+            return self._state.params
+        if self._store is None:
+            raise ValueError(f"batch holds version {version} but the trainer (version {self._version}) has no ParamStore")
+        return self._store.get(version, self.param_shardings)
+
+    def _check_batch(self, batch: TrainBatch, versions_B: np.ndarray) -> None:
+        B, chunk = batch.batch_size, self.config.num_updates * self.config.micro_batch_size
+        if B % chunk:
+            raise ValueError(
+                f"batch of {B} samples does not split into trainer.num_updates={self.config.num_updates} "
+                f"x trainer.micro_batch_size={self.config.micro_batch_size} x micro-batches"
+            )
+        if versions_B.size and versions_B.max() > self._version:
+            raise ValueError(f"batch holds version {versions_B.max()}, newer than the trainer's version {self._version}")
+
+    def _finish(self, outputs, versions_B: np.ndarray, elapsed: float) -> StepMetrics:
+        finite_U = np.asarray(outputs.finite_U)
+        for ok in finite_U:
+            self._nonfinite_in_a_row = 0 if ok else self._nonfinite_in_a_row + 1
+        if self._nonfinite_in_a_row >= self.config.max_nonfinite_in_a_row:
+            raise FloatingPointError(
+                f"{self._nonfinite_in_a_row} optimizer updates in a row had a non-finite loss or gradient "
+                f"(trainer.max_nonfinite_in_a_row={self.config.max_nonfinite_in_a_row}); last loss "
+                f"{float(outputs.loss)}, grad norm {float(outputs.grad_norm)}, at version {self._version}"
+            )
+        staleness = collections.Counter((self._version - versions_B).tolist())
+        self._version += 1
+        stats: LossStats = outputs.stats
+        tokens = int(stats.tokens)
+        return StepMetrics(
+            version=self._version,
+            loss=float(outputs.loss),
+            grad_norm=float(outputs.grad_norm),
+            skipped_updates=int((finite_U == 0).sum()),
+            nonfinite_in_a_row=self._nonfinite_in_a_row,
+            dropped_groups=int(outputs.dropped_groups),
+            loss_tokens=tokens,
+            tokens_per_s=tokens / max(elapsed, 1e-9),
+            step_time_s=elapsed,
+            staleness={int(k): int(v) for k, v in sorted(staleness.items())},
+            **stats.summary(),
+        )

@@ -1,0 +1,48 @@
+"""make_train_batch: alignment of tokens, loss mask and inference log-probs; buckets; masking."""
+
+import numpy as np
+import pytest
+
+from dora_jax.records import FinishReason, Group, ScoredTrajectory, Trajectory
+from dora_jax.trainer.batching import bucket_length, make_train_batch
+
+
+def traj(tid, prompt, response, version, reason=FinishReason.EOS):
+    return Trajectory(
+        traj_id=tid, group_id=tid[0], prompt_id=tid[0], prompt_ids=tuple(prompt), response_ids=tuple(response),
+        logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))), version=version,
+        versions_seen=(version,), finish_reason=reason,
+    )
+
+
+GROUPS = [
+    Group("a", 3, (ScoredTrajectory(traj("a0", [5, 6, 7], [8, 9], 3), 1.0),
+                   ScoredTrajectory(traj("a1", [5, 6, 7], [10], 3), 0.0, reward_error="timeout"))),
+    Group("b", 1, (ScoredTrajectory(traj("b0", [4], [11, 12, 13, 14], 1), 0.5),
+                   ScoredTrajectory(traj("b1", [4], [], 1, FinishReason.REJECTED), 0.0))),
+]
+
+
+def test_layout_and_masks():
+    batch = make_train_batch(GROUPS, pad_to=4, pad_id=0)
+    assert batch.tokens_BT.shape == (4, 8)  # longest row is 5 -> bucket 4 * 2
+    np.testing.assert_array_equal(batch.tokens_BT[0], [5, 6, 7, 8, 9, 0, 0, 0])
+    np.testing.assert_array_equal(batch.loss_mask_BT[0], [0, 0, 0, 1, 1, 0, 0, 0])
+    np.testing.assert_allclose(batch.inference_logps_BT[0], [0, 0, 0, -0.1, -0.2, 0, 0, 0])
+    np.testing.assert_array_equal(batch.tokens_BT[2], [4, 11, 12, 13, 14, 0, 0, 0])
+    np.testing.assert_array_equal(batch.loss_mask_BT[2], [0, 1, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(batch.valid_B, [1, 0, 1, 0])  # reward error, rejected
+    np.testing.assert_array_equal(batch.rewards_B, [1.0, 0.0, 0.5, 0.0])
+    np.testing.assert_array_equal(batch.versions_B, [3, 3, 1, 1])
+    np.testing.assert_array_equal(batch.group_ids_B, [0, 0, 1, 1])
+    assert batch.traj_ids == ("a0", "a1", "b0", "b1")
+
+
+def test_fixed_shapes_with_num_rows_and_bucket():
+    batch = make_train_batch(GROUPS, pad_to=16, pad_id=1, num_rows=8)
+    assert batch.tokens_BT.shape == (8, 16)
+    assert (batch.valid_B[4:] == 0).all() and (batch.loss_mask_BT[4:] == 0).all() and (batch.tokens_BT[4:] == 1).all()
+    assert (batch.versions_B[4:] == 3).all() and (batch.group_ids_B[4:] == 2).all()
+    assert [bucket_length(n, 16) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 128]
+    with pytest.raises(ValueError, match=r"4 samples do not fit num_rows=2"):
+        make_train_batch(GROUPS, pad_to=16, pad_id=0, num_rows=2)

@@ -1,0 +1,171 @@
+"""policy_loss / token_weights / token_logps against an independent NumPy reference."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dora_jax.trainer.loss import LOSS_NORMS, LossConfig, policy_loss, token_logps, token_weights
+
+EPS_LOW, EPS_HIGH, DUAL = 0.2, 0.28, 3.0
+# Ratios chosen to land in every branch: below 1-eps_low, inside, above 1+eps_high, above c.
+RATIOS = (0.5, 0.9, 1.0, 1.1, 1.5, 5.0)
+
+
+def reference_loss(logp, beh, inf, adv, loss_mask, valid, cfg: LossConfig, ref=None):
+    """Token by token, case by case (no max/clip formula), then the normalisation by its definition."""
+    B, T = logp.shape
+    m = loss_mask * valid[:, None]
+    per_token = np.zeros((B, T))
+    counts = dict(low=0, high=0, dual=0)
+    for b in range(B):
+        for t in range(T):
+            if m[b, t] == 0:
+                continue
+            r, A = math.exp(logp[b, t] - beh[b, t]), adv[b]
+            if A > 0:
+                loss = -A * min(r, 1 + cfg.eps_high)
+                counts["high"] += r > 1 + cfg.eps_high
+            elif A < 0:
+                bounded = max(r, 1 - cfg.eps_low)
+                counts["low"] += r < 1 - cfg.eps_low
+                if cfg.dual_clip is not None:
+                    bounded = min(bounded, cfg.dual_clip)
+                    counts["dual"] += r > cfg.dual_clip
+                loss = -A * bounded
+            else:
+                loss = 0.0
+            if cfg.tis_cap is not None:
+                loss *= min(math.exp(beh[b, t] - inf[b, t]), cfg.tis_cap)
+            if cfg.kl_coef:
+                d = ref[b, t] - logp[b, t]
+                loss += cfg.kl_coef * (math.exp(d) - d - 1)
+            per_token[b, t] = loss
+    if cfg.loss_norm == "token_mean":
+        total = per_token.sum() / m.sum()
+    elif cfg.loss_norm == "seq_mean_token_mean":
+        seqs = [per_token[b].sum() / m[b].sum() for b in range(B) if m[b].sum() > 0]
+        total = sum(seqs) / len(seqs)
+    else:
+        total = per_token.sum() / (B * cfg.t_max)
+    return total, counts
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(0)
+    B, T = 6, 12
+    logp = rng.uniform(-3, -0.1, (B, T))
+    ratio = np.asarray(RATIOS)[rng.integers(0, len(RATIOS), (B, T))]
+    beh = logp - np.log(ratio)
+    inf = beh + rng.normal(0, 0.3, (B, T))
+    ref = logp + rng.normal(0, 0.2, (B, T))
+    adv = np.array([1.0, -1.0, 0.7, -0.4, 0.0, 2.0])
+    loss_mask = np.zeros((B, T))
+    for b, (start, stop) in enumerate([(2, 12), (3, 9), (1, 12), (4, 11), (2, 6), (5, 12)]):
+        loss_mask[b, start:stop] = 1
+    valid = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # the last sample is masked out
+    # Garbage on the masked sample and off the loss mask: must not leak anywhere.
+    inf[5] = np.nan
+    beh[5, :3] = np.inf
+    inf[loss_mask == 0] = -np.inf
+    return logp, beh, inf, adv, loss_mask, valid, ref
+
+
+def run(inputs, cfg):
+    logp, beh, inf, adv, loss_mask, valid, ref = inputs
+    mask = jnp.asarray(loss_mask * valid[:, None], jnp.float32)
+    weights = token_weights(mask, cfg.loss_norm, cfg.t_max)
+
+    def loss_fn(logp_BT):
+        return policy_loss(
+            logp_BT, jnp.asarray(beh, jnp.float32), jnp.asarray(inf, jnp.float32), jnp.asarray(adv, jnp.float32),
+            mask, weights, cfg, ref_logps_BT=jnp.asarray(ref, jnp.float32),
+        )
+
+    (loss, stats), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp, jnp.float32))
+    return float(loss), jax.device_get(stats), np.asarray(grad)
+
+
+CASES = [
+    LossConfig(loss_norm=norm, tis_cap=tis, dual_clip=dual, kl_coef=kl, t_max=64)
+    for norm in LOSS_NORMS
+    for tis, dual, kl in [(None, DUAL, 0.0), (1.5, DUAL, 0.0), (None, None, 0.1), (0.8, DUAL, 0.05)]
+]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.loss_norm}-tis{c.tis_cap}-dual{c.dual_clip}-kl{c.kl_coef}")
+def test_loss_matches_reference(inputs, cfg):
+    logp, beh, inf, adv, loss_mask, valid, ref = inputs
+    want, counts = reference_loss(logp, beh, inf, adv, loss_mask, valid, cfg, ref)
+    loss, stats, grad = run(inputs, cfg)
+    np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
+    assert (int(stats.clip_low), int(stats.clip_high), int(stats.clip_dual)) == (counts["low"], counts["high"], counts["dual"])
+    assert counts["low"] > 0 and counts["high"] > 0 and (counts["dual"] > 0) == (cfg.dual_clip is not None)
+    assert int(stats.tokens) == int((loss_mask * valid[:, None]).sum())
+    assert np.isfinite(grad).all()
+    assert (grad[loss_mask * valid[:, None] == 0] == 0).all()  # masked tokens get no gradient
+
+
+def test_stats_summary_values(inputs):
+    logp, beh, inf, adv, loss_mask, valid, ref = inputs
+    cfg = LossConfig(tis_cap=1.5)
+    _, stats, _ = run(inputs, cfg)
+    on = (loss_mask * valid[:, None]) > 0
+    ratio = np.exp(logp - beh)[on]
+    tis = np.minimum(np.exp(beh - inf), 1.5)[on]
+    summary = stats.summary()
+    np.testing.assert_allclose(summary["ratio_mean"], ratio.mean(), rtol=1e-5)
+    np.testing.assert_allclose([summary["ratio_min"], summary["ratio_max"]], [ratio.min(), ratio.max()], rtol=1e-5)
+    np.testing.assert_allclose([summary["tis_mean"], summary["tis_max"]], [tis.mean(), tis.max()], rtol=1e-5)
+
+
+def test_masked_sample_contributes_nothing(inputs):
+    """Whatever a masked sample holds, loss and gradients are those of the batch without it."""
+    logp, beh, inf, adv, loss_mask, valid, ref = inputs
+    kept = valid > 0
+    for cfg in (LossConfig(loss_norm="seq_mean_token_mean", tis_cap=2.0, kl_coef=0.1), LossConfig(tis_cap=1.0)):
+        loss_a, _, grad_a = run(inputs, cfg)
+        logp2, beh2, adv2 = logp.copy(), beh.copy(), adv.copy()
+        logp2[5], beh2[5], adv2[5] = -50.0, 40.0, -9.0
+        loss_b, _, grad_b = run((logp2, beh2, inf, adv2, loss_mask, valid, ref), cfg)
+        dropped = (logp[kept], beh[kept], inf[kept], adv[kept], loss_mask[kept], valid[kept], ref[kept])
+        loss_c, _, grad_c = run(dropped, cfg)
+        assert loss_a == loss_b
+        np.testing.assert_array_equal(grad_a, grad_b)
+        np.testing.assert_allclose(loss_a, loss_c, rtol=1e-6)
+        np.testing.assert_allclose(grad_a[kept], grad_c, rtol=1e-6, atol=1e-9)
+        assert (grad_a[~kept] == 0).all()
+
+
+def test_token_weights_modes():
+    mask = jnp.asarray([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], jnp.float32)
+    np.testing.assert_allclose(token_weights(mask, "token_mean", 8).sum(), 1.0)
+    seq = np.asarray(token_weights(mask, "seq_mean_token_mean", 8))
+    np.testing.assert_allclose(seq.sum(1), [0.5, 0.5, 0.0])
+    np.testing.assert_allclose(np.asarray(token_weights(mask, "constant", 8)), np.asarray(mask) / 24)
+
+
+def test_token_logps_and_entropy():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    tokens = rng.integers(0, 7, (2, 5))
+    logps, entropy = token_logps(jnp.asarray(logits), jnp.asarray(tokens))
+    logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = np.zeros((2, 5))
+    want[:, 1:] = np.take_along_axis(logsm[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+    want_h = np.zeros((2, 5))
+    want_h[:, 1:] = -(np.exp(logsm) * logsm).sum(-1)[:, :-1]
+    np.testing.assert_allclose(np.asarray(logps), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(entropy), want_h, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match=r"loss_norm='sum'; expected one of"):
+        LossConfig(loss_norm="sum")
+    with pytest.raises(ValueError, match=r"dual_clip=1.1; expected None or > 1 \+ eps_high"):
+        LossConfig(dual_clip=1.1)
+    with pytest.raises(ValueError, match=r"tis_cap=0"):
+        LossConfig(tis_cap=0)

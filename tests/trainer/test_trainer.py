@@ -1,0 +1,166 @@
+"""The Trainer on 8 fake CPU devices: sharded == single device, no recompiles, per-version recompute, NaN skips."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dora_jax import sharding
+from dora_jax.models import ModelConfig, init_model, logical_axes, split
+from dora_jax.records import TrainBatch
+from dora_jax.store import InProcessTier, ParamStore
+from dora_jax.trainer import Trainer, TrainerConfig
+from dora_jax.trainer.step import sequence_logps
+
+# Tests compile at XLA's lowest backend optimisation level: 3x faster compiles, same numbers to
+# fp32 tolerance (the trainer's default is XLA's default).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+B, T, G = 16, 32, 4
+# Every optional feature on, so the sharded == single-device check covers them all.
+CONFIG = TrainerConfig(
+    lr=3e-3, schedule="cosine", warmup_steps=0, decay_steps=100, clip_grad_norm=1.0, tis_cap=2.0, kl_coef=0.01,
+    loss_norm="seq_mean_token_mean", dynamic_sampling=True, num_updates=2, micro_batch_size=4,
+    max_nonfinite_in_a_row=3,
+)
+
+
+def make_batch(seed: int, versions) -> TrainBatch:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(12, T + 1, B)
+    tokens = rng.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
+    loss_mask = np.zeros((B, T), np.float32)
+    for b, n in enumerate(lengths):
+        tokens[b, n:] = 0
+        loss_mask[b, 6:n] = 1
+    rewards = np.tile(np.float32([1, 0, 0, 1]), B // G)
+    rewards[:G] = 1.0  # group 0 has zero variance: dynamic sampling drops it
+    valid = np.ones(B, np.float32)
+    valid[5] = 0.0
+    inference = np.where(loss_mask > 0, -np.log(CFG.vocab_size) + rng.normal(0, 0.1, (B, T)), 0.0)
+    return TrainBatch(
+        tokens_BT=tokens, loss_mask_BT=loss_mask, inference_logps_BT=inference.astype(np.float32),
+        rewards_B=rewards, valid_B=valid, versions_B=np.broadcast_to(np.asarray(versions), (B,)).copy(),
+        group_ids_B=np.arange(B, dtype=np.int32) // G, traj_ids=tuple(f"t{i}" for i in range(B)),
+    )
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = init_model(CFG, seed=0)
+    graphdef, params = split(model)
+    return graphdef, params, logical_axes(model)
+
+
+@pytest.fixture(scope="module")
+def first_step(model):
+    """One step of the same batch on fsdp=4 x tensor=2 and on a single device."""
+    graphdef, params, axes = model
+    mesh8 = sharding.make_mesh(jax.devices(), {"fsdp": 4, "tensor": 2})
+    mesh1 = sharding.make_mesh(jax.devices()[:1], {})
+    store = ParamStore(InProcessTier())
+    sharded = Trainer(graphdef, params, axes, mesh8, CONFIG, store, compiler_options=FAST_COMPILE)
+    single = Trainer(graphdef, params, axes, mesh1, CONFIG, compiler_options=FAST_COMPILE)
+    assert sharded.params["layers"][0]["attn"]["q_EHD"].sharding.spec == P("fsdp", "tensor", None)
+    sharded.publish()
+    batch = make_batch(0, 0)
+    metrics8, metrics1 = sharded.train_step(batch), single.train_step(batch)
+    return dict(sharded=sharded, single=single, store=store, params8=host(sharded.params),
+                params1=host(single.params), metrics8=metrics8, metrics1=metrics1, params0=host(params))
+
+
+def test_sharded_step_equals_single_device(first_step):
+    m8, m1 = first_step["metrics8"], first_step["metrics1"]
+    assert m8.version == m1.version == 1 and m8.skipped_updates == 0
+    assert m8.dropped_groups == 1 and m8.staleness == {0: B}
+    for field in ("loss", "grad_norm", "ratio_mean", "ratio_max", "tis_mean", "entropy", "kl", "clip_frac_high"):
+        np.testing.assert_allclose(getattr(m8, field), getattr(m1, field), rtol=1e-4, atol=1e-6, err_msg=field)
+    assert m8.ratio_max > 1.0  # the second update saw the first one's change
+    moved = 0.0
+    for a, b, p0 in zip(jax.tree.leaves(first_step["params8"]), jax.tree.leaves(first_step["params1"]),
+                        jax.tree.leaves(first_step["params0"])):
+        # Adam divides by sqrt(v): in a coordinate whose gradient is near zero, fp32
+        # reduction-order noise moves the update by up to ~1% of the step size (lr = 3e-3); a
+        # sharding bug moves whole tensors by O(lr), so bound the max by 2% of lr and the mean tightly.
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)
+        assert np.abs(a - b).mean() < 1e-7
+        moved = max(moved, float(np.abs(a - p0).max()))
+    assert moved > 1e-3  # the update really changed the params
+
+
+@pytest.fixture(scope="module")
+def later_steps(first_step):
+    """Two more steps on the sharded trainer with batches mixing versions; each version published."""
+    trainer, store = first_step["sharded"], first_step["store"]
+    trainer.publish()
+    m2 = trainer.train_step(make_batch(1, np.arange(B) % 2))  # versions 0 and 1
+    trainer.publish()
+    m3 = trainer.train_step(make_batch(2, np.arange(B) % 3))  # versions 0, 1, 2
+    trainer.publish()
+    return m2, m3
+
+
+def test_no_recompiles_across_steps(first_step, later_steps):
+    m2, m3 = later_steps
+    assert first_step["sharded"].trace_counts == {"train_step": 1, "recompute": 1}
+    assert m2.staleness == {0: 8, 1: 8} and m3.staleness == {0: 5, 1: 5, 2: 6}
+    assert m3.version == 3 and m3.tokens_per_s > 0
+
+
+def test_recompute_uses_each_samples_own_version(model, first_step, later_steps):
+    graphdef, _, _ = model
+    trainer, store = first_step["sharded"], first_step["store"]
+    assert store.versions() == (0, 1, 2, 3)
+    versions = np.array([3, 0, 2, 1] * 4)
+    batch = make_batch(7, versions)
+    got = trainer.behaviour_logps(batch)
+    mesh1 = sharding.make_mesh(jax.devices()[:1], {})
+    forward = jax.jit(lambda p, t: sequence_logps(graphdef, p, t)[0], compiler_options=FAST_COMPILE)
+    per_version = {}
+    for v in range(4):
+        params_v = store.get(v, jax.tree.map(lambda _: sharding.replicated(mesh1), trainer.param_shardings))
+        per_version[v] = np.asarray(forward(params_v, batch.tokens_BT))
+    for b, v in enumerate(versions):
+        np.testing.assert_allclose(got[b], per_version[v][b], rtol=1e-5, atol=1e-5)
+    # The versions really differ, so a wrong version would have been caught.
+    assert np.abs(per_version[0] - per_version[3]).max() > 1e-3
+    assert trainer.trace_counts["recompute"] == 1
+
+
+def test_nonfinite_updates_are_skipped_then_raise(first_step):
+    trainer = first_step["single"]
+
+    def poisoned(seed):
+        batch = make_batch(seed, trainer.version)
+        batch.inference_logps_BT[[6, 13], 8] = np.nan  # a loss token in each update: NaN TIS weight
+        return batch
+
+    before = host(trainer.params)
+    metrics = trainer.train_step(poisoned(10))
+    assert metrics.skipped_updates == 2 and metrics.nonfinite_in_a_row == 2 and np.isnan(metrics.loss)
+    for a, b in zip(jax.tree.leaves(host(trainer.params)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+    assert trainer.train_step(make_batch(11, trainer.version)).nonfinite_in_a_row == 0
+    assert trainer.train_step(poisoned(12)).nonfinite_in_a_row == 2
+    with pytest.raises(FloatingPointError, match=r"4 optimizer updates in a row had a non-finite loss"):
+        trainer.train_step(poisoned(13))
+    assert trainer.trace_counts["train_step"] == 1
+
+
+def test_bad_batches_are_refused(first_step):
+    trainer = first_step["single"]
+    short = dataclasses.replace(make_batch(0, trainer.version), tokens_BT=np.zeros((12, T), np.int32))
+    with pytest.raises(ValueError, match=r"batch of 12 samples does not split into trainer.num_updates=2 x trainer.micro_batch_size=4"):
+        trainer.train_step(short)
+    with pytest.raises(ValueError, match=r"newer than the trainer's version"):
+        trainer.train_step(make_batch(0, trainer.version + 1))
+    with pytest.raises(ValueError, match=r"has no ParamStore"):
+        trainer.train_step(make_batch(0, trainer.version - 1))
+    with pytest.raises(ValueError, match=r"trainer.advantage='ppo'"):
+        TrainerConfig(advantage="ppo")
