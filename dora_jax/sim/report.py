@@ -1,0 +1,203 @@
+"""Runs a scenario (paper settings + scaling sweep) and assembles results.json and a table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from dora_jax.sim.scenario import Scenario
+from dora_jax.sim.simulate import Mode, ModeResult, simulate
+from dora_jax.sim.workload import WorkloadSpec, mean_response
+
+_OTHER_ASYNC = (Mode.ONE_STEP_OFF, Mode.PARTIAL_ROLLOUT)
+
+DEFINITIONS = dict(
+    step_time_s="measured window (publish of step `warmup` to the last publish) / measured steps",
+    tokens_per_s="response tokens trained in the window / window seconds",
+    rollout_only_share="share of the window with some rollout request active and the trainer idle",
+    bubble_ratio="idle slot-seconds / slot-seconds of the rollout groups (time-weighted; "
+                 "colocated groups are not counted while they train)",
+    trainer_wait_s="trainer idle seconds per measured step",
+    max_staleness="max over consumed samples of trainer version - oldest version that produced a token",
+    audit_ok="C1, C2 (exactly once, nothing dropped), C3 (staleness <= bound) and group integrity hold",
+    rollout_speedup_vs_sync="sync rollout-only seconds per step / dora rollout-only seconds per step",
+    bound="step work with every slot busy and nobody waiting: max(rollout work, train work) on the "
+          "split DORA uses (rollout and trainer are distinct hardware)",
+)
+
+
+def run_setting(sc: Scenario, accelerators: int, workload: WorkloadSpec, steps: int, warmup: int,
+                ledger_dir: Optional[str] = None) -> dict:
+    """Every mode of the scenario on `accelerators` GPUs; returns the setting's results block."""
+    results: dict[Mode, ModeResult] = {}
+    placement = {}
+    for mode in sc.options.modes:
+        cluster = sc.placements.cluster(sc.costs, mode, accelerators, workload)
+        ledger = os.path.join(ledger_dir, f"ledger_{accelerators}_{mode.value}.jsonl") if ledger_dir else None
+        results[mode] = simulate(
+            cluster, workload, mode, sc.options.k_max, steps=steps, warmup=warmup,
+            rbs=sc.options.rbs(workload), chunk_tokens=sc.options.chunk_tokens,
+            rebalance_period_s=sc.options.rebalance_period_s, fill_slack=sc.options.fill_slack,
+            ledger_path=ledger,
+        )
+        placement[mode.value] = dict(
+            placement=cluster.placement.value, rollout_groups=cluster.num_groups,
+            rollout_accelerators=cluster.rollout_accelerators,
+            train_accelerators=cluster.train_accelerators,
+        )
+    return dict(
+        accelerators=accelerators,
+        placement=placement,
+        modes={m.value: r.as_dict() for m, r in results.items()},
+        bound=_bound(sc, accelerators, workload),
+        ratios=_ratios(results),
+    )
+
+
+def _bound(sc: Scenario, accelerators: int, workload: WorkloadSpec) -> dict:
+    n_train = sc.placements.split(sc.costs, accelerators, workload)
+    rollout = sc.costs.rollout_work_s(accelerators - n_train, workload)
+    train = sc.costs.train_work_s(n_train, workload)
+    tokens = workload.batch_samples * mean_response(workload)
+    return dict(
+        tokens_per_s=round(tokens / max(rollout, train), 1),
+        step_time_s=round(max(rollout, train), 2),
+        how=(f"split {accelerators - n_train} rollout / {n_train} trainer GPUs; per step: rollout "
+             f"work with every slot busy ({rollout:.0f} s = mean tokens x t(S)/S + prompt prefill, "
+             f"over {(accelerators - n_train) // sc.costs.accelerators_per_group} groups) and train "
+             f"work ({train:.0f} s) on distinct hardware -> max of the two, nobody waiting"),
+    )
+
+
+def _ratios(results: dict[Mode, ModeResult]) -> dict:
+    if Mode.DORA not in results:
+        return {}
+    dora = results[Mode.DORA]
+    out = {f"dora_vs_{m.value}": round(dora.tokens_per_s / r.tokens_per_s, 3)
+           for m, r in results.items() if m != Mode.DORA}
+    others = [results[m].tokens_per_s for m in _OTHER_ASYNC if m in results]
+    if others:
+        out["dora_vs_best_other_async"] = round(dora.tokens_per_s / max(others), 3)
+    if Mode.SYNC in results:
+        out["rollout_speedup_vs_sync"] = round(
+            results[Mode.SYNC].rollout_only_s_per_step / max(dora.rollout_only_s_per_step, 1e-9), 2)
+    return out
+
+
+def paper_comparison(sc: Scenario, settings: dict) -> dict:
+    """The paper's table values next to ours, with ours / paper."""
+    block = {}
+    for n, setting in settings.items():
+        paper = sc.paper.get(f"gpus_{n}")
+        if paper is None:
+            continue
+        rows = {}
+        for metric, scale in (("rollout_only_share", 1.0), ("step_time_min", 60.0), ("tokens_per_s", 1.0)):
+            key = "step_time_s" if metric == "step_time_min" else metric
+            for mode, ref in paper[metric].items():
+                if mode not in setting["modes"]:
+                    continue
+                ours = setting["modes"][mode][key] / scale
+                rows[f"{metric}.{mode}"] = _triple(ref, ours)
+        ratios = setting["ratios"]
+        rows["rollout_speedup_vs_sync"] = _triple(paper["rollout_speedup_vs_sync"], ratios.get("rollout_speedup_vs_sync"))
+        rows["dora_vs_sync"] = _triple(paper["dora_vs_sync"], ratios.get("dora_vs_sync"))
+        lo, hi = sc.paper["dora_vs_best_other_async"]
+        rows["dora_vs_best_other_async"] = dict(paper=f"{lo}-{hi}", ours=ratios.get("dora_vs_best_other_async"))
+        block[f"gpus_{n}"] = rows
+    return block
+
+
+def _triple(paper, ours) -> dict:
+    ratio = None if paper in (None, 0) or ours is None else round(ours / paper, 3)
+    return dict(paper=paper, ours=None if ours is None else round(ours, 4), ours_over_paper=ratio)
+
+
+def run_sweep(sc: Scenario) -> dict:
+    """Step time and bubble ratio per mode from the smallest to the largest sweep size."""
+    base = sc.sweep_accelerators[0]
+    rows = {}
+    for n in sc.sweep_accelerators:
+        workload = sc.workload
+        if sc.sweep_batch_scaling == "proportional":
+            workload = dataclasses.replace(workload, prompts_per_step=workload.prompts_per_step * n // base)
+        setting = run_setting(sc, n, workload, sc.sweep_steps, sc.sweep_warmup)
+        rows[str(n)] = dict(
+            prompts_per_step=workload.prompts_per_step,
+            train_accelerators_split=setting["placement"].get(Mode.DORA.value, {}).get("train_accelerators"),
+            modes={m: {k: v[k] for k in ("step_time_s", "bubble_ratio", "tokens_per_s", "rollout_only_share",
+                                           "trainer_wait_s", "max_staleness", "audit_ok")}
+                   for m, v in setting["modes"].items()},
+            ratios=setting["ratios"],
+            bound_tokens_per_s=setting["bound"]["tokens_per_s"],
+        )
+    return dict(batch_scaling=sc.sweep_batch_scaling, accelerators=rows)
+
+
+def format_table(results: dict) -> str:
+    """A plain-text table: per setting, one row per metric, paper value in brackets."""
+    lines = []
+    for key, setting in results["settings"].items():
+        modes = list(setting["modes"])
+        paper = results["paper"].get(f"gpus_{key}", {})
+        lines.append(f"\n== {key} GPUs ==  " + "  ".join(
+            f"{m}: {p['rollout_accelerators']}R/{p['train_accelerators']}T {p['placement']}"
+            for m, p in setting["placement"].items()))
+        lines.append(f"{'metric':<22}" + "".join(f"{m:>22}" for m in modes))
+        for metric, key2, fmt, scale in (("step_time_min", "step_time_s", "{:.2f}", 60.0),
+                                         ("tokens_per_s", "tokens_per_s", "{:.0f}", 1.0),
+                                         ("rollout_only_share", "rollout_only_share", "{:.2f}", 1.0),
+                                         ("bubble_ratio", "bubble_ratio", "{:.2f}", 1.0),
+                                         ("trainer_wait_s", "trainer_wait_s", "{:.0f}", 1.0),
+                                         ("max_staleness", "max_staleness", "{}", 1.0),
+                                         ("audit_ok", "audit_ok", "{}", 1.0)):
+            cells = []
+            for m in modes:
+                value = setting["modes"][m][key2]
+                cell = fmt.format(value / scale if scale != 1.0 else value)
+                ref = paper.get(f"{metric}.{m}", {}).get("paper")
+                cells.append(cell + (f" [{ref}]" if ref is not None else ""))
+            lines.append(f"{metric:<22}" + "".join(f"{c:>22}" for c in cells))
+        ratios = "  ".join(f"{k}={v}" + (f" [{paper[k]['paper']}]" if k in paper else "")
+                           for k, v in setting["ratios"].items())
+        lines.append(f"ratios: {ratios}")
+        lines.append(f"bound: {setting['bound']['tokens_per_s']:.0f} tokens/s")
+    sweep = results.get("scaling", {}).get("accelerators", {})
+    if sweep:
+        modes = list(next(iter(sweep.values()))["modes"])
+        lines.append(f"\n== scaling ({results['scaling']['batch_scaling']} batch): step time s / bubble ==")
+        lines.append(f"{'GPUs':>6}" + "".join(f"{m:>22}" for m in modes) + f"{'dora_vs_sync':>14}")
+        for n, row in sweep.items():
+            cells = "".join(f"{row['modes'][m]['step_time_s']:>13.0f} / {row['modes'][m]['bubble_ratio']:.2f}"
+                            for m in modes)
+            lines.append(f"{n:>6}{cells}{row['ratios'].get('dora_vs_sync', ''):>14}")
+    return "\n".join(lines)
+
+
+def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True) -> dict:
+    """Paper settings, comparison, sweep and notes; writes out_dir/results.json and returns it."""
+    os.makedirs(out_dir, exist_ok=True)
+    settings = {
+        str(n): run_setting(sc, n, sc.workload, sc.options.steps, sc.options.warmup,
+                            ledger_dir=out_dir if ledger else None)
+        for n in sc.settings
+    }
+    results = dict(
+        settings=settings,
+        paper=paper_comparison(sc, {int(k): v for k, v in settings.items()}),
+        scaling=run_sweep(sc) if sweep else {},
+        workload=dataclasses.asdict(sc.workload) | dict(sigma=round(sc.workload.sigma, 4),
+                                                       mean_response=round(mean_response(sc.workload), 1)),
+        costs=dataclasses.asdict(sc.costs),
+        definitions=DEFINITIONS,
+    )
+    results["notes"] = make_notes(results)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
+
+
+def make_notes(results: dict) -> list[str]:
+    return []
