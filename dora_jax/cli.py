@@ -14,8 +14,11 @@ WORKDIR = flags.DEFINE_string("workdir", None, "run directory (ledger, metrics, 
 
 
 def prepare_devices(config) -> None:
-    """Asks XLA for `mesh.fake_cpu_devices` host devices (only the CPU platform is affected);
-    must run before the first `import jax`."""
+    """Asks XLA for `mesh.fake_cpu_devices` host devices (only the CPU platform is affected) and
+    turns on JAX's persistent compilation cache; must run before the first `import jax`."""
+    # Reruns skip XLA compiles (tiny models compile for longer than they train on CPU).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/dora_jax/xla"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     count = int(config.mesh.fake_cpu_devices)
     flag = f"--xla_force_host_platform_device_count={count}"
     if count > 0 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
