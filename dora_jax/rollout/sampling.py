@@ -32,13 +32,27 @@ def base_key_data(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.key(seed, impl=KEY_IMPL)), dtype=np.uint32)
 
 
-def token_keys(key_data_B2: jax.Array, position_B: jax.Array) -> jax.Array:
-    """One typed PRNG key per slot for the token that will occupy `position_B`."""
+def token_uniforms(key_data_B2: jax.Array, position_B: jax.Array) -> jax.Array:
+    """One uniform in [0, 1) per slot, for the token that will occupy `position_B`."""
 
     def one(key_data_2, position):
-        return jax.random.fold_in(jax.random.wrap_key_data(key_data_2, impl=KEY_IMPL), position)
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data_2, impl=KEY_IMPL), position)
+        return jax.random.uniform(key, (), jnp.float32)
 
     return jax.vmap(one)(key_data_B2, position_B)
+
+
+def _inverse_cdf(probs_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
+    """The first token whose cumulative probability exceeds u (exact inverse-CDF sampling).
+
+    One uniform per row instead of Gumbel-max's V: the counter-based RNG then costs B hashes per
+    step, not B x V. u is scaled by the row's total so that rounding in the cumsum can never pick
+    a token of probability 0 (a filtered one).
+    """
+    cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+    threshold_B = uniform_B * cdf_BV[:, -1]
+    index_B = jnp.sum(cdf_BV <= threshold_B[:, None], axis=-1)
+    return jnp.minimum(index_B, probs_BV.shape[-1] - 1)
 
 
 def filter_logits(logits_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
@@ -84,11 +98,11 @@ def sample(
     scaled_BV = jax.lax.cond(
         needs_filter, lambda x: filter_logits(x, top_k_B, top_p_B), lambda x: x, scaled_BV
     )
-    keys_B = token_keys(key_data_B2, position_B)
-    drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV)
+    sample_logps_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+    drawn_B = _inverse_cdf(jnp.exp(sample_logps_BV), token_uniforms(key_data_B2, position_B))
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
     logp_B = _take(jax.nn.log_softmax(logits_BV, axis=-1), tokens_B)
-    sample_logp_B = jnp.where(greedy_B, 0.0, _take(jax.nn.log_softmax(scaled_BV, axis=-1), tokens_B))
+    sample_logp_B = jnp.where(greedy_B, 0.0, _take(sample_logps_BV, tokens_B))
     return tokens_B, logp_B, sample_logp_B
 
 

@@ -57,3 +57,19 @@ def run_to_end(worker, max_steps: int = 500) -> dict:
             return done
         done.update({t.traj_id: t for t in worker.step()})
     raise AssertionError(f"worker still busy after {max_steps} steps")
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory):
+    """(path, torch model) of the tiny random Llama checkpoint, with a word-level tokenizer.json
+    over its whole vocabulary (id i is the word `w{i}`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.models.hf_fixtures import VOCAB, make_checkpoint
+
+    path = tmp_path_factory.mktemp("llama")
+    torch_model = make_checkpoint("llama", path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return str(path), torch_model

@@ -38,14 +38,21 @@ def _assert_same_greedy(ours, ref, scores):
     assert len(ours) == len(ref)
 
 
+# The same sizes and mesh as `python -m dora_jax.generate --tensor_parallel=2` picks for these
+# prompts, so that its test reuses these compiled programs.
+ENGINE = EngineConfig(num_slots=1, cache_length=32, max_prefill_length=16)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_transformers(kind, tmp_path):
-    torch_model = make_checkpoint(kind, tmp_path)
-    model_config = read_config(str(tmp_path))
+def test_greedy_matches_transformers(kind, tmp_path, llama_checkpoint):
+    if kind == "llama":
+        path, torch_model = llama_checkpoint
+    else:
+        path, torch_model = str(tmp_path), make_checkpoint(kind, tmp_path)
     mesh = sharding.make_mesh(jax.devices()[:2], {"tensor": 2})
-    engine = RolloutEngine(model_config, EngineConfig(num_slots=2, cache_length=32, max_prefill_length=16), mesh)
+    engine = RolloutEngine(read_config(path), ENGINE, mesh)
     worker = RolloutWorker(engine)
-    worker.load_version(0, engine.load_params(hf_path=str(tmp_path)))
+    worker.load_version(0, engine.load_params(hf_path=path))
     for i, prompt in enumerate(PROMPTS):
         worker.submit(Request(f"t{i}", "g", f"p{i}", tuple(prompt), 0, MAX_NEW, SamplingParams(temperature=0.0)))
     done = {}

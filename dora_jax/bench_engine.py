@@ -1,0 +1,181 @@
+"""`bench engine`: decode step time and tokens/s by slot occupancy, prefill tokens/s per bucket,
+and compiles after warm-up, for one rollout engine. Writes DIR/engine.json and prints a table.
+
+Occupancy points: 1 slot, 25%, 50% and 100% of `slots`. The engine decodes a fixed-shape batch,
+so its own step costs the same at any occupancy (idle slots are computed too: that is the
+"bubble" DORA removes). Whether the hardware is in the flat, memory-bound regime where that waste
+matters is a separate question, answered by `batch_step_time_s`: the step of an engine compiled
+for exactly that many slots. `flat_ratio` = full batch / one-slot batch; <= 1.5 means a decode
+step costs about the same for 1 and for `slots` requests (DESIGN.md, "Regime").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from dora_jax import sharding
+from dora_jax.models import ModelConfig, init_model, split
+from dora_jax.records import SamplingParams
+from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineBenchConfig:
+    """What to measure; defaults are the 2-layer d64 model the trace-driven benchmark runs."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 256
+    slots: int = 32  # decode slots of the engine under test
+    cache_length: int = 256  # rows per slot
+    max_prefill_length: int = 128  # largest prefill bucket
+    prompt_length: int = 16  # prompt of the requests that fill the slots
+    decode_steps: int = 50  # timed generate calls per point
+    prefill_repeats: int = 10  # timed prefills per bucket
+    tensor_parallel: int = 1  # devices the engine is sharded over (tensor axis)
+    batch_curve: bool = True  # also time engines compiled for each point's slot count
+    seed: int = 0
+
+
+def _model_config(config: EngineBenchConfig) -> ModelConfig:
+    return ModelConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size, num_layers=config.num_layers,
+                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+
+
+def _engine(config: EngineBenchConfig, slots: int, mesh) -> RolloutEngine:
+    engine_config = EngineConfig(num_slots=slots, cache_length=config.cache_length,
+                                 max_prefill_length=config.max_prefill_length)
+    return RolloutEngine(_model_config(config), engine_config, mesh)
+
+
+def _time_steps(engine: RolloutEngine, params, state, steps: int) -> tuple[float, object]:
+    """Median seconds per generate call, with the token fetch the worker does after each one
+    (the median, because other processes share these cores)."""
+    for _ in range(2):
+        state, result = engine.generate(params, state)
+        jax.device_get(result.data)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, result = engine.generate(params, state)
+        jax.device_get((result.data, result.log_prob))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), state
+
+
+def _fill(engine: RolloutEngine, params, state, active: int, prompt_length: int, rng: np.random.Generator):
+    for slot in range(active):
+        prompt = rng.integers(0, engine.model_config.vocab_size, prompt_length).astype(np.int32)
+        prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=prompt_length,
+                                   sampling=SamplingParams(temperature=1.0, seed=slot))
+        state = engine.insert(prefix, state, slot)
+    return state
+
+
+def _measure_decode(config: EngineBenchConfig, engine, params, mesh, rng) -> list[dict]:
+    points = []
+    for active in sorted({1, max(1, config.slots // 4), max(1, config.slots // 2), config.slots}):
+        state = _fill(engine, params, engine.init_decode_state(), active, config.prompt_length, rng)
+        step, state = _time_steps(engine, params, state, config.decode_steps)
+        point = {"active_slots": active, "occupancy": active / config.slots, "step_time_s": step,
+                 "tokens_per_s": active / step}
+        if config.batch_curve:
+            sized = engine if active == config.slots else _engine(config, active, mesh)
+            sized_params = sized.load_params(params)
+            point["batch_step_time_s"], _ = _time_steps(sized, sized_params, sized.init_decode_state(),
+                                                        config.decode_steps)
+        points.append(point)
+    return points
+
+
+def _measure_prefill(config: EngineBenchConfig, engine, params, rng) -> list[dict]:
+    rows = []
+    for bucket in engine.config.prefill_buckets:
+        tokens = rng.integers(0, config.vocab_size, bucket).astype(np.int32)
+        jax.block_until_ready(engine.prefill(params=params, padded_tokens=tokens, true_length=bucket))
+        times = []
+        for _ in range(config.prefill_repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(engine.prefill(params=params, padded_tokens=tokens, true_length=bucket))
+            times.append(time.perf_counter() - start)
+        seconds = float(np.median(times))
+        rows.append({"bucket": bucket, "time_s": seconds, "tokens_per_s": bucket / seconds})
+    return rows
+
+
+def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
+    """Runs every measurement; writes `out_dir/engine.json` (when given) and returns the same dict."""
+    devices = jax.devices()[: config.tensor_parallel]
+    mesh = sharding.make_mesh(devices, {"tensor": config.tensor_parallel})
+    engine = _engine(config, config.slots, mesh)
+    params = engine.load_params(split(init_model(_model_config(config), seed=config.seed))[1])
+    rng = np.random.default_rng(config.seed)
+    engine.warmup(params, migration=False)
+    compiled = engine.compile_counts()
+    decode = _measure_decode(config, engine, params, mesh, rng)
+    prefill = _measure_prefill(config, engine, params, rng)
+    after = engine.compile_counts()
+    results = {
+        "decode": decode,
+        "prefill": prefill,
+        "compiles_after_warmup": sum(after[name] - compiled[name] for name in after),
+        "model": dataclasses.asdict(config) | {"params": int(sum(x.size for x in jax.tree.leaves(params)))},
+        "slots": config.slots,
+        "devices": [str(d) for d in devices],
+    }
+    if config.batch_curve:
+        by_slots = {p["active_slots"]: p["batch_step_time_s"] for p in decode}
+        results["flat_ratio"] = by_slots[config.slots] / by_slots[1]
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "engine.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def format_table(results: dict) -> str:
+    """The decode and prefill tables as text."""
+    lines = [f"{'active':>6} {'occupancy':>9} {'step ms':>8} {'tokens/s':>9} {'B-sized step ms':>15}"]
+    for p in results["decode"]:
+        sized = f"{1e3 * p['batch_step_time_s']:15.3f}" if "batch_step_time_s" in p else f"{'-':>15}"
+        lines.append(f"{p['active_slots']:6d} {p['occupancy']:9.2f} {1e3 * p['step_time_s']:8.3f} "
+                     f"{p['tokens_per_s']:9.0f} {sized}")
+    lines.append(f"{'bucket':>6} {'prefill ms':>10} {'tokens/s':>9}")
+    lines += [f"{r['bucket']:6d} {1e3 * r['time_s']:10.3f} {r['tokens_per_s']:9.0f}" for r in results["prefill"]]
+    lines.append(f"compiles after warm-up: {results['compiles_after_warmup']}")
+    if "flat_ratio" in results:
+        lines.append(f"full-batch step / one-slot step: {results['flat_ratio']:.2f}x (flat regime: <= 1.5x)")
+    return "\n".join(lines)
+
+
+_FLAG_TYPES = {"int": int, "bool": lambda text: text.lower() in ("1", "true", "yes")}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """`python -m dora_jax.bench engine --out=DIR [--slots=32 ...]`: any config field as a flag."""
+    parser = argparse.ArgumentParser(prog="bench engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="directory for engine.json")
+    for field in dataclasses.fields(EngineBenchConfig):
+        parser.add_argument(f"--{field.name}", type=_FLAG_TYPES[field.type], default=field.default)
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    results = run_engine_bench(EngineBenchConfig(**args), out)
+    print(format_table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
