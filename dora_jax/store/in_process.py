@@ -2,7 +2,8 @@
 
 `write` copies the writer's arrays (the trainer donates its state buffers to the next step, so the
 store must own its own) and `read` is one `jax.device_put` to the reader's shardings, again a copy
-so that a reader may donate what it gets. With `device_versions=n` only the newest n versions stay
+so that a reader may donate what it gets (`copy=False`: aliases the stored buffers where the
+layout already matches). With `device_versions=n` only the newest n versions stay
 on device; older ones are offloaded to host memory (numpy) and put back on a device when read.
 """
 
@@ -20,6 +21,12 @@ def tree_bytes(tree) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(tree)))
 
 
+def _owned_copy(x):
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return jax.device_put(np.array(x))  # host data: onto the default device
+
+
 class InProcessTier:
     """Versions as device arrays (newest `device_versions`) or host numpy arrays (older)."""
 
@@ -32,7 +39,7 @@ class InProcessTier:
         self._on_host: dict[int, Params] = {}
 
     def write(self, version: int, params: Params) -> None:
-        owned = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params)
+        owned = jax.tree.map(_owned_copy, params)
         jax.block_until_ready(owned)
         with self._lock:
             self._on_device[version] = owned
@@ -48,14 +55,14 @@ class InProcessTier:
                     self._on_host[v] = host_tree
                     del self._on_device[v]
 
-    def read(self, version: int, shardings: Shardings) -> Params:
+    def read(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
         with self._lock:
             tree = self._on_device.get(version)
             if tree is None:
                 tree = self._on_host.get(version)
         if tree is None:
             raise KeyError(f"in-process tier holds no version {version}")
-        return jax.device_put(tree, shardings, may_alias=False)
+        return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
     def delete(self, version: int) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ class Tier(Protocol):
 
     def write(self, version: int, params: Params) -> None: ...
 
-    def read(self, version: int, shardings: Shardings) -> Params: ...
+    def read(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params: ...
 
     def delete(self, version: int) -> None: ...
 
@@ -84,14 +84,19 @@ class ParamStore:
                 self._writing = None
 
     # --------------------------------------------------------------- readers
-    def get(self, version: int, shardings: Shardings) -> Params:
-        """Version `version` laid out as `shardings` (a tree of NamedSharding matching params)."""
+    def get(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
+        """Version `version` laid out as `shardings` (a tree of NamedSharding matching params).
+
+        The result is the caller's own (it may donate it) unless `copy=False`, which lets the
+        in-process tier hand out its stored buffers where the layout already matches: only for a
+        caller that never donates nor deletes what it gets (the trainer's log-prob recompute).
+        """
         version = int(version)
         with self._lock:
             self._check_live(version)
             self._pins[version] += 1
         try:
-            return self._tier.read(version, shardings)
+            return self._tier.read(version, shardings, copy=copy)
         finally:
             self.unpin(version)
 
@@ -136,6 +141,19 @@ class ParamStore:
             doomed = [v for v in self._tier.versions() if v < version and v != newest and not self._pins[v]]
             for v in doomed:
                 self._free(v)
+            return tuple(doomed)
+
+    def rollback_to(self, version: int) -> tuple[int, ...]:
+        """Deletes every version newer than `version` (a trainer resuming from an older checkpoint
+        publishes those numbers again); refuses if one of them is pinned. Returns those deleted."""
+        with self._lock:
+            doomed = [v for v in self._tier.versions() if v > version]
+            pinned = [v for v in doomed if self._pins[v]]
+            if pinned:
+                raise StoreError(f"rollback_to({version}): versions {pinned} are pinned")
+            for v in doomed:
+                self._tier.delete(v)
+            self._retired = {v for v in self._retired if v <= version}
             return tuple(doomed)
 
     @contextlib.contextmanager

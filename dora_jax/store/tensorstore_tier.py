@@ -64,7 +64,8 @@ class TensorStoreTier:
             self._cache[version] = path
             self._bytes[version] = size
 
-    def read(self, version: int, shardings: Shardings) -> Params:
+    def read(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
+        del copy  # a restore always makes fresh arrays
         path = self._path(version)
         # `item` gives the tree structure (dict keys such as layer indices stay ints); shapes
         # and dtypes come from the checkpoint's metadata, placement from the shardings.

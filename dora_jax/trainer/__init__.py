@@ -3,7 +3,7 @@
 from dora_jax.trainer.advantages import ESTIMATORS, group_advantages, informative_samples
 from dora_jax.trainer.batching import bucket_length, make_train_batch
 from dora_jax.trainer.loss import LOSS_NORMS, LossConfig, LossStats, policy_loss, token_logps, token_weights
-from dora_jax.trainer.step import OptimizerConfig, StepInputs, TrainState, make_optimizer, train_step
+from dora_jax.trainer.step import OptimizerConfig, StepInputs, TrainState, make_optimizer, make_schedule, train_step
 from dora_jax.trainer.trainer import StepMetrics, Trainer, TrainerConfig
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "group_advantages",
     "informative_samples",
     "make_optimizer",
+    "make_schedule",
     "make_train_batch",
     "policy_loss",
     "token_logps",

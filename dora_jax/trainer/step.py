@@ -13,6 +13,7 @@ not finite is skipped (params and optimizer state kept) and counted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -31,6 +32,7 @@ SCHEDULES = ("constant", "cosine")
 class TrainState:
     params: Any
     opt_state: Any
+    updates: jax.Array  # optimizer updates applied so far (skipped ones excluded): the schedule's step
 
 
 @flax.struct.dataclass
@@ -57,6 +59,7 @@ class StepOutputs:
     grad_norm: jax.Array  # mean pre-clip global norm over the U updates
     finite_U: jax.Array  # 1 where the update was applied
     dropped_groups: jax.Array
+    updates: jax.Array  # TrainState.updates after the step
     stats: LossStats
 
 
@@ -74,37 +77,82 @@ class OptimizerConfig:
     clip_grad_norm: float | None = 1.0
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW on a warm-up + constant/cosine schedule."""
+def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+    """Learning rate per applied optimizer update: linear warm-up from 0, then constant or cosine."""
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule={config.schedule!r}; expected one of {SCHEDULES}")
     if config.schedule == "cosine":
         if config.decay_steps <= config.warmup_steps:
             raise ValueError(f"decay_steps={config.decay_steps} must exceed warmup_steps={config.warmup_steps}")
-        lr = optax.warmup_cosine_decay_schedule(
+        return optax.warmup_cosine_decay_schedule(
             0.0, config.lr, config.warmup_steps, config.decay_steps, end_value=config.lr * config.final_lr_fraction
         )
-    elif config.warmup_steps:
-        lr = optax.join_schedules(
+    if config.warmup_steps:
+        return optax.join_schedules(
             [optax.linear_schedule(0.0, config.lr, config.warmup_steps), optax.constant_schedule(config.lr)],
             [config.warmup_steps],
         )
-    else:
-        lr = optax.constant_schedule(config.lr)
-    adamw = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.adam_eps, weight_decay=config.weight_decay)
+    return optax.constant_schedule(config.lr)
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on `make_schedule`. Skipped updates do not advance it."""
+    adamw = optax.adamw(
+        make_schedule(config), b1=config.b1, b2=config.b2, eps=config.adam_eps, weight_decay=config.weight_decay
+    )
     if config.clip_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), adamw)
 
 
 def init_state(params, tx: optax.GradientTransformation) -> TrainState:
-    return TrainState(params=params, opt_state=tx.init(params))
+    return TrainState(params=params, opt_state=tx.init(params), updates=jnp.zeros((), jnp.int32))
 
 
 def sequence_logps(graphdef, params, tokens_BT):
     """(logps_BT, entropy_BT) of a full forward of the model `nnx.merge(graphdef, params)`."""
     logits_BTV = nnx.merge(graphdef, params)(tokens_BT)
     return token_logps(logits_BTV, tokens_BT)
+
+
+def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config: LossConfig):
+    """Loss and stats of one micro-batch (a dict of [C, ...] arrays) under `params`."""
+    logps_CT, entropy_CT = sequence_logps(graphdef, params, micro["tokens"])
+    ref_CT = None
+    if ref_params is not None:
+        ref_CT = jax.lax.stop_gradient(sequence_logps(graphdef, ref_params, micro["tokens"])[0])
+    return policy_loss(
+        logps_CT, micro["behaviour"], micro["inference"], micro["adv"], micro["mask"], weights_CT,
+        loss_config, ref_logps_BT=ref_CT, entropy_BT=entropy_CT,
+    )
+
+
+def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_config: LossConfig):
+    """One optimizer update from a mini-batch of [M, C, ...] arrays, skipped if not finite."""
+    M, C, T = mini["mask"].shape
+    weights_MCT = token_weights(mini["mask"].reshape(M * C, T), loss_config.loss_norm, loss_config.t_max)
+    grad_fn = jax.value_and_grad(
+        functools.partial(_micro_loss, graphdef=graphdef, loss_config=loss_config), has_aux=True
+    )
+
+    def accumulate(carry, xs):
+        grads, loss, stats = carry
+        micro, weights_CT = xs
+        (micro_loss, micro_stats), micro_grads = grad_fn(state.params, micro, weights_CT, ref_params)
+        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, stats.merge(micro_stats)), None
+
+    carry = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), LossStats.empty())
+    (grads, loss, stats), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT.reshape(M, C, T)))
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    deltas, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, deltas)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    new_state = TrainState(
+        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        updates=state.updates + finite.astype(jnp.int32),
+    )
+    return new_state, (loss, grad_norm, finite, stats)
 
 
 def train_step(
@@ -121,8 +169,8 @@ def train_step(
 ) -> tuple[TrainState, StepOutputs]:
     """U optimizer updates, one per leading slice of the [U, M, C, T] inputs; see the module docstring.
 
-    `rows_sharding` (optional) is the sharding of a [U, M, C] array (advantages, valid) so that
-    they are laid out like the token arrays.
+    `ref_params` (or None) is the KL reference policy. `rows_sharding` (optional) is the sharding
+    of a [U, M, C] array, so that advantages and validity are laid out like the token arrays.
     """
     U, M, C, _ = inputs.tokens_UMCT.shape
     valid_B = inputs.valid_B.astype(jnp.float32)
@@ -135,52 +183,17 @@ def train_step(
     if rows_sharding is not None:
         adv_UMC = jax.lax.with_sharding_constraint(adv_UMC, rows_sharding)
         valid_UMC = jax.lax.with_sharding_constraint(valid_UMC, rows_sharding)
-    rows_UMC = dict(
+    rows = dict(
         tokens=inputs.tokens_UMCT, mask=inputs.loss_mask_UMCT.astype(jnp.float32) * valid_UMC[..., None],
         inference=inputs.inference_logps_UMCT, behaviour=inputs.behaviour_logps_UMCT, adv=adv_UMC,
     )
-
-    def micro_loss(params, micro, weights_CT):
-        logps_CT, entropy_CT = sequence_logps(graphdef, params, micro["tokens"])
-        ref_CT = None
-        if ref_params is not None:
-            ref_CT = jax.lax.stop_gradient(sequence_logps(graphdef, ref_params, micro["tokens"])[0])
-        return policy_loss(
-            logps_CT, micro["behaviour"], micro["inference"], micro["adv"], micro["mask"], weights_CT,
-            loss_config, ref_logps_BT=ref_CT, entropy_BT=entropy_CT,
-        )
-
-    def one_update(state: TrainState, mini):
-        M_, C_, T = mini["mask"].shape
-        weights_MCT = token_weights(mini["mask"].reshape(M_ * C_, T), loss_config.loss_norm, loss_config.t_max)
-        weights_MCT = weights_MCT.reshape(M_, C_, T)
-
-        def accumulate(carry, xs):
-            grads, loss, stats = carry
-            micro, weights_CT = xs
-            (micro_loss_value, micro_stats), micro_grads = jax.value_and_grad(micro_loss, has_aux=True)(
-                state.params, micro, weights_CT
-            )
-            grads = jax.tree.map(jnp.add, grads, micro_grads)
-            return (grads, loss + micro_loss_value, stats.merge(micro_stats)), None
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        carry = (zeros, jnp.zeros((), jnp.float32), LossStats.empty())
-        (grads, loss, stats), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT))
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        new_state = TrainState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
-        return new_state, (loss, grad_norm, finite, stats)
-
-    state, (loss_U, grad_norm_U, finite_U, stats_U) = jax.lax.scan(one_update, state, rows_UMC)
+    update = functools.partial(_one_update, ref_params=ref_params, graphdef=graphdef, tx=tx, loss_config=loss_config)
+    state, (loss_U, grad_norm_U, finite_U, stats_U) = jax.lax.scan(update, state, rows)
     stats = jax.tree.map(lambda x: x[0], stats_U)
     for u in range(1, U):
         stats = stats.merge(jax.tree.map(lambda x, u=u: x[u], stats_U))
     outputs = StepOutputs(
         loss=loss_U.mean(), grad_norm=grad_norm_U.mean(), finite_U=finite_U.astype(jnp.int32),
-        dropped_groups=dropped.astype(jnp.int32), stats=stats,
+        dropped_groups=dropped.astype(jnp.int32), updates=state.updates, stats=stats,
     )
     return state, outputs

@@ -25,7 +25,9 @@ from dora_jax.store import ParamStore
 from dora_jax.trainer.advantages import ESTIMATORS
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
-from dora_jax.trainer.step import OptimizerConfig, StepInputs, TrainState, init_state, make_optimizer, train_step
+from dora_jax.trainer.step import (
+    OptimizerConfig, StepInputs, TrainState, init_state, make_optimizer, make_schedule, train_step,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,8 @@ class TrainerConfig:
 class StepMetrics:
     version: int  # the trainer's version after this step
     loss: float
-    grad_norm: float
+    grad_norm: float  # before clipping, mean over the step's updates
+    lr: float  # the learning rate of the step's last update
     clip_frac_low: float
     clip_frac_high: float
     clip_frac_dual: float
@@ -117,11 +120,15 @@ class Trainer:
         self.config, self.mesh, self._store, self._version = config, mesh, store, int(version)
         self._compiler_options = dict(compiler_options or {}) or None
         self._nonfinite_in_a_row = 0
+        self._schedule = make_schedule(config.optimizer_config())
         self.trace_counts: collections.Counter[str] = collections.Counter()
-        batch_axes = logical_to_spec(("batch",), (config.micro_batch_size,), mesh, rules)[0]
+        # The mesh axes that "batch" maps to (asked with a size every axis divides).
+        batch_axes = logical_to_spec(("batch",), (mesh.devices.size,), mesh, rules)[0]
         shards = 1 if batch_axes is None else int(np.prod([mesh.shape[a] for a in np.atleast_1d(batch_axes)]))
         if config.micro_batch_size % shards:
-            raise ValueError(f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the {shards} batch shards of the mesh")
+            raise ValueError(
+                f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the mesh's {shards} batch shards"
+            )
         self._rows_UMC = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
         self._rows_UMCT = NamedSharding(mesh, PartitionSpec(None, None, batch_axes, None))
         self._replicated = replicated(mesh)
@@ -135,14 +142,16 @@ class Trainer:
             self._tx, lambda _, s: s, abstract.opt_state, self.param_shardings,
             transform_non_params=lambda _: self._replicated,
         )
-        self.state_shardings = TrainState(params=self.param_shardings, opt_state=opt_shardings)
+        self.state_shardings = TrainState(
+            params=self.param_shardings, opt_state=opt_shardings, updates=self._replicated
+        )
         placed = jax.device_put(params, self.param_shardings, may_alias=False)
+        self._ref_params = placed if config.kl_coef > 0 else None
         init_jit = jax.jit(
             init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings,
-            compiler_options=self._compiler_options,
+            donate_argnums=() if self._ref_params is not None else (0,), compiler_options=self._compiler_options,
         )
         self._state = init_jit(placed)
-        self._ref_params = placed if config.kl_coef > 0 else None
 
         self._behaviour = BehaviourLogps(
             graphdef, self.param_shardings, self._rows_UMCT, self._replicated, config.micro_batch_size,
@@ -184,7 +193,14 @@ class Trainer:
 
     @property
     def state(self) -> TrainState:
+        """The whole train state (params, optimizer state, update count), e.g. to checkpoint."""
         return self._state
+
+    def load_state(self, state: TrainState, version: int) -> None:
+        """Replaces the train state (a restored checkpoint) and the version it corresponds to."""
+        self._state = jax.device_put(state, self.state_shardings, may_alias=False)
+        self._version = int(version)
+        self._nonfinite_in_a_row = 0
 
     def publish(self) -> int:
         """Stores the current params under `version` in the ParamStore; returns the version."""
@@ -230,8 +246,10 @@ class Trainer:
         if version == self._version:
             return self._state.params
         if self._store is None:
-            raise ValueError(f"batch holds version {version} but the trainer (version {self._version}) has no ParamStore")
-        return self._store.get(version, self.param_shardings)
+            raise ValueError(
+                f"batch holds version {version} but the trainer (version {self._version}) has no ParamStore"
+            )
+        return self._store.get(version, self.param_shardings, copy=False)  # recompute never donates params
 
     def _check_batch(self, batch: TrainBatch, versions_B: np.ndarray) -> None:
         B, chunk = batch.batch_size, self.config.num_updates * self.config.micro_batch_size
@@ -241,10 +259,13 @@ class Trainer:
                 f"x trainer.micro_batch_size={self.config.micro_batch_size} x micro-batches"
             )
         if versions_B.size and versions_B.max() > self._version:
-            raise ValueError(f"batch holds version {versions_B.max()}, newer than the trainer's version {self._version}")
+            raise ValueError(
+                f"batch holds version {versions_B.max()}, newer than the trainer's version {self._version}"
+            )
 
     def _finish(self, outputs, versions_B: np.ndarray, elapsed: float) -> StepMetrics:
         finite_U = np.asarray(outputs.finite_U)
+        lr = float(self._schedule(max(int(outputs.updates) - 1, 0)))
         for ok in finite_U:
             self._nonfinite_in_a_row = 0 if ok else self._nonfinite_in_a_row + 1
         if self._nonfinite_in_a_row >= self.config.max_nonfinite_in_a_row:
@@ -261,6 +282,7 @@ class Trainer:
             version=self._version,
             loss=float(outputs.loss),
             grad_norm=float(outputs.grad_norm),
+            lr=lr,
             skipped_updates=int((finite_U == 0).sum()),
             nonfinite_in_a_row=self._nonfinite_in_a_row,
             dropped_groups=int(outputs.dropped_groups),

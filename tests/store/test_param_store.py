@@ -3,7 +3,6 @@
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -103,6 +102,22 @@ def test_pinned_versions_survive_retire_below(model_parts):
     assert store.versions() == (3,)  # freed by its last unpin: it was below the watermark
     assert store.retire_below(10) == ()  # the newest version is never retired
     assert store.versions() == (3,)
+
+
+def test_rollback_to_for_resume(model_parts):
+    params, trainer_sh, _ = model_parts
+    store = ParamStore(InProcessTier())
+    for v in range(5):
+        store.publish(v, scaled(params, float(v + 1)))
+    store.retire_below(1)
+    store.pin(4)
+    with pytest.raises(StoreError, match=r"rollback_to\(2\): versions \[4\] are pinned"):
+        store.rollback_to(2)
+    store.unpin(4)
+    assert store.rollback_to(2) == (3, 4)
+    assert store.versions() == (1, 2)
+    store.publish(3, scaled(params, 10.0))  # the resumed trainer publishes 3 again
+    assert_tree_close(store.get(3, trainer_sh, copy=False), scaled(params, 10.0))
 
 
 def _hammer(store, params, read_shardings, num_versions):

@@ -79,6 +79,8 @@ def test_sharded_step_equals_single_device(first_step):
     m8, m1 = first_step["metrics8"], first_step["metrics1"]
     assert m8.version == m1.version == 1 and m8.skipped_updates == 0
     assert m8.dropped_groups == 1 and m8.staleness == {0: B}
+    # cosine from lr at update 0 over 100 updates: the step's last update is update 1
+    np.testing.assert_allclose(m8.lr, CONFIG.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 1 / 100))), rtol=1e-6)
     for field in ("loss", "grad_norm", "ratio_mean", "ratio_max", "tis_mean", "entropy", "kl", "clip_frac_high"):
         np.testing.assert_allclose(getattr(m8, field), getattr(m1, field), rtol=1e-4, atol=1e-6, err_msg=field)
     assert m8.ratio_max > 1.0  # the second update saw the first one's change
@@ -133,6 +135,18 @@ def test_recompute_uses_each_samples_own_version(model, first_step, later_steps)
     assert trainer.trace_counts["recompute"] == 1
 
 
+def test_load_state_restores_params_and_version(first_step):
+    trainer = first_step["single"]
+    saved, version = host(trainer.state), trainer.version
+    trainer.train_step(make_batch(20, version))
+    assert trainer.version == version + 1 and int(trainer.state.updates) == int(saved.updates) + 2
+    trainer.load_state(saved, version)
+    assert trainer.version == version
+    for a, b in zip(jax.tree.leaves(host(trainer.state)), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(a, b)
+    assert trainer.state.params["embed_VE"].sharding == trainer.param_shardings["embed_VE"]
+
+
 def test_nonfinite_updates_are_skipped_then_raise(first_step):
     trainer = first_step["single"]
 
@@ -141,11 +155,12 @@ def test_nonfinite_updates_are_skipped_then_raise(first_step):
         batch.inference_logps_BT[[6, 13], 8] = np.nan  # a loss token in each update: NaN TIS weight
         return batch
 
-    before = host(trainer.params)
+    before = host(trainer.state)
     metrics = trainer.train_step(poisoned(10))
     assert metrics.skipped_updates == 2 and metrics.nonfinite_in_a_row == 2 and np.isnan(metrics.loss)
-    for a, b in zip(jax.tree.leaves(host(trainer.params)), jax.tree.leaves(before)):
-        np.testing.assert_array_equal(a, b)
+    assert int(trainer.state.updates) == int(before.updates)
+    for a, b in zip(jax.tree.leaves(host(trainer.state)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)  # params, optimizer state and update count untouched
     assert trainer.train_step(make_batch(11, trainer.version)).nonfinite_in_a_row == 0
     assert trainer.train_step(poisoned(12)).nonfinite_in_a_row == 2
     with pytest.raises(FloatingPointError, match=r"4 optimizer updates in a row had a non-finite loss"):
