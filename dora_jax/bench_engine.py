@@ -23,8 +23,9 @@ import numpy as np
 
 from dora_jax import sharding
 from dora_jax.models import ModelConfig, init_model, split
-from dora_jax.records import SamplingParams
+from dora_jax.records import Request, SamplingParams
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+from dora_jax.rollout.worker import RolloutWorker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,23 @@ def _measure_decode(config: EngineBenchConfig, engine, params, mesh, rng) -> lis
     return points
 
 
+def _worker_step_time(config: EngineBenchConfig, engine, params) -> float:
+    """Median `RolloutWorker.step()` at full occupancy: the real loop, host bookkeeping included."""
+    worker = RolloutWorker(engine, eos_ids=())
+    worker.load_version(0, params)
+    budget = config.cache_length - config.prompt_length
+    for slot in range(config.slots):
+        prompt = tuple(int(t) for t in np.arange(slot, slot + config.prompt_length) % config.vocab_size)
+        worker.submit(Request(f"bench{slot}", "bench", "bench", prompt, 0, budget, SamplingParams(seed=slot)))
+    worker.step()  # admission: prefills + the first decode step
+    times = []
+    for _ in range(min(config.decode_steps, budget - 2)):
+        start = time.perf_counter()
+        worker.step()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def _measure_prefill(config: EngineBenchConfig, engine, params, rng) -> list[dict]:
     rows = []
     for bucket in engine.config.prefill_buckets:
@@ -126,6 +144,7 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     engine.warmup(params, migration=False)
     compiled = engine.compile_counts()
     decode = _measure_decode(config, engine, params, mesh, rng)
+    decode[-1]["worker_step_time_s"] = _worker_step_time(config, engine, params)
     prefill = _measure_prefill(config, engine, params, rng)
     after = engine.compile_counts()
     results = {
@@ -155,6 +174,7 @@ def format_table(results: dict) -> str:
                      f"{p['tokens_per_s']:9.0f} {sized}")
     lines.append(f"{'bucket':>6} {'prefill ms':>10} {'tokens/s':>9}")
     lines += [f"{r['bucket']:6d} {1e3 * r['time_s']:10.3f} {r['tokens_per_s']:9.0f}" for r in results["prefill"]]
+    lines.append(f"RolloutWorker.step() at full occupancy: {1e3 * results['decode'][-1]['worker_step_time_s']:.3f} ms")
     lines.append(f"compiles after warm-up: {results['compiles_after_warmup']}")
     if "flat_ratio" in results:
         lines.append(f"full-batch step / one-slot step: {results['flat_ratio']:.2f}x (flat regime: <= 1.5x)")

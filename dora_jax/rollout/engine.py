@@ -205,7 +205,8 @@ def _read_slot(state: DecodeState, slot, *, rows: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _programs_cached(model_config, config, mesh, rules, graphdef, state_shardings, prefix_shardings):
+def _programs(model_config, config, mesh, rules, graphdef, state_shardings, prefix_shardings):
+    """The jitted programs of one (model, sizes, mesh, rules): (init, prefill, insert, generate, read)."""
     replicated = sharding_lib.replicated(mesh)
     result_shardings = ResultTokens(data=replicated, log_prob=replicated, sample_log_prob=replicated)
     return (
@@ -217,11 +218,6 @@ def _programs_cached(model_config, config, mesh, rules, graphdef, state_sharding
                 out_shardings=(state_shardings, result_shardings)),
         jax.jit(_read_slot, static_argnames=("rows",)),
     )
-
-
-def _programs(model_config, config, mesh, rules, engine: "RolloutEngine"):
-    return _programs_cached(model_config, config, mesh, rules, engine._graphdef, engine._state_shardings,
-                            engine._prefix_shardings)
 
 
 def _empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
@@ -260,7 +256,8 @@ class RolloutEngine:
         # Engines with the same model, sizes and mesh share compiled programs (a worker per
         # time-shared slice, a re-created engine) instead of compiling them again.
         (self._init_jit, self._prefill_jit, self._insert_jit, self._generate_jit,
-         self._read_jit) = _programs(model_config, config, mesh, rules, self)
+         self._read_jit) = _programs(model_config, config, mesh, rules, self._graphdef, self._state_shardings,
+                                     self._prefix_shardings)
 
     # ------------------------------------------------------------------ shardings
     def _spec(self, names: Sequence[str | None], shape) -> NamedSharding:
@@ -383,7 +380,7 @@ class RolloutEngine:
         """The slot's device state (KV rows 0..position-1 on host, position, pending token, RNG key)
         joined with the host-side record the caller keeps; checked against each other."""
         self._check_slot(slot)
-        position = int(jax.device_get(decode_state.position_B[slot]))
+        position = int(np.asarray(decode_state.position_B)[slot])  # whole vector: no per-slot program
         rows = self.config.rows_bucket(max(position, 1))
         k, v, position_dev, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
         expected = len(request.prompt_ids) + len(response_ids) - 1

@@ -7,7 +7,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from dora_jax.models import split
 from dora_jax.records import Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker, as_redispatch
 from tests.rollout.conftest import TINY, run_to_end
@@ -24,15 +26,19 @@ def test_logprobs_equal_full_forward_log_softmax(warm_engine, tiny_model, tiny_p
                  SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=3)]
     for i, sampling in enumerate(samplings):
         worker.submit(_request(i, [1, 5 + i, 9, 14, 3 + 2 * i][: 3 + i % 3], 14, sampling))
-    done = run_to_end(worker)
-    for i in range(len(samplings)):
-        traj = done[f"t{i}"]
-        ids = np.asarray(traj.prompt_ids + traj.response_ids)
-        logits = np.asarray(tiny_model(ids[None, :-1]))[0]  # full forward, fp32
-        logp = jax.nn.log_softmax(logits, axis=-1)[len(traj.prompt_ids) - 1:]
-        expected = np.take_along_axis(np.asarray(logp), np.asarray(traj.response_ids)[:, None], axis=-1)[:, 0]
+    finished = run_to_end(worker)
+    done = [finished[f"t{i}"] for i in range(len(samplings))]
+    ids_BT = np.zeros((len(done), 24), np.int32)  # right-padded: causal, so padding changes nothing before it
+    for b, traj in enumerate(done):
+        ids_BT[b, : len(traj.prompt_ids) + len(traj.response_ids)] = traj.prompt_ids + traj.response_ids
+    graphdef, _ = split(tiny_model)
+    logits_BTV = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(tiny_params, ids_BT)  # full forward, fp32
+    logp_BTV = np.asarray(jax.nn.log_softmax(logits_BTV, axis=-1))
+    for b, traj in enumerate(done):
+        start, n = len(traj.prompt_ids), len(traj.response_ids)
+        expected = logp_BTV[b, np.arange(start - 1, start + n - 1), list(traj.response_ids)]
         np.testing.assert_allclose(traj.logprobs, expected, atol=2e-5, rtol=0)
-        assert len(traj.response_ids) == 14 and traj.finish_reason.value == "length"
+        assert n == 14 and traj.finish_reason.value == "length"
 
 
 def test_no_recompiles_after_warmup(warm_engine, tiny_params):
