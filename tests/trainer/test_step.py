@@ -11,7 +11,7 @@ from dora_jax.models import ModelConfig, init_model, split
 from dora_jax.trainer.loss import LossConfig
 from dora_jax.trainer.step import StepInputs, init_state, train_step
 
-CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 B, T = 8, 16
 
