@@ -17,6 +17,7 @@ from flax import nnx
 from dora_jax import models, sharding
 from dora_jax.run_config import RunConfig
 from dora_jax.tasks import running_sums
+from dora_jax.trainer.batching import bucket_length
 
 
 def _loss(graphdef, params, tokens_BT, mask_BT):
@@ -29,13 +30,14 @@ def _loss(graphdef, params, tokens_BT, mask_BT):
 
 
 def demonstration_batch(source, tokenizer, batch_size: int, pad_to: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T + 1] tokens (prompt, demonstration, EOS, padding) and the response mask; T is a
+    `pad_to * 2^k` bucket (as the RL trainer's batches), so a run compiles a handful of steps."""
     rows = []
     for _ in range(batch_size):
         prompt = source.next()
         response = tokenizer.encode(running_sums.demonstration(prompt)) + list(tokenizer.eos_ids[:1])
         rows.append((list(prompt.prompt_ids), response))
-    longest = max(len(p) + len(r) for p, r in rows)
-    T = -(-longest // pad_to) * pad_to + 1
+    T = bucket_length(max(len(p) + len(r) for p, r in rows), pad_to) + 1
     tokens = np.full((batch_size, T), tokenizer.pad_id, np.int32)
     mask = np.zeros((batch_size, T), np.float32)
     for b, (p, r) in enumerate(rows):

@@ -174,7 +174,8 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             pool.close()
     wall = time.perf_counter() - start
     report = audit(ledger.memory)
-    timelines = {"start": start, "slices": [t.timeline for t in threads], "trainer": train_timeline}
+    timelines = {"start": start, "slices": [t.timeline for t in threads], "trainer": train_timeline,
+                 "slot_totals": _slot_totals(threads)[:2]}
     return RunResult(workdir, wall, len(rows), rows, report, dataclasses.asdict(coord.stats),
                      [t.busy_s for t in threads], train_busy, timelines)
 

@@ -40,7 +40,7 @@ class WorkerThread:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.busy_s = 0.0  # wall time spent inside worker.step()
-        self.timeline: list[tuple[float, float, int | None, int]] = []  # (start, end, version, active) per step
+        self.timeline: list[tuple[float, float, int | None, float]] = []  # (start, end, version, occupancy) per step
         self._thread = threading.Thread(target=self._loop, name=f"rollout-{self.slice_id}", daemon=True)
         self._thread.start()
 
@@ -88,7 +88,7 @@ class WorkerThread:
                 self._run_commands(block=not self.worker.has_work)
                 if self.worker.has_work:
                     start = time.perf_counter()
-                    active = self.worker.num_active
+                    active = self.worker.num_active / self.num_slots
                     finished = self.worker.step()
                     end = time.perf_counter()
                     self.busy_s += end - start

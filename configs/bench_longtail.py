@@ -1,0 +1,44 @@
+"""Trace-driven long-tail benchmark: the four modes on the same forced-length workload.
+
+    python -m dora_jax.bench modes --config=configs/bench_longtail.py --out=/tmp/bench_modes
+    python -m dora_jax.bench engine --config=configs/bench_longtail.py --out=/tmp/bench_engine
+
+Response lengths: log-normal, the paper's median 2.4K / max 30K tokens scaled down ~100x to
+median 20 / cap 320, with sigma 1.1 so that one 32-sample batch's longest response is ~5-10x its
+mean (what makes sync's bubbles 74-88% in the paper), and a tiny model decodes them in minutes.
+The model and slot count sit in the flat regime of the CPU decode step (a step costs about the
+same with 1 or all slots busy, as on an accelerator): check with `bench engine`.
+"""
+
+import importlib.util
+import os
+
+
+def get_config(arg=None):
+    spec = importlib.util.spec_from_file_location("smoke", os.path.join(os.path.dirname(__file__), "smoke.py"))
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    c = smoke.get_config(arg)
+    with c.unlocked():
+        c.num_steps = 8  # training steps per mode
+        c.init.sft_steps = 0  # no learning: lengths are forced
+        c.model.hidden_size = 64
+        c.model.intermediate_size = 128
+        c.model.head_dim = 16
+        c.task.k_max = 8  # short prompts: the work is in decoding
+        c.rollout.num_slices = 2
+        c.rollout.slots = 16
+        c.rollout.cache_length = 384  # prompt (<= 18) + response (<= 320)
+        c.rollout.max_prefill_length = 32
+        c.rollout.max_new_tokens = 320
+        c.rollout.forced_lengths = True
+        c.coordinator.group_size = 4
+        c.coordinator.train_batch_size = 32
+        c.coordinator.rollout_batch_size = 64
+        c.coordinator.k_max = 3
+        c.trainer.micro_batch_size = 16
+        c.trainer.pad_to = 42  # batch lengths 42, 84, 168, 336: little padding past the longest
+        c.log.tensorboard = False
+        c.bench = {"median_len": 20.0, "sigma": 1.1, "max_len": 320}  # forced response lengths (tokens)
+    c.lock()
+    return c

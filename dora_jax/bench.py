@@ -1,0 +1,43 @@
+"""`python -m dora_jax.bench {engine,modes,convergence} --config=... --out=DIR`: benchmarks that
+write JSON (and PNGs); ratios are measured side by side in one process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from dora_jax import cli
+
+_OUT = flags.DEFINE_string("out", None, "output directory for the JSON results and plots")
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] not in ("engine", "modes", "convergence"):
+        raise app.UsageError("usage: python -m dora_jax.bench {engine,modes,convergence} --config=FILE --out=DIR")
+    if not _OUT.value:
+        raise app.UsageError("--out is required")
+    config = cli.CONFIG.value
+    cli.prepare_devices(config)
+    os.makedirs(_OUT.value, exist_ok=True)
+    match argv[1]:
+        case "engine":
+            from dora_jax.bench_engine import format_table, run_engine_bench
+            from dora_jax.bench_modes import engine_bench_config
+
+            results = run_engine_bench(engine_bench_config(config), _OUT.value)
+            print(format_table(results))
+        case "modes":
+            from dora_jax import bench_modes
+
+            bench_modes.main(config, _OUT.value)
+        case "convergence":
+            from dora_jax import bench_convergence
+
+            bench_convergence.main(config, _OUT.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
