@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine = ml_collections.ConfigDict()
     c.engine.accelerators_per_group = 4  # GPUs per rollout (data-parallel) group
     c.engine.slots_per_group = 256  # concurrent decode slots per group (KV-cache capacity)
-    c.engine.decode_t0_s = 0.0197  # decode step time at 1 active slot (fitted, see docstring)
+    c.engine.decode_t0_s = 0.01957  # decode step time at 1 active slot (fitted, see docstring)
     c.engine.decode_t1_s = 0.000175  # extra step time per active slot (HBM-derived, see docstring)
     c.engine.bench_json = ""  # path to `bench engine` JSON: if set, t0/t1 are fitted from it instead
     c.engine.prefill_s_per_token = 3.0e-5  # group seconds per prefilled token
@@ -47,8 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine.migrate_bytes_per_s = 25.0e9  # KV-cache migration bandwidth between groups
 
     c.trainer = ml_collections.ConfigDict()
-    c.trainer.train_s_per_token = 0.000482  # GPU-seconds per trained token (fitted)
-    c.trainer.train_fixed_s = 174.0  # per-step trainer seconds that do not shrink with GPUs (fitted)
+    c.trainer.train_s_per_token = 0.0004712  # GPU-seconds per trained token (fitted)
+    c.trainer.train_fixed_s = 174.3  # per-step trainer seconds that do not shrink with GPUs (fitted)
 
     c.run = ml_collections.ConfigDict()
     c.run.modes = ("sync", "one_step_off", "partial_rollout", "dora")

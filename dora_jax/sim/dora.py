@@ -13,7 +13,8 @@
   3. migrate: requests on a group that moves go, with their KV cache (transfer time, no
      re-prefill), to the kept groups of the same version, emptiest first;
   4. fill: optionally, residual free slots of a kept old-version group get new prompts of that
-     version, only if it still has >= `fill_slack` steps before the window closes on it.
+     version, only if it still has >= `fill_slack` steps before the window closes on it and the
+     window can still absorb them (TransferQueue.window_room).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class DoraPolicy:
     def __init__(self, rbs: int, k_max: int, period_s: float, fill_slack: int = 0):
         if k_max < 1:
             raise ValueError(f"dora needs k_max >= 1, got {k_max}")
+        if fill_slack == 1:
+            # With one step of slack the trainer can already be waiting on that version, and
+            # filling it again would keep it alive forever (a livelock).
+            raise ValueError("fill_slack must be 0 (off) or >= 2")
         self.rbs, self.k_max, self.period_s, self.fill_slack = rbs, k_max, period_s, fill_slack
         self.window_waits = 0  # times a ready batch was refused by the version window
 
@@ -110,5 +115,6 @@ class DoraPolicy:
             return
         g = sim.workload.samples_per_prompt
         free = sum(sim.pool.slots - len(k.active) for k in kept) - len(sim.pool.pending.get(version, ()))
+        free = min(free, sim.window_room(version, self.k_max))
         if free >= g:
             sim.dispatch(free // g, version)

@@ -60,13 +60,14 @@ class RolloutPool:
     """Groups, per-version pending queues and the trajectory store."""
 
     def __init__(self, cluster: ClusterSpec, queue: EventQueue, log: EventLog, prompt_tokens: int,
-                 samples_per_prompt: int, chunk_tokens: float):
+                 samples_per_prompt: int, chunk_tokens: float, kv_migration: bool = True):
         self.cluster = cluster
         self.queue = queue
         self.log = log
         self.prompt_tokens = prompt_tokens
         # The G samples of a prompt share its prefix cache: each pays 1/G of the prompt's prefill.
         self.prompt_prefill = prompt_tokens / samples_per_prompt
+        self.kv_migration = kv_migration  # False: a migrated request re-prefills (ablation)
         self.chunk = max(float(chunk_tokens), 1e-9)
         self.slots = cluster.slots_per_group
         self._t0, self._t1 = cluster.decode.t0_s, cluster.decode.t1_s
@@ -205,14 +206,21 @@ class RolloutPool:
         """Moves an in-flight request with its KV cache to dst (same version): no re-prefill.
 
         The request itself pauses for the KV transfer (it loses that many of dst's decode steps);
-        the other requests on dst keep decoding.
+        the other requests on dst keep decoding. Without KV migration (ablation) dst instead
+        re-prefills the request's prompt share and generated tokens, stalling all of dst.
         """
         assert src.version == dst.version, "migration only between groups serving one version"
         left = self.take_out(src, traj, now)
         self.settle(dst, now)
-        transfer = self.cluster.migrate_time(self.prompt_tokens + self.generated(traj))
         self.migrations += 1
-        self.migration_s += transfer
+        transfer = 0.0
+        if self.kv_migration:
+            transfer = self.cluster.migrate_time(self.prompt_tokens + self.generated(traj))
+            self.migration_s += transfer
+        else:
+            tokens = self.prompt_prefill + self.generated(traj)
+            dst.stall_end = max(dst.stall_end, now) + tokens * self.cluster.prefill_s_per_token
+            self.prefill_tokens += tokens
         end = dst.steps + left + transfer / self.step_time(len(dst.active) + 1)
         dst.active[traj] = end
         heapq.heappush(dst.heap, (end, traj))

@@ -14,7 +14,7 @@ from typing import Optional, Protocol
 from dora_jax.sim.cluster import ClusterSpec, Placement
 from dora_jax.sim.engine import GROUP_EVENT, EventQueue, Group, RolloutPool
 from dora_jax.sim.ledger import Ev, EventLog
-from dora_jax.sim.workload import LengthStream, WorkloadSpec
+from dora_jax.sim.workload import LengthSource, LengthStream, WorkloadSpec
 
 
 class Kind(enum.IntEnum):
@@ -70,6 +70,22 @@ class TransferQueue:
             return False  # some old sample is still being generated
         return sum(self.unconsumed[v] for v in old) <= samples
 
+    def window_room(self, version: int, trainer_version: int, trainer_busy: bool, k_max: int,
+                    batch: int) -> int:
+        """How many samples can be added at `version` and still all be consumable in time.
+
+        Batches are taken oldest version first, so a sample of version v waits behind every
+        unconsumed sample of versions <= v, and must be in a batch at trainer version <= v + K:
+        cumulative(v) <= (v + K - next trainer version + 1) x batch for every v >= version.
+        """
+        room, cumulative = 1 << 62, 0
+        for v in sorted({v for v, n in self.unconsumed.items() if n} | {version}):
+            cumulative += self.unconsumed[v]
+            if v >= version:
+                batches = v + k_max - (trainer_version + int(trainer_busy)) + 1
+                room = min(room, batches * batch - cumulative)
+        return room
+
     def take(self, samples: int, min_version_left: Optional[int] = None) -> Optional[list[int]]:
         """Pops whole prompts, oldest versions first, up to `samples` samples.
 
@@ -118,14 +134,15 @@ class Sim:
     """One simulated run of one mode."""
 
     def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, policy: Policy, steps: int,
-                 chunk_tokens: float):
+                 chunk_tokens: float, kv_migration: bool = True,
+                 lengths: Optional[LengthSource] = None):
         self.cluster, self.workload, self.policy, self.steps = cluster, workload, policy, steps
         self.now = 0.0
         self.queue = EventQueue()
         self.log = EventLog()
         self.pool = RolloutPool(cluster, self.queue, self.log, workload.prompt_tokens,
-                                workload.samples_per_prompt, chunk_tokens)
-        self.stream = LengthStream(workload)
+                                workload.samples_per_prompt, chunk_tokens, kv_migration)
+        self.stream = lengths if lengths is not None else LengthStream(workload)
         self.transfer = TransferQueue()
         self.version = 0  # newest published version; the trainer holds it too
         self.steps_done = 0
@@ -161,14 +178,18 @@ class Sim:
         """Tops in-flight samples up to `rbs` with new prompts on the newest version.
 
         Staleness-aware: a sample dispatched now must be consumed within the next k_max (+1 if
-        the trainer is idle) batches, so unconsumed samples are capped at that many batches;
-        otherwise a fast rollout would queue more than the window lets the trainer consume.
+        the trainer is idle) batches, so no more is dispatched than the window lets the trainer
+        consume (see TransferQueue.window_room); otherwise a fast rollout would queue samples
+        that would have to go stale.
         """
-        g, tbs = self.workload.samples_per_prompt, self.workload.batch_samples
-        window_room = (k_max + (0 if self.trainer_busy else 1)) * tbs - self.transfer.total_unconsumed
-        room = min(rbs - self.pool.unfinished(), window_room)
+        room = min(rbs - self.pool.unfinished(), self.window_room(self.version, k_max))
+        g = self.workload.samples_per_prompt
         if room >= g:
             self.dispatch(room // g, self.version)
+
+    def window_room(self, version: int, k_max: int) -> int:
+        return self.transfer.window_room(version, self.version, self.trainer_busy, k_max,
+                                         self.workload.batch_samples)
 
     def retag_unstarted(self) -> None:
         """Re-dispatches every prompt with no started sample onto the newest version."""

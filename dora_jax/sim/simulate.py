@@ -22,7 +22,7 @@ from dora_jax.sim.dora import DoraPolicy
 from dora_jax.sim.kernel import Policy, Sim
 from dora_jax.sim.ledger import AuditReport, audit
 from dora_jax.sim.policies import OneStepOffPolicy, PartialRolloutPolicy, SyncPolicy
-from dora_jax.sim.workload import WorkloadSpec
+from dora_jax.sim.workload import LengthSource, WorkloadSpec
 
 
 class Mode(str, enum.Enum):
@@ -92,9 +92,15 @@ def simulate(
     chunk_tokens: float = 8.0,
     rebalance_period_s: float = 30.0,
     fill_slack: int = 0,
+    kv_migration: bool = True,
+    lengths: Optional[LengthSource] = None,
     ledger_path: Optional[str] = None,
 ) -> ModeResult:
-    """Simulates `steps` training steps of `mode`; `rbs` defaults to 1.5 x TBS (whole prompts)."""
+    """Simulates `steps` training steps of `mode`; `rbs` defaults to 1.5 x TBS (whole prompts).
+
+    `kv_migration=False` is an ablation: DORA's migrated requests re-prefill instead of moving
+    their KV cache. `lengths` replaces the workload's log-normal response lengths.
+    """
     mode = Mode(mode)
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
@@ -103,7 +109,7 @@ def simulate(
     if rbs < tbs:
         raise ValueError(f"rbs ({rbs}) must be >= the train batch ({tbs} samples)")
     policy = make_policy(mode, workload, k_max, rbs, rebalance_period_s, fill_slack)
-    sim = Sim(cluster, workload, policy, steps, chunk_tokens)
+    sim = Sim(cluster, workload, policy, steps, chunk_tokens, kv_migration, lengths)
     sim.run()
     if ledger_path:
         sim.log.write_jsonl(ledger_path)

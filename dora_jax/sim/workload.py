@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import statistics
+from typing import Protocol
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class WorkloadSpec:
 
     @property
     def sigma(self) -> float:
-        n = max(self.batch_samples, 2)
+        n = max(self.batch_samples, 4)  # tiny batches: keep z_n away from 0
         z_n = statistics.NormalDist().inv_cdf(1.0 - 1.0 / n)
         return math.log(self.max_over_median) / z_n
 
@@ -59,6 +60,24 @@ def draw_lengths(spec: WorkloadSpec, rng: np.random.Generator, prompts: int) -> 
     z = math.sqrt(rho) * z_prompt + math.sqrt(1.0 - rho) * z_sample
     lengths = np.exp(math.log(spec.median_response) + spec.sigma * z)
     return np.clip(np.rint(lengths), 1, spec.max_response).astype(np.int64)
+
+
+class LengthSource(Protocol):
+    """Where the simulator gets each prompt's G response lengths, in dispatch order."""
+
+    def next_prompt(self) -> list[int]: ...
+
+
+class CyclicLengths:
+    """Fixed lengths, prompt after prompt, repeating: for hand-checkable workloads."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self._prompts, self._next = [list(p) for p in prompts], 0
+
+    def next_prompt(self) -> list[int]:
+        row = self._prompts[self._next % len(self._prompts)]
+        self._next += 1
+        return list(row)
 
 
 class LengthStream:

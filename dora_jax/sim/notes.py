@@ -1,0 +1,110 @@
+"""Plain-language notes for results.json: what matches the paper, what differs, and why.
+
+Every number in a note is read from the results, so the notes stay true when the config changes;
+the explanations are the model's known simplifications.
+"""
+
+from __future__ import annotations
+
+_PAPER_IMPLIED_TOKENS_PER_SAMPLE = 14143 * 22.91 * 60 / 8192  # sync @ 64 GPUs: tokens/s x step / samples
+
+
+def _winner_order(modes: dict, key: str = "step_time_s") -> list[str]:
+    return sorted(modes, key=lambda m: modes[m][key])
+
+
+def _within(ours, paper, factor: float = 1.5) -> str:
+    if paper in (None, 0):
+        return "n/a"
+    if ours is None:
+        return "unbounded: dora's trainer never waited"
+    r = ours / paper
+    return f"{r:.2f}x of paper, {'within' if 1 / factor <= r <= factor else 'OUTSIDE'} {factor}x"
+
+
+def _setting_notes(n: str, setting: dict, paper: dict) -> list[str]:
+    modes, ratios = setting["modes"], setting["ratios"]
+    notes = []
+    order = " < ".join(_winner_order(modes))
+    paper_steps = {m: v["paper"] for k, v in paper.items() if k.startswith("step_time_min.")
+                   for m in [k.split(".", 1)[1]] if v["paper"] is not None}
+    paper_order = " < ".join(sorted(paper_steps, key=paper_steps.get))
+    notes.append(f"{n} GPUs: step time order (fastest first) ours {order}; paper {paper_order}.")
+    for key in ("dora_vs_sync", "rollout_speedup_vs_sync"):
+        if key in paper:
+            notes.append(f"{n} GPUs: {key} ours {paper[key]['ours']} vs paper {paper[key]['paper']} "
+                         f"({_within(paper[key]['ours'], paper[key]['paper'])}).")
+    best = ratios.get("dora_vs_best_other_async")
+    notes.append(f"{n} GPUs: dora vs best other async ours {best} (paper 1.11-1.47; at this size the "
+                 f"paper's tables give {_paper_best(paper)}).")
+    d = modes.get("dora", {})
+    if d:
+        notes.append(
+            f"{n} GPUs: dora rollout-only share {d['rollout_only_share']:.3f} (paper "
+            f"{paper.get('rollout_only_share.dora', {}).get('paper')}): its trainer waits "
+            f"{d['trainer_wait_s']:.0f} s per step, bubble ratio {d['bubble_ratio']:.3f}, "
+            f"KV migration {100 * d['migration_share']:.1f}% of rollout group-time "
+            f"(paper: request transfer 2-3.6% of step time), audit_ok={d['audit_ok']}.")
+    ablation = setting.get("kv_reuse_ablation")
+    if ablation:
+        notes.append(f"{n} GPUs: moving KV caches instead of re-prefilling migrated requests saves "
+                     f"{100 * ablation['step_time_saving']:.1f}% of dora's step time and "
+                     f"{ablation['prefill_tokens_saved']:,} prefill tokens (paper: KV reuse saves ~9% "
+                     f"of rollout time; here migrations are rarer, see migration share).")
+    p = modes.get("partial_rollout")
+    if p:
+        notes.append(f"{n} GPUs: partial_rollout audit_ok={p['audit_ok']} as designed: "
+                     f"{p['audit']['c1_violations']} trajectories mix versions (C1), and with staleness "
+                     f"measured from the oldest token ({p['max_staleness']} > K) "
+                     f"{p['audit']['c3_violations']} also exceed the window (C3).")
+    return notes
+
+
+def _paper_best(paper: dict) -> str:
+    dora = paper.get("step_time_min.dora", {}).get("paper")
+    others = [paper.get(f"step_time_min.{m}", {}).get("paper") for m in ("one_step_off", "partial_rollout")]
+    others = [o for o in others if o]
+    return f"{min(others) / dora:.2f} by step time" if dora and others else "n/a"
+
+
+def make_notes(results: dict) -> list[str]:
+    notes = [
+        "Calibration: only the paper's synchronous rows are targets (trainer fixed + per-token cost "
+        "from sync's train time at 64 and 128 GPUs; decode t0 from sync's rollout time at 64 GPUs; "
+        "decode t1 from HBM bandwidth and FLOPs). Sync at 128 GPUs and every asynchronous number "
+        "are predictions.",
+        "Placement: sync and partial_rollout colocated (every GPU rolls out, then every GPU trains), "
+        "one_step_off and dora on a half/half trainer/rollout split, which is what the paper's DORA "
+        "rows imply (trainer busy 12.9 / 7.95 min per step at 64 / 128 GPUs = T(32) / T(64)).",
+    ]
+    for n, setting in results["settings"].items():
+        notes += _setting_notes(n, setting, results["paper"].get(f"gpus_{n}", {}))
+    mean = results["workload"]["mean_response"]
+    sync_bubbles = ", ".join(f"{s['modes']['sync']['bubble_ratio']:.2f} at {n}"
+                             for n, s in results["settings"].items() if "sync" in s["modes"])
+    notes += [
+        f"Absolute tokens/s run ~{mean / _PAPER_IMPLIED_TOKENS_PER_SAMPLE:.2f}x the paper's in every "
+        f"mode: the log-normal with median 2.4K has mean {mean:.0f} response tokens, while the "
+        f"paper's sync row implies {_PAPER_IMPLIED_TOKENS_PER_SAMPLE:.0f} tokens per sample. "
+        "Step times and ratios are what the calibration matches.",
+        "Why dora's rollout-only share is below the paper's (and rollout_speedup_vs_sync above it): "
+        "on the half split the model's dora is trainer-bound or balanced (full-occupancy rollout "
+        "work <= train work), so its trainer idles only while an old version's tail drains or the "
+        "window holds a batch back. The paper's DORA trainer idled 106 s / 151 s per step; the "
+        "model has no such per-step cost (candidates: KV-cache capacity at long contexts, modelled "
+        "as a fixed 256 slots; trainer-side weight sync; engine overheads). The speedup is a ratio "
+        "of two small residuals, so it is ill-conditioned near balance and diverges when dora never "
+        "waits.",
+        "Sync at 128 GPUs: the model's sync rollout shortens from 64 to 128 GPUs (with 8192 slots "
+        "every sample starts at once, so the longest no longer queues), the paper's hardly did "
+        "(893 -> 886 s).",
+        f"bubble_ratio is time-weighted (idle slot-seconds); sync's is {sync_bubbles} GPUs "
+        "(paper: 74-88% of rollout capacity idle); dora's residual bubble is the orphan tail of the previous "
+        "version on its last group (DORA's fill step, run.fill_slack, trades it against staleness) "
+        "and, when trainer-bound, rollout capacity the window does not let it use.",
+        "Scaling sweep: with the batch fixed at 512 x 16, more GPUs cannot all be kept busy, so "
+        "every mode's bubble ratio rises; sync is bounded by its longest sample, dora by the trainer "
+        "and by the K window over the longest samples, so dora's advantage grows with size "
+        "(paper, production at 4,096+ accelerators: 2-4x end to end).",
+    ]
+    return notes

@@ -1,0 +1,97 @@
+"""Config -> scenario -> results.json, table and notes; calibration helpers."""
+
+import json
+
+import pytest
+
+from configs.sim_paper import get_config
+from dora_jax.sim import Mode, WorkloadSpec, fit_decode
+from dora_jax.sim.calibrate import SyncTarget, solve_train
+from dora_jax.sim.report import format_table, run_all
+from dora_jax.sim.scenario import from_config
+from dora_jax.sim.workload import mean_response
+
+_MODES_KEYS = {"wall_s", "steps", "train_tokens", "tokens_per_s", "step_time_s", "rollout_only_share",
+               "bubble_ratio", "trainer_wait_s", "max_staleness", "audit_ok"}
+
+
+def small_config():
+    c = get_config()
+    with c.unlocked():
+        c.workload.prompts_per_step = 24
+        c.workload.samples_per_prompt = 4
+        c.workload.median_response = 300.0
+        c.workload.max_response = 3000
+        c.engine.slots_per_group = 16
+        c.run.steps = 4
+        c.run.warmup = 1
+        c.sweep.accelerators = (64, 256)
+        c.sweep.steps = 3
+        c.sweep.warmup = 1
+    return c
+
+
+def test_paper_config_is_locked_and_valid():
+    c = get_config()
+    with pytest.raises(AttributeError):
+        c.run.no_such_field = 1
+    sc = from_config(c)
+    assert sc.options.modes == tuple(Mode) and sc.options.k_max == 3
+    assert sc.settings == (64, 128) and sc.sweep_accelerators[-1] == 4096
+    dora = sc.placements.cluster(sc.costs, Mode.DORA, 64, sc.workload)
+    assert dora.rollout_accelerators + dora.train_accelerators == 64
+
+
+def test_bad_config_values_name_the_field():
+    c = get_config()
+    with c.unlocked():
+        c.placement.dora = "colocated"
+    with pytest.raises(ValueError, match="placement.dora"):
+        from_config(c)
+    c = get_config()
+    with c.unlocked():
+        c.run.modes = ("sync", "bogus")
+    with pytest.raises(ValueError, match="run.modes"):
+        from_config(c)
+
+
+def test_run_all_writes_results_json_with_every_block(tmp_path):
+    results = run_all(from_config(small_config()), str(tmp_path))
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert set(on_disk) >= {"settings", "paper", "scaling", "notes", "definitions"}
+    setting = on_disk["settings"]["64"]
+    for mode in Mode:
+        assert _MODES_KEYS <= set(setting["modes"][mode.value])
+    assert setting["modes"]["partial_rollout"]["audit_ok"] is False
+    assert all(setting["modes"][m]["audit_ok"] for m in ("sync", "one_step_off", "dora"))
+    assert {"tokens_per_s", "how"} <= set(setting["bound"])
+    assert {"dora_vs_sync", "dora_vs_one_step_off", "dora_vs_partial_rollout",
+            "rollout_speedup_vs_sync"} <= set(setting["ratios"])
+    assert on_disk["paper"]["gpus_64"]["step_time_min.sync"]["paper"] == 22.91
+    assert set(on_disk["scaling"]["accelerators"]) == {"64", "256"}
+    assert on_disk["notes"] and "kv_reuse_ablation" in setting
+    table = format_table(results)
+    assert "64 GPUs" in table and "scaling" in table
+
+
+def test_solve_train_recovers_a_known_trainer():
+    workload = WorkloadSpec(prompts_per_step=8, samples_per_prompt=2)
+    tokens = workload.batch_samples * (mean_response(workload) + workload.prompt_tokens)
+    fixed, per_token = 100.0, 0.002
+    train = lambda n: fixed + per_token * tokens / n
+    targets = [SyncTarget(n, step_s=1000.0, rollout_share=1.0 - train(n) / 1000.0) for n in (64, 128)]
+    got_fixed, got_per_token = solve_train(*targets, workload)
+    assert got_fixed == pytest.approx(fixed) and got_per_token == pytest.approx(per_token)
+
+
+def test_fit_decode_from_bench_points(tmp_path):
+    model = fit_decode([(1, 0.010), (8, 0.0135), (32, 0.0255)])
+    assert model.t0_s == pytest.approx(0.0095) and model.t1_s == pytest.approx(0.0005)
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"decode": [{"active_slots": a, "step_time_s": 0.02 + 0.001 * a}
+                                           for a in (1, 4, 16)]}))
+    c = get_config()
+    with c.unlocked():
+        c.engine.bench_json = str(path)
+    decode = from_config(c).costs.decode
+    assert decode.t0_s == pytest.approx(0.02) and decode.t1_s == pytest.approx(0.001)
