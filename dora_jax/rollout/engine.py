@@ -9,6 +9,9 @@ Same meanings as google/JetStream `engine_api.Engine` (jetstream itself is impor
 the next one. Params are passed on every call, so the caller always knows which version produced
 each token. The decode state is a pure pytree: per-slot KV cache, position, pending token, RNG key
 and sampling params; `export_slot`/`import_slot` move one slot between engines with no prefill.
+The generated tokens, log-probs and per-token versions are the caller's host-side record (the
+worker reads every step's tokens anyway), so `export_slot` takes them and checks them against the
+device state before it builds the `SlotState`.
 
 Compiled programs are bounded: one `generate`; one `prefill` per bucket (powers of two from
 `min_prefill_bucket` to `max_prefill_length`); one `insert` per row bucket (powers of two up to

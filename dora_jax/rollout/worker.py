@@ -11,6 +11,11 @@ key, tokens, log-probs, per-token versions); `import_requests` on a worker servi
 continues them with no prefill. Queued, not yet admitted requests leave with `take_queued()` as
 plain Requests. A Request with `prefix_response_ids` (re-dispatch after a failure, or partial
 rollout) is re-prefilled on prompt + prefix and continues; `as_redispatch(slot_state)` builds one.
+
+Between calls nothing is in flight: `step()` reads its generate result before it returns, so the
+host record always matches the device state and an export, import or version load never has to
+drain a pending step (or report as active a request that already finished on the device). The cost
+is one host round trip per step; measured by `bench engine` as `worker_step_time_s`.
 """
 
 from __future__ import annotations
