@@ -10,7 +10,7 @@ from dora_jax.records import Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker
 from tests.rollout.conftest import TINY, run_to_end
 
-jetstream_adapter = pytest.importorskip("dora_jax.rollout.jetstream_adapter")
+from dora_jax.rollout import jetstream_adapter  # the jetstream extra is part of the test install
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 PROMPTS = [(1, 4, 9, 16, 25), (7, 3), (40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56)]
