@@ -5,9 +5,11 @@
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --config.run.k_max=1
 
 How the constants were chosen (see dora_jax/sim/calibrate.py; `--calibrate` re-runs the fit):
-- Hardware-derived: one rollout group = 4 GPUs (tensor parallel; 32B bf16 weights are 64 GB),
-  256 decode slots per group (KV budget), KV bytes/token = 64 layers x 8 KV heads x 128 x 2 (K, V)
-  x 2 bytes, prefill ~33K tokens/s per group, 25 GB/s point-to-point KV transfer, 5 s weight load.
+- Hardware-derived (80 GB GPUs, H800/H100 class): one rollout group = 4 GPUs (tensor parallel;
+  32B bf16 weights are 64 GB); KV bytes/token = 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+  = 262 KB; slots = KV budget / time-weighted mean context: (4 x 80 GB x 0.9 - 64 GB) / 262 KB
+  = 854K tokens over ~4.4K tokens per slot -> 192 slots; prefill ~33K tokens/s per group;
+  25 GB/s point-to-point KV transfer; 5 s to load another version's weights.
 - decode t1 (seconds per extra active slot) = KV bytes a slot reads per step / group HBM bandwidth
   + one token's matmuls / group compute: 262 KB/token x ~4.4K tokens of time-weighted mean context
   (2K prompt + E[L^2]/2E[L] of the response distribution) = 1.15 GB over 4 x 3.35 TB/s x 60%
@@ -37,8 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.engine = ml_collections.ConfigDict()
     c.engine.accelerators_per_group = 4  # GPUs per rollout (data-parallel) group
-    c.engine.slots_per_group = 256  # concurrent decode slots per group (KV-cache capacity)
-    c.engine.decode_t0_s = 0.01957  # decode step time at 1 active slot (fitted, see docstring)
+    c.engine.slots_per_group = 192  # concurrent decode slots per group (KV budget, see docstring)
+    c.engine.decode_t0_s = 0.01926  # decode step time at 1 active slot (fitted, see docstring)
     c.engine.decode_t1_s = 0.000175  # extra step time per active slot (HBM-derived, see docstring)
     c.engine.bench_json = ""  # path to `bench engine` JSON: if set, t0/t1 are fitted from it instead
     c.engine.prefill_s_per_token = 3.0e-5  # group seconds per prefilled token

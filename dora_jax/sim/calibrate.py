@@ -66,7 +66,8 @@ def fit_t0(costs: CostModel, target: SyncTarget, workload: WorkloadSpec, iters: 
     return (lo * hi) ** 0.5
 
 
-def calibrate(costs: CostModel, workload: WorkloadSpec, targets: Sequence[SyncTarget]) -> tuple[CostModel, dict]:
+def calibrate(costs: CostModel, workload: WorkloadSpec,
+              targets: Sequence[SyncTarget]) -> tuple[CostModel, dict]:
     """Fits trainer constants to both targets and t0 to the first; validates on the second."""
     a, b = targets[0], targets[1]
     fixed, per_token = solve_train(a, b, workload)
@@ -85,7 +86,8 @@ def print_calibration(sc) -> None:
     targets = []
     for n in sc.settings[:2]:
         paper = sc.paper[f"gpus_{n}"]
-        targets.append(SyncTarget(n, paper["step_time_min"]["sync"] * 60.0, paper["rollout_only_share"]["sync"]))
+        step_s = paper["step_time_min"]["sync"] * 60.0
+        targets.append(SyncTarget(n, step_s, paper["rollout_only_share"]["sync"]))
     costs, check = calibrate(sc.costs, sc.workload, targets)
     print({k: round(v, 1) for k, v in check.items()})
     print(f"c.engine.decode_t0_s = {costs.decode.t0_s:.4g}")

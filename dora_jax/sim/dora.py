@@ -5,7 +5,8 @@
 - RBS > TBS samples are kept in flight; new prompts go to the newest version only.
 - The trainer takes TBS samples (whole prompt groups) as soon as they are complete, oldest
   versions first, and may go from version t to t+1 only if afterwards no unconsumed sample has a
-  version below t+1-K (C3); otherwise it waits, and the wait is measured.
+  version below t+1-K (C3), nor would any be left unconsumable in time by later batches
+  (TransferQueue.take); otherwise it waits, and the wait is measured.
 - Rebalance (after every publish, when a group runs dry, and every `period_s`):
   1. supplement: top the in-flight count up to RBS with new prompts on the newest version;
   2. repartition: an old version w keeps DP_w = max(ceil(R_w / S), round(N R_w / sum R)) groups,
@@ -63,7 +64,7 @@ class DoraPolicy:
     def _try_train(self, sim: Sim) -> None:
         if sim.trainer_busy or sim.transfer.ready_samples < sim.workload.batch_samples:
             return
-        batch = sim.transfer.take(sim.workload.batch_samples, min_version_left=sim.version + 1 - self.k_max)
+        batch = sim.transfer.take(sim.workload.batch_samples, window=(self.k_max, sim.version))
         if batch is None:
             self.window_waits += 1
             return
@@ -79,7 +80,8 @@ class DoraPolicy:
         by_version: dict[int, list[Group]] = {}
         for g in pool.groups:
             by_version.setdefault(g.version, []).append(g)
-        load = {v: sum(len(g.active) for g in gs) + len(pool.pending.get(v, ())) for v, gs in by_version.items()}
+        load = {v: sum(len(g.active) for g in gs) + len(pool.pending.get(v, ()))
+                for v, gs in by_version.items()}
         load.setdefault(newest, len(pool.pending.get(newest, ())))
         total = max(1, sum(load.values()))
         n, s = len(pool.groups), pool.slots
@@ -114,7 +116,8 @@ class DoraPolicy:
         if version + self.k_max - sim.version < self.fill_slack:
             return
         g = sim.workload.samples_per_prompt
-        free = sum(sim.pool.slots - len(k.active) for k in kept) - len(sim.pool.pending.get(version, ()))
+        free = sum(sim.pool.slots - len(k.active) for k in kept)
+        free -= len(sim.pool.pending.get(version, ()))
         free = min(free, sim.window_room(version, self.k_max))
         if free >= g:
             sim.dispatch(free // g, version)

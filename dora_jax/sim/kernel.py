@@ -63,13 +63,6 @@ class TransferQueue:
             self.ready_samples += n
             self.ready_by_version[v] += n
 
-    def window_allows(self, samples: int, min_version_left: int) -> bool:
-        """True if an oldest-first batch of `samples` leaves no unconsumed version < min_version_left."""
-        old = [v for v, n in self.unconsumed.items() if n and v < min_version_left]
-        if any(self.ready_by_version[v] != self.unconsumed[v] for v in old):
-            return False  # some old sample is still being generated
-        return sum(self.unconsumed[v] for v in old) <= samples
-
     def window_room(self, version: int, trainer_version: int, trainer_busy: bool, k_max: int,
                     batch: int) -> int:
         """How many samples can be added at `version` and still all be consumable in time.
@@ -86,32 +79,42 @@ class TransferQueue:
                 room = min(room, batches * batch - cumulative)
         return room
 
-    def take(self, samples: int, min_version_left: Optional[int] = None) -> Optional[list[int]]:
+    def take(self, samples: int, window: Optional[tuple[int, int]] = None) -> Optional[list[int]]:
         """Pops whole prompts, oldest versions first, up to `samples` samples.
 
-        With `min_version_left`, the batch is refused (None, nothing popped) unless afterwards no
-        unconsumed sample has a version below it (the version window).
+        With `window=(k_max, trainer_version)` the batch is refused (None, nothing popped) unless
+        afterwards every unconsumed sample can still be consumed in time:
+        cumulative(v) <= (v + K - trainer_version) x samples for every version v. For the oldest
+        versions this is the version window (nothing below t+1-K left); for the others it stops
+        newer ready samples from using up batches that samples still being generated need.
         """
         if self.ready_samples < samples:
             return None
-        if min_version_left is not None and not self.window_allows(samples, min_version_left):
-            return None
-        picked, count = [], 0
+        picked, taken, count = [], collections.Counter(), 0
         for v in sorted(self.ready):
-            queue = self.ready[v]
-            while queue and count < samples:
-                p = queue.popleft()
+            for p in self.ready[v]:
+                if count >= samples:
+                    break
                 n = len(self.members[p])
                 picked.append(p)
+                taken[v] += n
                 count += n
-                self.ready_samples -= n
-                self.ready_by_version[v] -= n
-                self.unconsumed[v] -= n
-                self.total_unconsumed -= n
-            if not queue:
+        if window is not None:
+            k_max, trainer_version = window
+            cumulative = 0
+            for v in sorted(v for v, n in self.unconsumed.items() if n):
+                cumulative += self.unconsumed[v] - taken[v]
+                if cumulative > (v + k_max - trainer_version) * samples:
+                    return None
+        for p in picked:  # a prefix of each version's ready deque
+            v, n = self.version[p], len(self.members[p])
+            self.ready[v].popleft()
+            if not self.ready[v]:
                 del self.ready[v]
-            if count >= samples:
-                break
+            self.ready_samples -= n
+            self.ready_by_version[v] -= n
+            self.unconsumed[v] -= n
+            self.total_unconsumed -= n
         return picked
 
 
@@ -127,6 +130,7 @@ class Snapshot:
     busy_slot_s: float
     tokens: int
     migration_s: float
+    prefill_tokens: float
     weight_loads: int
 
 
@@ -225,7 +229,7 @@ class Sim:
         self._snapshot()
         idle_ticks = 0  # timer ticks in a row with nothing else happening: a deadlock
         while self.steps_done < self.steps:
-            if not len(self.queue) or idle_ticks > 10_000:
+            if not len(self.queue) or idle_ticks > 1_000:
                 raise RuntimeError(f"simulation stalled at t={self.now:.1f}s, step {self.steps_done}")
             t, kind, payload, epoch = self.queue.pop()
             if kind == Kind.GROUP and self.pool.groups[payload].epoch != epoch:
@@ -276,5 +280,6 @@ class Sim:
             busy_slot_s=self.pool.busy_slot_s(),
             tokens=self.tokens_consumed,
             migration_s=self.pool.migration_s,
+            prefill_tokens=self.pool.prefill_tokens,
             weight_loads=self.pool.weight_loads,
         ))

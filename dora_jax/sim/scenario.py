@@ -90,7 +90,8 @@ class Placements:
 
     def cluster(self, costs: CostModel, mode: Mode, accelerators: int, workload: WorkloadSpec) -> ClusterSpec:
         placement = self.by_mode[mode]
-        train = accelerators if placement == Placement.COLOCATED else self.split(costs, accelerators, workload)
+        colocated = placement == Placement.COLOCATED
+        train = accelerators if colocated else self.split(costs, accelerators, workload)
         return costs.cluster(accelerators, placement, train)
 
 

@@ -49,9 +49,10 @@ class ModeResult:
     audit: AuditReport
     staleness_bound: int
     migrations: int
-    migration_share: float  # KV-transfer seconds / (rollout group-seconds in the window)
+    migration_share: float  # KV-transfer seconds / rollout group-seconds, in the window
+    prefill_share: float  # prefill (incl. re-prefill) group-seconds / rollout group-seconds
     weight_loads: int
-    prefill_tokens: float
+    prefill_tokens: float  # whole run
     window_waits: int  # DORA: times a complete batch was held back by the version window
 
     def as_dict(self) -> dict:
@@ -149,6 +150,8 @@ def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: in
         staleness_bound=bound,
         migrations=sim.pool.migrations,
         migration_share=(last.migration_s - first.migration_s) / group_seconds,
+        prefill_share=(last.prefill_tokens - first.prefill_tokens) * sim.cluster.prefill_s_per_token
+        / group_seconds,
         weight_loads=last.weight_loads - first.weight_loads,
         prefill_tokens=sim.pool.prefill_tokens,
         window_waits=window_waits,

@@ -25,7 +25,8 @@ def test_lengths_are_clipped_and_integral():
 def test_stream_is_deterministic_per_seed():
     a, b = LengthStream(WorkloadSpec(seed=3)), LengthStream(WorkloadSpec(seed=3))
     assert [a.next_prompt() for _ in range(300)] == [b.next_prompt() for _ in range(300)]
-    assert LengthStream(WorkloadSpec(seed=4)).next_prompt() != LengthStream(WorkloadSpec(seed=3)).next_prompt()
+    other = LengthStream(WorkloadSpec(seed=4)).next_prompt()
+    assert other != LengthStream(WorkloadSpec(seed=3)).next_prompt()
 
 
 def test_prompt_correlation_shares_variance_within_a_group():
