@@ -158,11 +158,13 @@ class Coordinator:
     def process(self, timeout: float = 0.0) -> int:
         """Applies pending events (waiting up to `timeout` for the first) and runs the triggers."""
         handled = 0
-        try:
-            event = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            event = None
-        with self._cond:
+        with self._cond:  # events are taken only under the lock, so `_absorb` sees every one
+            if timeout > 0 and self._inbox.empty():
+                self._cond.wait(timeout)  # posters do not notify (they must never block): poll
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                event = None
             while event is not None:
                 self._handle(event)
                 handled += 1
@@ -280,14 +282,17 @@ class Coordinator:
         self.stats.rebalances += 1
         self._migrate(plan.migrations)
         for sid, version in plan.switches:
-            self._load(sid, version)
+            if not self.slice_trajs[sid]:  # else something landed or stayed there: C1 first, no switch
+                self._load(sid, version)
         by_slice: dict[int, list[Request]] = {}
         for traj_id, sid in plan.placements:
-            by_slice.setdefault(sid, []).append(backlog.pop(traj_id))
+            if self.slice_version[sid] == self.latest:
+                by_slice.setdefault(sid, []).append(backlog.pop(traj_id))
         self.backlog = list(backlog.values())
         for sid, requests in sorted(by_slice.items()):
             self._send(requests, sid)
-        self._migrate(plan.fills)
+        self._migrate([m for m in plan.fills if self.slice_version[m.src] == self.slice_version[m.dst]
+                       and m.traj_id in self.slice_trajs[m.src]])
 
     def _switch_idle(self) -> None:
         """sync / one_step_off / partial_rollout: a slice loads the newest version only when empty;

@@ -83,7 +83,9 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
 
-    def __call__(self, x_BTE, positions_BT, cache_k_BSKD=None, cache_v_BSKD=None):
+    def __call__(self, x_BTE, positions_BT, cache: tuple | None = None, layer: int = 0):
+        """With `cache` = (k_LBSKD, v_LBSKD), writes this layer's new rows into the stacked cache
+        (a scatter XLA does in place when the caller donates the cache) and returns it whole."""
         cfg, dt = self.cfg, self.cfg.dtype
         q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, self.q_EHD[...].astype(dt))
         k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.k_EKD[...].astype(dt))
@@ -98,14 +100,18 @@ class Attention(nnx.Module):
         q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq_F)
         k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq_F)
 
-        if cache_k_BSKD is None:  # full forward: causal over the T tokens themselves
+        if cache is None:  # full forward: causal over the T tokens themselves
             keys_BSKD, values_BSKD = k_BTKD, v_BTKD
             key_pos_BS = positions_BT
+            new_cache = (k_BTKD, v_BTKD)
         else:  # write the new rows at their positions, attend over the whole cache
             start_B = positions_BT[:, 0]
-            write = jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (p, 0, 0)))
-            keys_BSKD = write(cache_k_BSKD, k_BTKD, start_B)
-            values_BSKD = write(cache_v_BSKD, v_BTKD, start_B)
+            write = jax.vmap(
+                lambda c_LSKD, u_TKD, p: jax.lax.dynamic_update_slice(c_LSKD, u_TKD[None].astype(c_LSKD.dtype), (layer, p, 0, 0)),
+                in_axes=(1, 0, 0), out_axes=1,
+            )
+            new_cache = (write(cache[0], k_BTKD, start_B), write(cache[1], v_BTKD, start_B))
+            keys_BSKD, values_BSKD = new_cache[0][layer], new_cache[1][layer]
             S = keys_BSKD.shape[1]
             key_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (x_BTE.shape[0], S))
         mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
@@ -113,7 +119,7 @@ class Attention(nnx.Module):
         y_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, self.o_HDE[...].astype(dt))
         if cfg.attention_out_bias:
             y_BTE = y_BTE + self.o_bias_E[...].astype(dt)
-        return y_BTE, keys_BSKD, values_BSKD
+        return y_BTE, new_cache
 
 
 def _attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
@@ -151,11 +157,11 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BTE, positions_BT, cache_k_BSKD=None, cache_v_BSKD=None):
-        h_BTE, k_BSKD, v_BSKD = self.attn(self.input_norm(x_BTE), positions_BT, cache_k_BSKD, cache_v_BSKD)
+    def __call__(self, x_BTE, positions_BT, cache: tuple | None = None, layer: int = 0):
+        h_BTE, new_cache = self.attn(self.input_norm(x_BTE), positions_BT, cache, layer)
         x_BTE = x_BTE + h_BTE
         x_BTE = x_BTE + self.mlp(self.post_attn_norm(x_BTE))
-        return x_BTE, k_BSKD, v_BSKD
+        return x_BTE, new_cache
 
 
 class Decoder(nnx.Module):
@@ -183,18 +189,20 @@ class Decoder(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BTE = jnp.take(self.embed_VE[...], input_ids_BT, axis=0).astype(cfg.dtype)
         new_k, new_v = [], []
+        stacked = None if cache is None else (cache.k_LBSKD, cache.v_LBSKD)
         for i, layer in enumerate(self.layers):
-            ck = None if cache is None else cache.k_LBSKD[i]
-            cv = None if cache is None else cache.v_LBSKD[i]
-            x_BTE, k_BSKD, v_BSKD = layer(x_BTE, positions_BT, ck, cv)
-            new_k.append(k_BSKD)
-            new_v.append(v_BSKD)
+            x_BTE, layer_cache = layer(x_BTE, positions_BT, stacked, i)
+            if cache is None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+            else:
+                stacked = layer_cache
         x_BTE = self.final_norm(x_BTE)
         head_EV = self.embed_VE[...].T if cfg.tie_word_embeddings else self.lm_head_EV[...]
         logits_BTV = jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
         if cache is None and not return_kv:
             return logits_BTV
-        kv = KVCache(jnp.stack(new_k), jnp.stack(new_v))
+        kv = KVCache(*stacked) if cache is not None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
         return logits_BTV, kv
 
 
