@@ -227,14 +227,15 @@ class Sim:
     def run(self) -> None:
         self.policy.start(self)
         self._snapshot()
-        idle_ticks = 0  # timer ticks in a row with nothing else happening: a deadlock
+        idle_ticks = 0  # timer ticks in a row with nothing running and nothing training: a deadlock
         while self.steps_done < self.steps:
             if not len(self.queue) or idle_ticks > 1_000:
                 raise RuntimeError(f"simulation stalled at t={self.now:.1f}s, step {self.steps_done}")
             t, kind, payload, epoch = self.queue.pop()
             if kind == Kind.GROUP and self.pool.groups[payload].epoch != epoch:
                 continue
-            idle_ticks = idle_ticks + 1 if kind == Kind.TIMER else 0
+            stuck = kind == Kind.TIMER and not self.trainer_busy and not self.pool.total_active
+            idle_ticks = idle_ticks + 1 if stuck else 0
             self._account(t)
             self.now = t
             if kind == Kind.GROUP:

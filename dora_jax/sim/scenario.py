@@ -33,7 +33,7 @@ class CostModel:
     def cluster(self, accelerators: int, placement: Placement, train_accelerators: int) -> ClusterSpec:
         return make_cluster(
             accelerators=accelerators, placement=placement, train_accelerators=train_accelerators,
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            **vars(self),
         )
 
     def rollout_work_s(self, rollout_accelerators: int, workload: WorkloadSpec) -> float:

@@ -17,7 +17,7 @@ import dataclasses
 import enum
 from typing import Optional
 
-from dora_jax.sim.cluster import ClusterSpec
+from dora_jax.sim.cluster import ClusterSpec, Placement
 from dora_jax.sim.dora import DoraPolicy
 from dora_jax.sim.kernel import Policy, Sim
 from dora_jax.sim.ledger import AuditReport, audit
@@ -103,6 +103,8 @@ def simulate(
     their KV cache. `lengths` replaces the workload's log-normal response lengths.
     """
     mode = Mode(mode)
+    if mode in (Mode.ONE_STEP_OFF, Mode.DORA) and cluster.placement != Placement.SPLIT:
+        raise ValueError(f"{mode.value} overlaps rollout and training: it needs a split placement")
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
     tbs, g = workload.batch_samples, workload.samples_per_prompt

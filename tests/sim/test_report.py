@@ -1,6 +1,9 @@
 """Config -> scenario -> results.json, table and notes; calibration helpers."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -95,3 +98,28 @@ def test_fit_decode_from_bench_points(tmp_path):
         c.engine.bench_json = str(path)
     decode = from_config(c).costs.decode
     assert decode.t0_s == pytest.approx(0.02) and decode.t1_s == pytest.approx(0.001)
+
+
+def test_proportional_sweep_scales_the_batch(tmp_path):
+    c = small_config()
+    with c.unlocked():
+        c.sweep.batch_scaling = "proportional"
+        c.run.modes = ("sync", "dora")
+        c.settings = (64,)
+    results = run_all(from_config(c), str(tmp_path))
+    rows = results["scaling"]["accelerators"]
+    assert rows["256"]["prompts_per_step"] == 4 * rows["64"]["prompts_per_step"]
+    assert set(results["settings"]["64"]["ratios"]) >= {"dora_vs_sync", "rollout_speedup_vs_sync"}
+
+
+def test_cli_writes_results(tmp_path):
+    overrides = ["--config.workload.prompts_per_step=16", "--config.workload.samples_per_prompt=4",
+                 "--config.workload.median_response=200", "--config.workload.max_response=2000",
+                 "--config.run.steps=3", "--config.run.warmup=1", "--config.settings=(64,)"]
+    out = subprocess.run(
+        [sys.executable, "-m", "dora_jax.sim", "--config=configs/sim_paper.py", f"--out={tmp_path}",
+         "--nosweep", *overrides], capture_output=True, text=True, timeout=120,
+        cwd=str(pathlib.Path(__file__).resolve().parents[2]),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "64 GPUs" in out.stdout and (tmp_path / "results.json").exists()
