@@ -51,7 +51,7 @@ def make_tokenizer(config: RunConfig):
 def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.ModelConfig:
     m = config.model
     return models.ModelConfig(
-        model_type="qwen3", vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        model_type="qwen3", qk_norm=True, vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         tie_word_embeddings=True, max_position_embeddings=config.rollout.cache_length,
         dtype=models.dtype_from_name(m.dtype), param_dtype=models.dtype_from_name(m.param_dtype),

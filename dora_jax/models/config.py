@@ -65,6 +65,16 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        # save_hf must write what transformers (and load_hf) read back for this model_type.
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ValueError(f"qk_norm={self.qk_norm} does not match model_type={self.model_type!r} "
+                             "(q/k RMSNorm is what makes a Qwen3; expected qk_norm == (model_type == 'qwen3'))")
+        if self.model_type == "qwen2" and (not self.attention_bias or self.attention_out_bias):
+            raise ValueError("model_type='qwen2' has q/k/v biases and no o_proj bias: expected "
+                             "attention_bias=True, attention_out_bias=False")
+        if self.model_type != "qwen2" and self.attention_bias != self.attention_out_bias:
+            raise ValueError(f"model_type={self.model_type!r} biases all of q/k/v/o or none: attention_bias="
+                             f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must match")
         if self.rope.kind not in ("default", "llama3"):
             raise ValueError(f"rope kind {self.rope.kind!r} not supported; expected 'default' or 'llama3'")
 
