@@ -422,6 +422,8 @@ class Coordinator:
         """TBS samples, oldest version first, if the version window lets the trainer advance from
         `trainer_version` to `trainer_version + 1`; None otherwise. Caller holds no lock."""
         with self._cond:
+            if trainer_version != self.latest:
+                return None  # its publish is still in the inbox: supplies would use a stale version
             need = self.config.train_batch_size // self.config.group_size
             if len(self.queue) < need:
                 return None

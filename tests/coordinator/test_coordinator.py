@@ -140,3 +140,18 @@ def test_invalid_config_names_the_field(changes, field):
     base = dict(mode="dora", k_max=2, train_batch_size=8, rollout_batch_size=16, group_size=4)
     with pytest.raises(ValueError, match=field):
         CoordinatorConfig(**{**base, **changes}).validate(2)
+
+
+def test_no_batch_before_the_publish_is_applied():
+    """The trainer posts a publish and asks for its next batch at once; until the coordinator has
+    applied the publish, new prompts would be tagged with the old version, so no batch is given."""
+    coord, workers, report, _ = run("dora", steps=2, k_max=1, rbs=8)  # one batch unconsumed at a time
+    for _ in range(200):
+        for w in workers.values():
+            w.tick()
+        coord.process()
+    coord.post_published(3)  # the trainer is at version 3 now
+    assert len(coord.queue) * 4 >= 8  # enough finished samples for a batch are waiting
+    assert coord.try_take_batch(3) is None
+    coord.process()
+    assert coord.latest == 3
