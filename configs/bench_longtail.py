@@ -31,13 +31,12 @@ def get_config(arg=None):
         c.rollout.cache_length = 384  # prompt (<= 18) + response (<= 320)
         c.rollout.max_prefill_length = 32
         c.rollout.max_new_tokens = 320
-        c.rollout.forced_lengths = True
         c.coordinator.group_size = 4
         c.coordinator.train_batch_size = 32
         c.coordinator.rollout_batch_size = 64
         c.coordinator.k_max = 3
         c.trainer.micro_batch_size = 16
-        c.trainer.pad_to = 42  # batch lengths 42, 84, 168, 336: little padding past the longest
+        c.trainer.pad_to = 344  # one batch shape (prompt <= 18 + response <= 320): no mode pays a compile mid-run
         c.log.tensorboard = False
         c.bench = {"median_len": 20.0, "sigma": 1.1, "max_len": 320}  # forced response lengths (tokens)
     c.lock()

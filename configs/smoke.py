@@ -60,7 +60,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus filter (1 = off)
     c.rollout.top_k = 0  # top-k filter (0 = off)
     c.rollout.max_new_tokens = 120  # response cap
-    c.rollout.forced_lengths = False  # trace-driven benchmark: stop each request at a drawn length
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

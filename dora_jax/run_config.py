@@ -46,7 +46,6 @@ class RolloutSpec:
     max_prefill_length: int
     sampling: SamplingParams
     max_new_tokens: int
-    forced_lengths: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +96,7 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
     r = c.rollout
     sampling = SamplingParams(temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k))
     rollout = RolloutSpec(int(r.num_slices), int(r.slots), int(r.cache_length), int(r.max_prefill_length),
-                          sampling, int(r.max_new_tokens), bool(r.forced_lengths))
+                          sampling, int(r.max_new_tokens))
     if rollout.max_new_tokens >= rollout.cache_length:
         raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} must be < rollout.cache_length={rollout.cache_length}")
     k = c.coordinator
