@@ -186,11 +186,7 @@ def engine_param_shardings(setup: Setup, mesh):
 
 def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:
     """Frees versions nothing can need any more: no slice serves them, nothing unconsumed has them."""
-    with coord._cond:
-        needed = set(coord.versions_in_flight()) | set(coord.queue.versions())
-        needed |= {g.version for g in coord.groups.values()}
-        needed |= {v for v in coord.slice_version.values() if v is not None}
-    store.retire_below(min(needed | {latest}))
+    store.retire_below(min(coord.versions_needed() | {latest}))
 
 
 def _slot_totals(threads) -> tuple[int, int, int]:

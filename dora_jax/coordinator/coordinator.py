@@ -263,6 +263,14 @@ class Coordinator:
     def versions_in_flight(self) -> set[int]:
         return {r.version for r in self.requests.values()} | {r.version for r in self.backlog}
 
+    def versions_needed(self) -> set[int]:
+        """Every version something may still read: in-flight or unconsumed samples (for the
+        trainer's behaviour recompute) and the versions slices serve."""
+        with self._cond:
+            needed = self.versions_in_flight() | set(self.queue.versions())
+            needed |= {g.version for g in self.groups.values()}
+            return needed | {v for v in self.slice_version.values() if v is not None}
+
     # ------------------------------------------------------------------ switching policies
     def _apply_switching(self) -> None:
         self._last_rebalance = time.monotonic()
