@@ -58,7 +58,7 @@ def busy_union(intervals) -> list[tuple[float, float]]:
 
 
 def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total, j = 0.0, 0
+    total = 0.0
     for s, e in a:
         for s2, e2 in b:
             total += max(0.0, min(e, e2) - max(s, s2))
@@ -70,11 +70,10 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
     train = busy_union(result.timelines["trainer"])
     rollout_s = sum(e - s for s, e in rollout)
     rollout_only = rollout_s - overlap(rollout, train)
-    slot_steps = sum(r["generated_tokens"] for r in result.metrics)
-    idle = [r["bubble_ratio"] for r in result.metrics]
+    generated = sum(r["generated_tokens"] for r in result.metrics)
     train_tokens = sum(r["loss_tokens"] for r in result.metrics)
     report = result.audit
-    totals = result.timelines.get("slot_totals", (0, 0))
+    slot_steps, idle_slot_steps = result.timelines["slot_totals"]
     return {
         "wall_s": result.wall_s,
         "steps": result.steps,
@@ -83,7 +82,7 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
         "step_time_s": result.wall_s / result.steps,
         "rollout_only_share": rollout_only / result.wall_s,
         "rollout_only_s_per_step": rollout_only / result.steps,
-        "bubble_ratio": totals[1] / totals[0] if totals[0] else float(np.mean(idle)),
+        "bubble_ratio": idle_slot_steps / slot_steps if slot_steps else 0.0,
         "trainer_wait_s": result.coordinator_stats["trainer_wait_s"],
         "train_busy_s": result.train_busy_s,
         "max_staleness": report.max_staleness,
@@ -91,7 +90,7 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
         "c1_violations": len(report.c1_violations),
         "migrations_kv": report.migrations_kv,
         "max_versions_in_flight": report.max_versions_in_flight,
-        "generated_tokens": slot_steps,
+        "generated_tokens": generated,
     }
 
 

@@ -7,14 +7,12 @@ was expected. Nothing downstream sees the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 import ml_collections
 
 from dora_jax.coordinator.coordinator import CoordinatorConfig
 from dora_jax.modes import Mode
 from dora_jax.records import SamplingParams
-from dora_jax.sharding import MESH_AXES, mesh_size
+from dora_jax.sharding import MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +129,3 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         trainer=trainer, pad_to=pad_to, checkpoint_every=int(c.checkpoint.every_steps),
         tensorboard=bool(c.log.tensorboard),
     )
-
-
-def devices_needed(config: RunConfig) -> int:
-    return mesh_size(dict(config.mesh.trainer)) + config.rollout.num_slices * mesh_size(dict(config.mesh.rollout))
-
-
-def optional(value: str) -> Optional[str]:
-    return value or None

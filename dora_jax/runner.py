@@ -20,8 +20,6 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-import jax
-import numpy as np
 
 from dora_jax import sharding
 from dora_jax.coordinator.audit import AuditReport, audit
@@ -111,7 +109,7 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     for slice_id, mesh in enumerate(slices.rollout):
         engine = RolloutEngine(setup.model_config, engine_config, mesh, tokenizer=setup.tokenizer)
         worker = RolloutWorker(engine, slice_id=slice_id, eos_ids=setup.eos_ids)
-        shardings = jax.tree.map(lambda s: s, engine_param_shardings(setup, mesh))
+        shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
         engine.warmup(store.get(0, shardings))
         threads.append(WorkerThread(worker, lambda v, sh=shardings: store.get(v, sh),
                                     lambda sid, trajs: holder[0].post_finished(sid, trajs)))
@@ -178,10 +176,6 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
                  "slot_totals": _slot_totals(threads)[:2]}
     return RunResult(workdir, wall, len(rows), rows, report, dataclasses.asdict(coord.stats),
                      [t.busy_s for t in threads], train_busy, timelines)
-
-
-def engine_param_shardings(setup: Setup, mesh):
-    return sharding.tree_shardings(setup.axes, setup.params, mesh, sharding.ROLLOUT_RULES)
 
 
 def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:
