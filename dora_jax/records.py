@@ -147,3 +147,51 @@ class TrainBatch:
     @property
     def batch_size(self) -> int:
         return int(self.tokens_BT.shape[0])
+
+
+# --------------------------------------------------------------------------- JSON form
+# Checkpoints keep the coordinator's records as JSON: plain dicts and lists, tuples as lists.
+
+
+def request_to_json(r: Request) -> dict:
+    data = dataclasses.asdict(r)
+    data["sampling"] = dataclasses.asdict(r.sampling)
+    return data
+
+
+def request_from_json(data: dict) -> Request:
+    d = dict(data)
+    d["sampling"] = SamplingParams(**d["sampling"])
+    for key in ("prompt_ids", "stop_ids", "prefix_response_ids", "prefix_logprobs", "prefix_versions"):
+        d[key] = tuple(d[key])
+    return Request(**d)
+
+
+def trajectory_to_json(t: Trajectory) -> dict:
+    data = dataclasses.asdict(t)
+    data["finish_reason"] = t.finish_reason.value
+    return data
+
+
+def trajectory_from_json(data: dict) -> Trajectory:
+    d = dict(data)
+    d["finish_reason"] = FinishReason(d["finish_reason"])
+    for key in ("prompt_ids", "response_ids", "logprobs", "versions_seen"):
+        d[key] = tuple(d[key])
+    return Trajectory(**d)
+
+
+def scored_to_json(s: ScoredTrajectory) -> dict:
+    return {"trajectory": trajectory_to_json(s.trajectory), "reward": s.reward, "reward_error": s.reward_error}
+
+
+def scored_from_json(data: dict) -> ScoredTrajectory:
+    return ScoredTrajectory(trajectory_from_json(data["trajectory"]), float(data["reward"]), data["reward_error"])
+
+
+def group_to_json(g: Group) -> dict:
+    return {"group_id": g.group_id, "version": g.version, "samples": [scored_to_json(s) for s in g.samples]}
+
+
+def group_from_json(data: dict) -> Group:
+    return Group(data["group_id"], int(data["version"]), tuple(scored_from_json(s) for s in data["samples"]))

@@ -15,11 +15,12 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
+from dora_jax.coordinator.ports import PortError
 from dora_jax.records import Request, SlotState
 from dora_jax.rollout.worker import RolloutWorker
 
 
-class SliceError(RuntimeError):
+class SliceError(PortError):
     def __init__(self, slice_id: int, error: BaseException):
         super().__init__(f"rollout slice {slice_id} failed: {type(error).__name__}: {error}")
         self.slice_id = slice_id
@@ -39,6 +40,8 @@ class WorkerThread:
         self._inbox: "queue.Queue[tuple[Callable, Future]]" = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.last_beat = time.monotonic()  # heartbeat: refreshed every loop turn
+        self._fault: BaseException | None = None
         self.busy_s = 0.0  # wall time spent inside worker.step()
         self.timeline: list[tuple[float, float, int | None, float]] = []  # (start, end, version, occupancy) per step
         self._thread = threading.Thread(target=self._loop, name=f"rollout-{self.slice_id}", daemon=True)
@@ -61,6 +64,9 @@ class WorkerThread:
             return out + (self.worker.take_queued(queued) if queued else [])
 
         return self._call(run)
+
+    def progress(self) -> dict[str, Request]:
+        return self._call(self.worker.progress)
 
     def import_(self, items: Sequence[SlotState | Request]) -> None:
         states = [i for i in items if isinstance(i, SlotState)]
@@ -85,6 +91,9 @@ class WorkerThread:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                self.last_beat = time.monotonic()
+                if self._fault is not None:
+                    raise self._fault
                 self._run_commands(block=not self.worker.has_work)
                 if self.worker.has_work:
                     start = time.perf_counter()
@@ -93,7 +102,7 @@ class WorkerThread:
                     end = time.perf_counter()
                     self.busy_s += end - start
                     self.timeline.append((start, end, self.worker.version, active))
-                    if finished:
+                    if finished and not self._stop.is_set():
                         self._post_finished(self.slice_id, finished)
         except BaseException as err:  # surfaced by the runner with the slice id
             self.error = err
@@ -123,6 +132,17 @@ class WorkerThread:
             except queue.Empty:
                 return
             future.set_exception(SliceError(self.slice_id, err))
+
+    def inject_failure(self, error: BaseException) -> None:
+        """Fault injection: the thread raises `error` at its next turn, as a crashing worker would."""
+        self._fault = error
+
+    def abandon(self) -> None:
+        """Gives up on a hung worker: pending and later commands fail; it posts nothing more."""
+        self.error = self.error or TimeoutError(f"slice {self.slice_id} missed its heartbeat")
+        self._post_finished = lambda *_: None
+        self._stop.set()
+        self._fail_pending(self.error)
 
     def stop(self) -> None:
         self._stop.set()

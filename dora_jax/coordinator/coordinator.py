@@ -23,6 +23,7 @@ from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
 from dora_jax.coordinator.transfer_queue import TransferQueue
 from dora_jax.modes import Supply, Switch, policy_for
+from dora_jax import records
 from dora_jax.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
 
 
@@ -100,6 +101,9 @@ class CoordinatorStats:
     rebalances: int = 0
     switches: int = 0
     reward_failures: int = 0
+    slice_failures: int = 0
+    redispatched: int = 0
+    late_finishes: int = 0  # finished on a slice already declared dead (re-dispatched meanwhile)
     trainer_wait_s: float = 0.0
     max_versions_in_flight: int = 0
 
@@ -134,9 +138,14 @@ class Coordinator:
         self.groups: dict[str, _GroupState] = {}
         self.queue = TransferQueue()
         self.stats = CoordinatorStats()
+        self.unscored: dict[str, Trajectory] = {}  # finished, reward not back yet
+        self.dead: set[int] = set()  # failed slices (their port is gone from self.ports)
+        self.draining: dict[int, int] = {}  # slice -> old version it loads once empty (re-dispatches)
+        self._redispatch: set[str] = set()  # backlog ids that were dispatched before
+        self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
         self._inbox: "queue.Queue[tuple]" = queue.Queue()
         self._cond = threading.Condition()
-        self._group_ids = itertools.count()
+        self._next_group = 0
         self._last_rebalance = 0.0
         self.closed = False
         ledger.write("run", mode=config.mode, k_max=config.window, rbs=config.rollout_batch_size,
@@ -148,6 +157,15 @@ class Coordinator:
 
     def post_published(self, version: int) -> None:
         self._inbox.put(("published", version))
+
+    def post_slice_failed(self, slice_id: int, reason: str) -> None:
+        """A slice died (raised, missed heartbeats, process gone): its requests are re-dispatched
+        under their own version to slices serving it."""
+        self._inbox.put(("slice_failed", slice_id, reason))
+
+    def post_slice_joined(self, port: RolloutPort) -> None:
+        """A (re)started slice joins with nothing loaded; the next rebalance gives it work."""
+        self._inbox.put(("slice_joined", port))
 
     def start(self) -> None:
         """First dispatch at the initial version."""
@@ -190,6 +208,10 @@ class Coordinator:
             self._on_scored(*event[1:])
         elif kind == "published":
             self._on_published(event[1])
+        elif kind == "slice_failed":
+            self._on_slice_failed(event[1], event[2])
+        elif kind == "slice_joined":
+            self._on_slice_joined(event[1])
 
     # ------------------------------------------------------------------ dispatch
     def _unconsumed(self) -> int:
@@ -233,7 +255,8 @@ class Coordinator:
 
     def _new_group(self) -> list[Request]:
         cfg = self.config
-        group_id = f"g{next(self._group_ids)}"
+        group_id = f"g{self._next_group}"
+        self._next_group += 1
         prompt_id, prompt_ids = self._next_prompt()
         self.groups[group_id] = _GroupState(self.latest, cfg.group_size)
         requests = []
@@ -253,11 +276,15 @@ class Coordinator:
             self.slice_of[request.traj_id] = slice_id
             self.origin.setdefault(request.traj_id, slice_id)
             self.slice_trajs[slice_id].append(request.traj_id)
+            again = request.traj_id in self._redispatch
+            self._redispatch.discard(request.traj_id)
             self.ledger.write("dispatch", traj=request.traj_id, group=request.group_id, prompt=request.prompt_id,
-                              version=request.version, slice=slice_id)
-            self.stats.dispatched += 1
+                              version=request.version, slice=slice_id, **({"redispatch": True} if again else {}),
+                              **({"prefix_tokens": len(request.prefix_response_ids)} if request.prefix_response_ids else {}))
+            self.stats.dispatched += not again
+            self.stats.redispatched += again
         if requests:
-            self.ports[slice_id].submit(list(requests))
+            self._port_call(slice_id, "submit", list(requests))
         self.stats.max_versions_in_flight = max(self.stats.max_versions_in_flight, len(self.versions_in_flight()))
 
     def versions_in_flight(self) -> set[int]:
@@ -274,45 +301,96 @@ class Coordinator:
     # ------------------------------------------------------------------ switching policies
     def _apply_switching(self) -> None:
         self._last_rebalance = time.monotonic()
-        if self.policy.switch == Switch.ORCHESTRATE:
-            self._orchestrate()
-        else:
-            self._switch_idle()
+        while True:
+            self._place_old_versions()
+            if self.policy.switch == Switch.ORCHESTRATE:
+                self._orchestrate()
+            else:
+                self._switch_idle()
+            if not self._failing:
+                return
+            for sid, reason in list(self._failing.items()):
+                self._drop_slice(sid, reason)
+
+    def _place_old_versions(self) -> None:
+        """Backlog requests of an older version (re-dispatched off a failed slice, or resumed from a
+        checkpoint) go to a slice serving their version, C1 first. Without one, empty slices load
+        it (one per `num_slots` requests); if none is empty, the least-loaded slice takes no new
+        work until it is, then loads it."""
+        for sid, version in list(self.draining.items()):
+            if sid in self.ports and not self.slice_trajs[sid]:
+                del self.draining[sid]
+                self._load(sid, version)
+        old: dict[int, list[Request]] = {}
+        for request in self.backlog:
+            if request.version != self.latest:
+                old.setdefault(request.version, []).append(request)
+        sent: set[str] = set()
+        for version, requests in sorted(old.items()):
+            serving = self._serving(version)
+            if not serving and version not in self.draining.values():
+                empty = [s for s in self.ports if not self.slice_trajs[s] and s not in self.draining]
+                reserve = 1 if len(old) > 1 or any(r.version == self.latest for r in self.backlog) else 0
+                slots = max(self.ports[s].num_slots for s in self.ports)
+                wanted = max(1, min(-(-len(requests) // slots), len(empty) - reserve))
+                for sid in empty[:wanted]:
+                    self._load(sid, version)
+                if not empty:
+                    candidates = [s for s in self.ports if s not in self.draining]
+                    if candidates:
+                        sid = min(candidates, key=lambda s: (len(self.slice_trajs[s]), s))
+                        self.draining[sid] = version
+                        self.ledger.write("drain", slice=sid, for_version=version)
+                serving = self._serving(version)
+            for request in requests:
+                if serving:
+                    sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self.ports[s].num_slots, s))
+                    self._send([request], sid)
+                    sent.add(request.traj_id)
+        self.backlog = [r for r in self.backlog if r.traj_id not in sent]
+
+    def _serving(self, version: int) -> list[int]:
+        return [s for s in self.ports if self.slice_version[s] == version and s not in self.draining
+                and s not in self._failing]
 
     def _views(self) -> list[orchestrator.SliceView]:
         return [orchestrator.SliceView(sid, self.slice_version[sid], self.ports[sid].num_slots,
-                                       tuple(self.slice_trajs[sid])) for sid in self.ports]
+                                       tuple(self.slice_trajs[sid])) for sid in self.ports if sid not in self.draining]
 
     def _orchestrate(self) -> None:
         self._absorb()
-        backlog = {r.traj_id: r for r in self.backlog}
+        if not self._views():
+            return  # every live slice is draining for an old version
+        backlog = {r.traj_id: r for r in self.backlog if r.version == self.latest}
+        old = [r for r in self.backlog if r.version != self.latest]  # waiting for a draining slice
         plan = orchestrator.plan_rebalance(self._views(), self.latest, list(backlog), self.origin)
         self.stats.rebalances += 1
         self._migrate(plan.migrations)
         for sid, version in plan.switches:
-            if not self.slice_trajs[sid]:  # else something landed or stayed there: C1 first, no switch
+            if sid in self.ports and not self.slice_trajs[sid]:  # else something landed or stayed: C1 first
                 self._load(sid, version)
         by_slice: dict[int, list[Request]] = {}
         for traj_id, sid in plan.placements:
-            if self.slice_version[sid] == self.latest:
+            if self.slice_version.get(sid) == self.latest and sid not in self._failing:
                 by_slice.setdefault(sid, []).append(backlog.pop(traj_id))
-        self.backlog = list(backlog.values())
+        self.backlog = old + list(backlog.values())
         for sid, requests in sorted(by_slice.items()):
             self._send(requests, sid)
-        self._migrate([m for m in plan.fills if self.slice_version[m.src] == self.slice_version[m.dst]
+        self._migrate([m for m in plan.fills if m.src in self.ports and m.dst in self.ports
+                       and self.slice_version[m.src] == self.slice_version[m.dst]
                        and m.traj_id in self.slice_trajs[m.src]])
 
     def _switch_idle(self) -> None:
         """sync / one_step_off / partial_rollout: a slice loads the newest version only when empty;
         the backlog goes to slices serving its version, least loaded first."""
-        for sid in self.ports:
-            if not self.slice_trajs[sid] and self.slice_version[sid] != self.latest and any(
+        for sid in list(self.ports):
+            if sid not in self.draining and not self.slice_trajs[sid] and self.slice_version[sid] != self.latest and any(
                 r.version == self.latest for r in self.backlog
             ):
                 self._load(sid, self.latest)
         remaining = []
         for request in self.backlog:
-            serving = [s for s in self.ports if self.slice_version[s] == request.version]
+            serving = self._serving(request.version)
             if not serving:
                 remaining.append(request)
                 continue
@@ -320,20 +398,73 @@ class Coordinator:
             self._send([request], sid)
         self.backlog = remaining
 
-    def _load(self, slice_id: int, version: int) -> None:
+    def _load(self, slice_id: int, version: int) -> bool:
         if self.slice_trajs[slice_id]:
             raise RuntimeError(f"slice {slice_id} still holds {self.slice_trajs[slice_id][:3]}; cannot switch")
-        self.ports[slice_id].load_version(version)
+        if not self._port_call(slice_id, "load_version", version):
+            return False
         self.slice_version[slice_id] = version
         self.stats.switches += 1
         self.ledger.write("load_version", slice=slice_id, version=version)
+        return True
+
+    def _port_call(self, slice_id: int, method: str, *args, default=None):
+        """Calls a port. A slice that fails a call is marked failing (later calls to it are
+        skipped) and dropped at the end of the cycle, its requests re-dispatched (C2): a dead
+        slice is never a crash of the run. Returns the result (True for None), or `default`."""
+        if slice_id in self._failing:
+            return default
+        try:
+            result = getattr(self.ports[slice_id], method)(*args)
+        except Exception as err:
+            self._failing[slice_id] = f"{method} failed: {type(err).__name__}: {err}"
+            return default
+        return True if result is None else result
+
+    def _on_slice_failed(self, slice_id: int, reason: str) -> None:
+        if slice_id in self.ports:
+            self._failing.setdefault(slice_id, reason)
+            self._apply_switching()
+
+    def _drop_slice(self, slice_id: int, reason: str) -> None:
+        """Removes a dead slice; what it held goes back to the backlog under its own version."""
+        self._failing.pop(slice_id, None)
+        self._absorb()  # what it finished before dying counts
+        del self.ports[slice_id]
+        self.dead.add(slice_id)
+        self.draining.pop(slice_id, None)
+        self.slice_version.pop(slice_id)
+        lost = self.slice_trajs.pop(slice_id)
+        self.stats.slice_failures += 1
+        self.ledger.write("slice_failed", slice=slice_id, reason=reason, requests=len(lost))
+        for traj_id in lost:
+            request = self.requests.pop(traj_id)
+            self.slice_of.pop(traj_id)
+            self.origin.pop(traj_id, None)
+            self.backlog.append(request)
+            self._redispatch.add(traj_id)
+        if not self.ports:
+            raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
+
+    def _on_slice_joined(self, port: RolloutPort) -> None:
+        sid = port.slice_id
+        if sid in self.ports:
+            raise ValueError(f"slice {sid} joined but is already live")
+        self.ports[sid] = port
+        self.dead.discard(sid)
+        self.slice_version[sid] = None
+        self.slice_trajs[sid] = []
+        self.ledger.write("slice_joined", slice=sid)
+        self._apply_switching()
 
     def _migrate(self, migrations: Sequence[orchestrator.Migration]) -> None:
         by_route: dict[tuple[int, int], list[str]] = {}
         for m in migrations:
             by_route.setdefault((m.src, m.dst), []).append(m.traj_id)
         for (src, dst), traj_ids in by_route.items():
-            items = self.ports[src].export(traj_ids)
+            if dst in self._failing:
+                continue
+            items = self._port_call(src, "export", traj_ids, default=[])
             self._absorb()  # ids missing from `items` finished before the export
             for item in items:
                 traj_id = item.request.traj_id if isinstance(item, SlotState) else item.traj_id
@@ -348,7 +479,7 @@ class Coordinator:
                 self.stats.migrations_queued += not kv
                 self.ledger.write("migrate", traj=traj_id, **{"from": src, "to": dst}, version=version, kv=kv)
             if items:
-                self.ports[dst].import_(items)
+                self._port_call(dst, "import_", items)
 
     def _pressure(self) -> bool:
         """A slice has queued work while a same-version slice has free slots, or an old-version
@@ -366,24 +497,29 @@ class Coordinator:
     # ------------------------------------------------------------------ partial rollout
     def _interrupt_all(self) -> None:
         """At a publish, every in-flight request continues on the new version after re-prefill."""
-        for sid in self.ports:
-            items = self.ports[sid].export(list(self.slice_trajs[sid]))
+        for sid in list(self.ports):
+            items = self._port_call(sid, "export", list(self.slice_trajs[sid]), default=[])
             self._absorb()
             for item in items:
                 self.slice_trajs[sid].remove(item.request.traj_id if isinstance(item, SlotState) else item.traj_id)
             requests = [_as_request(item) for item in items]
-            if self.slice_version[sid] != self.latest:
-                self._load(sid, self.latest)
+            if self.slice_version[sid] != self.latest and not self._load(sid, self.latest):
+                self.slice_trajs[sid] += [r.traj_id for r in requests]  # re-dispatched when the slice is dropped
+                continue
             for request in requests:
                 self.stats.interrupts += 1
                 self.ledger.write("interrupt", traj=request.traj_id, version=request.version, to_version=self.latest,
                                   tokens=len(request.prefix_response_ids), slice=sid)
                 self.slice_trajs[sid].append(request.traj_id)
             if requests:
-                self.ports[sid].import_(requests)
+                self._port_call(sid, "import_", requests)
 
     # ------------------------------------------------------------------ results
     def _on_finished(self, slice_id: int, traj: Trajectory) -> None:
+        if slice_id in self.dead or self.slice_of.get(traj.traj_id, slice_id) != slice_id:
+            self.stats.late_finishes += 1  # re-dispatched already: its new run is the one that counts
+            self.ledger.write("late_finish", traj=traj.traj_id, slice=slice_id)
+            return
         if traj.traj_id not in self.requests:
             raise RuntimeError(f"slice {slice_id} finished unknown trajectory {traj.traj_id}")
         self.requests.pop(traj.traj_id)
@@ -393,6 +529,10 @@ class Coordinator:
         self.ledger.write("finish", traj=traj.traj_id, version=traj.version, versions_seen=list(traj.versions_seen),
                           tokens=traj.num_tokens, reason=traj.finish_reason.value, slice=slice_id,
                           **({"error": traj.error} if traj.error else {}))
+        self._score(traj)
+
+    def _score(self, traj: Trajectory) -> None:
+        self.unscored[traj.traj_id] = traj
         if traj.finish_reason == FinishReason.REJECTED:
             self._inbox.put(("scored", traj, 0.0, f"rejected: {traj.error}"))
             return
@@ -400,6 +540,8 @@ class Coordinator:
         future.add_done_callback(lambda f, t=traj: self._inbox.put(("scored", t, *_result(f))))
 
     def _on_scored(self, traj: Trajectory, reward: float, error: Optional[str]) -> None:
+        if self.unscored.pop(traj.traj_id, None) is None:
+            raise RuntimeError(f"{traj.traj_id} scored but not awaiting a reward")
         group = self.groups[traj.group_id]
         group.scored[traj.traj_id] = ScoredTrajectory(traj, float(reward), error)
         if error:
@@ -424,6 +566,63 @@ class Coordinator:
             self._interrupt_all()
         self._supply(after_publish=True)
         self._apply_switching()
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self) -> dict:
+        """The coordinator's state as JSON, consistent with the ledger's first `ledger_offset`
+        lines. In-flight requests carry their tokens so far (the ports' `progress`) as a prefix;
+        finished groups, partly scored groups and trajectories awaiting a reward are kept whole."""
+        with self._cond:
+            self._absorb()
+            progress: dict[str, Request] = {}
+            for sid in list(self.ports):
+                if hasattr(self.ports[sid], "progress"):
+                    progress.update(self._port_call(sid, "progress", default={}) or {})
+            dispatched = [progress.get(t, r) if progress.get(t, r).version == r.version else r
+                          for t, r in self.requests.items()]
+            return {
+                "latest": self.latest,
+                "next_group": self._next_group,
+                "dispatched": [records.request_to_json(r) for r in dispatched],
+                "backlog": [records.request_to_json(r) for r in self.backlog],
+                "redispatch": sorted(self._redispatch),
+                "groups": {gid: {"version": g.version, "size": g.size,
+                                 "scored": [records.scored_to_json(x) for x in g.scored.values()]}
+                           for gid, g in self.groups.items()},
+                "unscored": [records.trajectory_to_json(t) for t in self.unscored.values()],
+                "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
+                "stats": dataclasses.asdict(self.stats),
+                "ledger_offset": self.ledger.lines_written,
+            }
+
+    def restore(self, state: dict) -> None:
+        """Continues from `snapshot()`, before `start()` and with nothing loaded on the slices:
+        writes the ledger's `resume` event (voiding what the lost process wrote after the
+        snapshot), re-dispatches in-flight requests under their own version, re-scores."""
+        with self._cond:
+            self.latest = int(state["latest"])
+            self._next_group = int(state["next_group"])
+            for gid, g in state["groups"].items():
+                scored = [records.scored_from_json(x) for x in g["scored"]]
+                self.groups[gid] = _GroupState(int(g["version"]), int(g["size"]), {x.trajectory.traj_id: x for x in scored})
+            for g in state["queue"]:
+                self.queue.put(records.group_from_json(g))
+            self.stats = CoordinatorStats(**state["stats"])
+            dispatched = [records.request_from_json(r) for r in state["dispatched"]]
+            self.backlog = dispatched + [records.request_from_json(r) for r in state["backlog"]]
+            self._redispatch = set(state["redispatch"]) | {r.traj_id for r in dispatched}
+            self.ledger.write("resume", ledger_offset=int(state["ledger_offset"]), version=self.latest,
+                              in_flight=len(dispatched), backlog=len(state["backlog"]),
+                              unconsumed_groups=len(self.queue) + len(self.groups),
+                              prefix_tokens=sum(len(r.prefix_response_ids) for r in dispatched))
+            for data in state["unscored"]:
+                self._score(records.trajectory_from_json(data))
+
+    def live_prompt_ids(self) -> set[str]:
+        """Prompts something still refers to (in flight, backlog, awaiting a reward)."""
+        with self._cond:
+            ids = {r.prompt_id for r in self.requests.values()} | {r.prompt_id for r in self.backlog}
+            return ids | {t.prompt_id for t in self.unscored.values()}
 
     # ------------------------------------------------------------------ trainer side
     def try_take_batch(self, trainer_version: int) -> Optional[list[Group]]:

@@ -22,8 +22,12 @@ class Ledger:
         self._fsync = fsync
         self._clock = clock
         self._lock = threading.Lock()
+        existing = 0
+        if path and os.path.exists(path):
+            with open(path, "rb") as f:
+                existing = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
         self._file = open(path, "a", encoding="utf-8") if path else None
-        self.lines_written = 0
+        self.lines_written = existing  # lines in the file, so a checkpoint's offset is absolute
         self.memory: list[dict] = []  # every event of this process, for in-process inspection
 
     def write(self, ev: str, **fields: Any) -> dict:

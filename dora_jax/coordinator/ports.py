@@ -14,6 +14,11 @@ from dora_jax.records import Request, SlotState
 Migratable = Union[SlotState, Request]  # an admitted request moves with its KV; a queued one as is
 
 
+class PortError(RuntimeError):
+    """A slice is gone: its worker raised, hung past its deadline, or its process died. The
+    coordinator re-dispatches what was on it; a port may raise any exception, this one says so."""
+
+
 class RolloutPort(Protocol):
     slice_id: int
     num_slots: int
@@ -30,3 +35,7 @@ class RolloutPort(Protocol):
 
     def import_(self, items: Sequence[Migratable]) -> None:
         """Continue exported requests here: SlotStates with no prefill, Requests via the queue."""
+
+    def progress(self) -> dict[str, Request]:
+        """Every request on the slice as a Request carrying its tokens so far as a prefix, the
+        slice untouched (checkpoints). A port without it resumes in-flight work from the prompt."""

@@ -295,6 +295,17 @@ class RolloutWorker:
             self._count(exports=1)
         return exported
 
+    def progress(self) -> dict[str, Request]:
+        """Every request on this worker as a Request that resumes it by re-prefill (tokens so far
+        as its prefix), leaving the worker untouched: what a checkpoint keeps of in-flight work."""
+        out = {r.traj_id: r for r, _ in self._queue}
+        for record in self._slots:
+            if record is not None:
+                out[record.request.traj_id] = dataclasses.replace(
+                    record.request, prefix_response_ids=tuple(record.response_ids),
+                    prefix_logprobs=tuple(record.logprobs), prefix_versions=tuple(record.versions))
+        return out
+
     def take_queued(self, traj_ids: Iterable[str] | None = None) -> list[Request]:
         """Removes queued, not yet admitted requests (all, or `traj_ids`) and returns them."""
         wanted = None if traj_ids is None else set(traj_ids)
