@@ -1,4 +1,4 @@
-"""The decoder family, its KV cache, HF checkpoint I/O and tokenizers.
+"""The decoder family (dense and Qwen3-MoE), its KV cache, HF checkpoint I/O and tokenizers.
 
 Params travel through the system as a pure nested dict of arrays (`split`), with a matching
 tree of logical axis names (`logical_axes`); `nnx.merge(graphdef, params)` rebuilds the module
@@ -12,6 +12,7 @@ from flax import nnx
 from dora_jax.models.config import ModelConfig, RopeConfig, dtype_from_name
 from dora_jax.models.decoder import KV_CACHE_AXES, Decoder, KVCache, init_model
 from dora_jax.models.hf_io import load_hf, read_config, save_hf
+from dora_jax.models.moe import Routing, expert_load, load_balancing_loss
 
 
 def split(model: Decoder):
@@ -36,9 +37,12 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "RopeConfig",
+    "Routing",
     "abstract_model",
     "dtype_from_name",
+    "expert_load",
     "init_model",
+    "load_balancing_loss",
     "load_hf",
     "logical_axes",
     "read_config",

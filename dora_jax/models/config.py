@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 dense family.
+"""Model configuration: one frozen dataclass for Llama / Qwen2 / Qwen3 (dense) and Qwen3-MoE.
 
 `ModelConfig.from_hf(dict)` reads a HF `config.json`; `to_hf()` writes one back. Unsupported
 architectures and options are refused with an error naming the field.
@@ -11,12 +11,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+MOE_DISPATCHES = ("dense", "grouped")  # see dora_jax.models.moe
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -55,6 +58,14 @@ class ModelConfig:
     dtype: Any = jnp.float32  # compute dtype
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mixture of experts (model_type "qwen3_moe"; num_experts = 0 is a dense model).
+    num_experts: int = 0  # X routed experts per MoE layer
+    num_experts_per_tok: int = 0  # K experts per token (top-k)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the K routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense SwiGLU instead)
+    moe_dispatch: str = "grouped"  # "dense" | "grouped": same numbers (dora_jax.models.moe)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -66,9 +77,10 @@ class ModelConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         # save_hf must write what transformers (and load_hf) read back for this model_type.
-        if self.qk_norm != (self.model_type == "qwen3"):
+        if self.qk_norm != (self.model_type in _QK_NORM_TYPES):
             raise ValueError(f"qk_norm={self.qk_norm} does not match model_type={self.model_type!r} "
-                             "(q/k RMSNorm is what makes a Qwen3; expected qk_norm == (model_type == 'qwen3'))")
+                             f"(q/k RMSNorm is what makes a Qwen3; expected qk_norm == (model_type in {_QK_NORM_TYPES}))")
+        self._check_moe()
         if self.model_type == "qwen2" and (not self.attention_bias or self.attention_out_bias):
             raise ValueError("model_type='qwen2' has q/k/v biases and no o_proj bias: expected "
                              "attention_bias=True, attention_out_bias=False")
@@ -77,6 +89,29 @@ class ModelConfig:
                              f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must match")
         if self.rope.kind not in ("default", "llama3"):
             raise ValueError(f"rope kind {self.rope.kind!r} not supported; expected 'default' or 'llama3'")
+
+    def _check_moe(self):
+        if (self.num_experts > 0) != (self.model_type == "qwen3_moe"):
+            raise ValueError(f"num_experts={self.num_experts} does not match model_type={self.model_type!r} "
+                             "(experts are what makes a qwen3_moe; expected num_experts >= 1 exactly for qwen3_moe)")
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok}; expected 1..num_experts={self.num_experts}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size}; expected >= 1")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step}; expected >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)} has {bad} outside 0..{self.num_layers - 1}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch={self.moe_dispatch!r}; expected one of {MOE_DISPATCHES}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -97,7 +132,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: model_type={model_type!r} is not supported; expected one of "
-                f"{SUPPORTED_MODEL_TYPES} (dense Llama 3.x, Qwen2/2.5, Qwen3)"
+                f"{SUPPORTED_MODEL_TYPES} (dense Llama 3.x, Qwen2/2.5, Qwen3; Qwen3-MoE)"
             )
         if hf.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported; expected false")
@@ -112,6 +147,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         rope = _rope_from_hf(hf, source)
+        moe = _moe_from_hf(hf, source) if model_type == "qwen3_moe" else {}
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -126,13 +162,14 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases and none on o_proj; Llama/Qwen3 bias all four or none.
             attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
             attention_out_bias=False if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in _QK_NORM_TYPES,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             param_dtype=param_dtype or dtype,
             dtype=dtype,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=_as_eos(hf.get("eos_token_id")),
+            **moe,
         )
 
     def to_hf(self) -> dict:
@@ -168,8 +205,14 @@ class ModelConfig:
         if self.model_type == "llama":
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = False
-        if self.model_type == "qwen3":
+        if self.model_type in _QK_NORM_TYPES:
             hf["attention_bias"] = self.attention_bias
+        if self.model_type == "qwen3_moe":
+            hf.update(
+                num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+            )
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
@@ -181,6 +224,28 @@ def _as_eos(value):
     if value is None or isinstance(value, int):
         return value
     return tuple(value)
+
+
+def _moe_from_hf(hf: dict, source: str) -> dict:
+    """The ModelConfig fields of a HF qwen3_moe config (transformers writes the expert count as
+    `num_local_experts`, the Hub's configs as `num_experts`)."""
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{source}: shared_expert_intermediate_size={hf['shared_expert_intermediate_size']} "
+                         "(shared experts) is not supported for qwen3_moe; expected 0 or absent")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError(f"{source}: required field 'num_experts' (or 'num_local_experts') is missing")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key not in hf:
+            raise ValueError(f"{source}: required field {key!r} is missing")
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+    )
 
 
 def _rope_from_hf(hf: dict, source: str) -> RopeConfig:

@@ -1,15 +1,18 @@
-"""One flax.nnx decoder for Llama 3.x, Qwen2/2.5 and Qwen3 (dense).
+"""One flax.nnx decoder for Llama 3.x, Qwen2/2.5, Qwen3 (dense) and Qwen3-MoE.
 
 Shape letters: B batch, T query time, S key/cache time, E embed (hidden), H query heads,
-K kv heads, G = H / K query heads per kv head, D head_dim, M mlp, V vocab, L layers.
+K kv heads, G = H / K query heads per kv head, D head_dim, M mlp, V vocab, L layers
+(X experts, see dora_jax.models.moe).
 
 Two call paths share every layer:
   * full forward: `model(input_ids_BT)` -> logits_BTV (training, log-probs);
   * cached: `model(input_ids_BT, positions_BT, cache=KVCache)` -> (logits_BTV, KVCache): the T new
     tokens' keys/values are written at their positions and attention reads the cache (prefill
     with T = prompt length, decode with T = 1).
+A full forward with `return_routing=True` also returns each MoE layer's `Routing` (router
+probabilities and chosen experts), for router metrics and the load-balancing loss.
 Every parameter carries logical axis names in its `out_sharding` metadata (`embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`); `dora_jax.sharding` maps them to mesh axes.
+`kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`, `expert`); `dora_jax.sharding` maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -20,16 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dora_jax.models.config import ModelConfig
+from dora_jax.models.moe import MoE
+from dora_jax.models.params import normal as _normal
+from dora_jax.models.params import param as _param
 from dora_jax.models.rope import apply_rope, inverse_frequencies
-
-
-def _param(value, names: tuple[str, ...]) -> nnx.Param:
-    # eager_sharding=False: the names are metadata only; placement happens in dora_jax.sharding.
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
 @flax.struct.dataclass
@@ -151,17 +148,24 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Pre-norm attention then a dense SwiGLU or (layer `index` of a MoE config) a sparse MoE."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, index: int = 0):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.attn = Attention(cfg, rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.is_moe_layer(index) else MLP(cfg, rngs)
 
     def __call__(self, x_BTE, positions_BT, cache: tuple | None = None, layer: int = 0):
+        """(x_BTE, cache, Routing or None for a dense layer)."""
         h_BTE, new_cache = self.attn(self.input_norm(x_BTE), positions_BT, cache, layer)
         x_BTE = x_BTE + h_BTE
-        x_BTE = x_BTE + self.mlp(self.post_attn_norm(x_BTE))
-        return x_BTE, new_cache
+        routing = None
+        if isinstance(self.mlp, MoE):
+            h_BTE, routing = self.mlp(self.post_attn_norm(x_BTE))
+        else:
+            h_BTE = self.mlp(self.post_attn_norm(x_BTE))
+        return x_BTE + h_BTE, new_cache, routing
 
 
 class Decoder(nnx.Module):
@@ -170,28 +174,35 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.config = cfg
         self.embed_VE = _param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype), ("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head_EV = _param(_normal(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype), ("embed", "vocab"))
 
-    def __call__(self, input_ids_BT, positions_BT=None, *, cache: KVCache | None = None, return_kv: bool = False):
+    def __call__(self, input_ids_BT, positions_BT=None, *, cache: KVCache | None = None, return_kv: bool = False,
+                 return_routing: bool = False):
         """Logits (float32) for every input position.
 
         Without `cache`: a causal forward over the T tokens (positions default to 0..T-1); with
         `return_kv=True` it also returns a KVCache holding exactly those T rows (a prefill).
         With `cache`: the tokens sit at `positions_BT` (contiguous per row); returns
         (logits_BTV, updated cache).
+        `return_routing=True` (full forward without `return_kv` only) returns (logits_BTV, routing)
+        with one `Routing` per MoE layer (an empty tuple for a dense model).
         """
+        if return_routing and (cache is not None or return_kv):
+            raise ValueError("return_routing=True is for the full forward only (no cache, no return_kv)")
         cfg = self.config
         B, T = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BTE = jnp.take(self.embed_VE[...], input_ids_BT, axis=0).astype(cfg.dtype)
-        new_k, new_v = [], []
+        new_k, new_v, routings = [], [], []
         stacked = None if cache is None else (cache.k_LBSKD, cache.v_LBSKD)
         for i, layer in enumerate(self.layers):
-            x_BTE, layer_cache = layer(x_BTE, positions_BT, stacked, i)
+            x_BTE, layer_cache, routing = layer(x_BTE, positions_BT, stacked, i)
+            if routing is not None:
+                routings.append(routing)
             if cache is None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
@@ -200,6 +211,8 @@ class Decoder(nnx.Module):
         x_BTE = self.final_norm(x_BTE)
         head_EV = self.embed_VE[...].T if cfg.tie_word_embeddings else self.lm_head_EV[...]
         logits_BTV = jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        if return_routing:
+            return logits_BTV, tuple(routings)
         if cache is None and not return_kv:
             return logits_BTV
         kv = KVCache(*stacked) if cache is not None else KVCache(jnp.stack(new_k), jnp.stack(new_v))

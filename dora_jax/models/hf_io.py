@@ -1,8 +1,12 @@
 """HF checkpoint I/O: `load_hf(path)` reads a transformers checkpoint directory into our decoder,
 `save_hf(model, path)` writes one that transformers loads.
 
-The name map is one table (`_weight_map`): HF tensor name, our params path, and how the layout
+The name map is one table (`_weight_map`): HF tensor names, our params path, and how the layout
 changes (HF stores Linear weights as [out, in]; we store [in, heads, head_dim] style kernels).
+Most params are one HF tensor; a MoE layer's stacked experts `gate_XEM` are the X tensors
+`mlp.experts.{j}.gate_proj.weight` (the Hub's layout, and what transformers' save_pretrained
+writes), or one slice of the fused `mlp.experts.gate_up_proj` [X, 2M, E] that transformers 5
+holds in memory (read, never written).
 Every expected tensor must be present with the expected shape and nothing unknown may be left
 over: a partial load is an error, never silence.
 """
@@ -25,8 +29,42 @@ from dora_jax.models.decoder import Decoder, init_model
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _weight_map(cfg: ModelConfig):
-    """[(hf_name, path, to_ours, to_hf)] for every parameter of `cfg`'s decoder."""
+def _weight_map(cfg: ModelConfig, fused_experts: frozenset[int] = frozenset()):
+    """[(hf_names, path, to_ours, to_hf)] for every parameter of `cfg`'s decoder: `to_ours` maps
+    the list of HF arrays to ours, `to_hf` ours to the list. MoE layers in `fused_experts` read
+    the fused 3D expert tensors."""
+    entries = [((name,), ours, lambda ws, f=to_ours: f(ws[0]), lambda w, f=to_hf: [f(w)])
+               for name, ours, to_ours, to_hf in _single_map(cfg)]
+    for i in range(cfg.num_layers):
+        if cfg.is_moe_layer(i):
+            entries += _expert_map(cfg, i, fused=i in fused_experts)
+    return entries
+
+
+def _expert_map(cfg: ModelConfig, i: int, *, fused: bool):
+    hf, ours, X, M = f"model.layers.{i}.mlp.", ("layers", i, "mlp"), cfg.num_experts, cfg.moe_intermediate_size
+    entries = [((hf + "gate.weight",), ours + ("router_EX",), lambda ws: ws[0].T, lambda w: [w.T])]
+    if fused:  # gate_up_proj [X, 2M, E] (gate rows first), down_proj [X, E, M]
+        return entries + [
+            ((hf + "experts.gate_up_proj",), ours + ("gate_XEM",), lambda ws: _split_gate_up(ws[0], M, 0), None),
+            ((hf + "experts.gate_up_proj",), ours + ("up_XEM",), lambda ws: _split_gate_up(ws[0], M, 1), None),
+            ((hf + "experts.down_proj",), ours + ("down_XME",), lambda ws: ws[0].transpose(0, 2, 1), None),
+        ]
+    stacked = (lambda ws: np.stack([w.T for w in ws]), lambda w: [e.T for e in w])
+    for hf_proj, our_name in (("gate_proj", "gate_XEM"), ("up_proj", "up_XEM"), ("down_proj", "down_XME")):
+        names = tuple(f"{hf}experts.{j}.{hf_proj}.weight" for j in range(X))
+        entries.append((names, ours + (our_name,), *stacked))
+    return entries
+
+
+def _split_gate_up(w_X2ME, M: int, half: int):
+    if w_X2ME.ndim != 3 or w_X2ME.shape[1] != 2 * M:
+        return w_X2ME  # the caller's shape check names the tensor
+    return w_X2ME[:, half * M:(half + 1) * M, :].transpose(0, 2, 1)
+
+
+def _single_map(cfg: ModelConfig):
+    """[(hf_name, path, to_ours, to_hf)] for every parameter that is one HF tensor."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     same = (lambda w: w, lambda w: w)
 
@@ -51,10 +89,13 @@ def _weight_map(cfg: ModelConfig):
             (hf + "self_attn.k_proj.weight", ours + ("attn", "k_EKD"), *linear(E, K, D)),
             (hf + "self_attn.v_proj.weight", ours + ("attn", "v_EKD"), *linear(E, K, D)),
             (hf + "self_attn.o_proj.weight", ours + ("attn", "o_HDE"), *linear_out(H, D, E)),
-            (hf + "mlp.gate_proj.weight", ours + ("mlp", "gate_EM"), lambda w: w.T, lambda w: w.T),
-            (hf + "mlp.up_proj.weight", ours + ("mlp", "up_EM"), lambda w: w.T, lambda w: w.T),
-            (hf + "mlp.down_proj.weight", ours + ("mlp", "down_ME"), lambda w: w.T, lambda w: w.T),
         ]
+        if not cfg.is_moe_layer(i):
+            entries += [
+                (hf + "mlp.gate_proj.weight", ours + ("mlp", "gate_EM"), lambda w: w.T, lambda w: w.T),
+                (hf + "mlp.up_proj.weight", ours + ("mlp", "up_EM"), lambda w: w.T, lambda w: w.T),
+                (hf + "mlp.down_proj.weight", ours + ("mlp", "down_ME"), lambda w: w.T, lambda w: w.T),
+            ]
         if cfg.attention_bias:
             entries += [
                 (hf + "self_attn.q_proj.bias", ours + ("attn", "q_bias_HD"), *bias(H, D)),
@@ -112,24 +153,29 @@ def load_hf(
     param_dtype=None,
     mesh: jax.sharding.Mesh | None = None,
     rules: sharding_lib.Rules = sharding_lib.TRAINER_RULES,
+    moe_dispatch: str | None = None,
 ) -> Decoder:
-    """Loads a HF Llama/Qwen2/Qwen3 checkpoint directory as our decoder.
+    """Loads a HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint directory as our decoder.
 
     `dtype` is the compute dtype; params are stored in `param_dtype` (default: `dtype`). With a
     `mesh`, every param is placed directly with its target sharding: each device receives only
-    its own shard (`make_array_from_callback`), never a full copy per device.
+    its own shard (`make_array_from_callback`), never a full copy per device. `moe_dispatch`
+    ("dense" | "grouped") overrides the config's MoE computation.
     """
     cfg = read_config(path, dtype=dtype, param_dtype=param_dtype)
+    if moe_dispatch is not None:
+        cfg = cfg.replace(moe_dispatch=moe_dispatch)
     files = _tensor_files(path)
     abstract = nnx.eval_shape(lambda: init_model(cfg))
     graphdef, abstract_state = nnx.split(abstract)
     shapes = nnx.to_pure_dict(abstract_state)
     axes = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state)) if mesh is not None else None
-    expected = _weight_map(cfg)
-    missing = [name for name, *_ in expected if name not in files]
+    fused = frozenset(i for i in range(cfg.num_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in files)
+    expected = _weight_map(cfg, fused)
+    missing = list(dict.fromkeys(name for names, *_ in expected for name in names if name not in files))
     if missing:
         raise ValueError(f"{path}: checkpoint is missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    known = {name for name, *_ in expected}
+    known = {name for names, *_ in expected for name in names}
     unexpected = sorted(n for n in files if n not in known and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         raise ValueError(
@@ -140,16 +186,20 @@ def load_hf(
     params: dict = {}
     handles: dict[str, object] = {}
     try:
-        for name, ours, to_ours, _ in expected:
-            file = files[name]
-            if file not in handles:
-                handles[file] = safe_open(file, framework="flax").__enter__()
+        for names, ours, to_ours, _ in expected:
+            raws = []
+            for name in names:
+                file = files[name]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="flax").__enter__()
+                raws.append(np.asarray(handles[file].get_tensor(name)))
             target = _get_path(shapes, ours)
-            raw = np.asarray(handles[file].get_tensor(name))
-            value = to_ours(raw) if raw.size == np.prod(target.shape) else None
+            value = _convert(to_ours, raws)
             if value is None or value.shape != target.shape:
+                shapes_seen = sorted(set(tuple(r.shape) for r in raws))
                 raise ValueError(
-                    f"{file}: tensor {name} has shape {tuple(raw.shape)}, expected one that maps to "
+                    f"{files[names[0]]}: tensor {names[0] if len(names) == 1 else names[0] + ' ...'} has shape "
+                    f"{shapes_seen[0] if len(shapes_seen) == 1 else shapes_seen}, expected one that maps to "
                     f"{tuple(target.shape)} for this config"
                 )
             _set_path(params, ours, _place(value, cfg.param_dtype, mesh, axes and _get_path(axes, ours), rules))
@@ -157,6 +207,16 @@ def load_hf(
         for handle in handles.values():
             handle.__exit__(None, None, None)
     return nnx.merge(graphdef, params)
+
+
+def _convert(to_ours, raws: list[np.ndarray]) -> np.ndarray | None:
+    """`to_ours(raws)`, or None where the HF shapes cannot map (the caller names the tensor)."""
+    if len({r.shape for r in raws}) != 1:
+        return None
+    try:
+        return to_ours(raws)
+    except ValueError:  # a reshape of the wrong size
+        return None
 
 
 def _place(value: np.ndarray, dtype, mesh, names, rules) -> jax.Array:
@@ -175,9 +235,10 @@ def save_hf(model: Decoder, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors: dict[str, np.ndarray] = {}
-    for name, ours, _, to_hf in _weight_map(cfg):
+    for names, ours, _, to_hf in _weight_map(cfg):
         value = np.asarray(jax.device_get(_get_path(params, ours)))
-        tensors[name] = np.ascontiguousarray(to_hf(value))
+        for name, array in zip(names, to_hf(value), strict=True):
+            tensors[name] = np.ascontiguousarray(array)
     if jnp.dtype(cfg.param_dtype) == jnp.bfloat16:
         _save_bf16(tensors, os.path.join(path, "model.safetensors"))
     else:
