@@ -1,0 +1,189 @@
+"""Records <-> protobuf messages, and messages with arrays <-> streams of frames.
+
+Numpy arrays never sit inside a message (dora.proto explains why): `encode_*` return the message
+plus the list of arrays it announces, in order; `to_frames` sends the message then those arrays'
+bytes in chunks of at most `chunk_bytes`; `FrameReader` reads them back into fresh numpy buffers.
+Every conversion is exact: token ids, log-probs (float64 on the wire, as Python floats are) and
+array bytes come back bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence, Union
+
+import numpy as np
+
+from dora_jax.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.transport import dora_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
+Migratable = Union[SlotState, Request]
+
+
+# ---------------------------------------------------------------- requests and trajectories
+def request_to_proto(request: Request) -> pb.Request:
+    s = request.sampling
+    return pb.Request(
+        traj_id=request.traj_id, group_id=request.group_id, prompt_id=request.prompt_id,
+        prompt_ids=request.prompt_ids, version=request.version, max_new_tokens=request.max_new_tokens,
+        sampling=pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+        stop_ids=request.stop_ids, has_forced_length=request.forced_length is not None,
+        forced_length=request.forced_length or 0, prefix_response_ids=request.prefix_response_ids,
+        prefix_logprobs=request.prefix_logprobs, prefix_versions=request.prefix_versions,
+    )
+
+
+def request_from_proto(m: pb.Request) -> Request:
+    s = m.sampling
+    return Request(
+        traj_id=m.traj_id, group_id=m.group_id, prompt_id=m.prompt_id, prompt_ids=tuple(m.prompt_ids),
+        version=int(m.version), max_new_tokens=int(m.max_new_tokens),
+        sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=int(s.top_k), seed=int(s.seed)),
+        stop_ids=tuple(m.stop_ids), forced_length=int(m.forced_length) if m.has_forced_length else None,
+        prefix_response_ids=tuple(m.prefix_response_ids), prefix_logprobs=tuple(m.prefix_logprobs),
+        prefix_versions=tuple(int(v) for v in m.prefix_versions),
+    )
+
+
+def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
+    return pb.Trajectory(
+        traj_id=t.traj_id, group_id=t.group_id, prompt_id=t.prompt_id, prompt_ids=t.prompt_ids,
+        response_ids=t.response_ids, logprobs=t.logprobs, version=t.version, versions_seen=t.versions_seen,
+        finish_reason=t.finish_reason.value, slice_id=t.slice_id, has_error=t.error is not None,
+        error=t.error or "", dispatch_t=t.dispatch_t, finish_t=t.finish_t, num_migrations=t.num_migrations,
+    )
+
+
+def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
+    return Trajectory(
+        traj_id=m.traj_id, group_id=m.group_id, prompt_id=m.prompt_id, prompt_ids=tuple(m.prompt_ids),
+        response_ids=tuple(m.response_ids), logprobs=tuple(m.logprobs), version=int(m.version),
+        versions_seen=tuple(int(v) for v in m.versions_seen), finish_reason=FinishReason(m.finish_reason),
+        slice_id=int(m.slice_id), error=m.error if m.has_error else None, dispatch_t=m.dispatch_t,
+        finish_t=m.finish_t, num_migrations=int(m.num_migrations),
+    )
+
+
+def group_to_proto(g: Group) -> pb.Group:
+    samples = [pb.ScoredTrajectory(trajectory=trajectory_to_proto(s.trajectory), reward=s.reward,
+                                   has_reward_error=s.reward_error is not None, reward_error=s.reward_error or "")
+               for s in g.samples]
+    return pb.Group(group_id=g.group_id, version=g.version, samples=samples)
+
+
+def group_from_proto(m: pb.Group) -> Group:
+    samples = tuple(ScoredTrajectory(trajectory_from_proto(s.trajectory), s.reward,
+                                     s.reward_error if s.has_reward_error else None) for s in m.samples)
+    return Group(m.group_id, int(m.version), samples)
+
+
+# ---------------------------------------------------------------- slot states (arrays out of band)
+def _array_header(a: np.ndarray) -> pb.Array:
+    return pb.Array(dtype=a.dtype.str, shape=a.shape)
+
+
+def slot_state_to_proto(state: SlotState) -> tuple[pb.SlotState, list[np.ndarray]]:
+    arrays = [np.ascontiguousarray(state.k_LSKD), np.ascontiguousarray(state.v_LSKD),
+              np.ascontiguousarray(state.rng_key)]
+    m = pb.SlotState(
+        request=request_to_proto(state.request), k=_array_header(arrays[0]), v=_array_header(arrays[1]),
+        position=state.position, last_token=state.last_token, response_ids=state.response_ids,
+        logprobs=state.logprobs, token_versions=state.token_versions, rng_key=_array_header(arrays[2]),
+        version=state.version,
+    )
+    return m, arrays
+
+
+def slot_state_from_proto(m: pb.SlotState, arrays: Iterator[np.ndarray]) -> SlotState:
+    k, v, rng = next(arrays), next(arrays), next(arrays)
+    return SlotState(
+        request=request_from_proto(m.request), k_LSKD=k, v_LSKD=v, position=int(m.position),
+        last_token=int(m.last_token), response_ids=tuple(m.response_ids), logprobs=tuple(m.logprobs),
+        token_versions=tuple(int(x) for x in m.token_versions), rng_key=rng, version=int(m.version),
+    )
+
+
+def migratables_to_proto(items: Sequence[Migratable]) -> tuple[list[pb.Migratable], list[np.ndarray]]:
+    out, arrays = [], []
+    for item in items:
+        if isinstance(item, SlotState):
+            m, a = slot_state_to_proto(item)
+            out.append(pb.Migratable(slot_state=m))
+            arrays += a
+        elif isinstance(item, Request):
+            out.append(pb.Migratable(request=request_to_proto(item)))
+        else:
+            raise TypeError(f"cannot migrate a {type(item).__name__}; expected SlotState or Request")
+    return out, arrays
+
+
+def migratables_from_proto(items: Iterable[pb.Migratable], arrays: Iterator[np.ndarray]) -> list[Migratable]:
+    return [slot_state_from_proto(m.slot_state, arrays) if m.HasField("slot_state") else request_from_proto(m.request)
+            for m in items]
+
+
+def announced_arrays(message) -> list[pb.Array]:
+    """The Array headers a Command or Result announces, in stream order."""
+    items = ()
+    if isinstance(message, pb.Command) and message.WhichOneof("kind") == "import_items":
+        items = message.import_items.items
+    elif isinstance(message, pb.Result):
+        items = message.exported
+    headers = []
+    for item in items:
+        if item.HasField("slot_state"):
+            headers += [item.slot_state.k, item.slot_state.v, item.slot_state.rng_key]
+    return headers
+
+
+# ---------------------------------------------------------------- frames
+def to_frames(message, arrays: Sequence[np.ndarray], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.Frame]:
+    """The message (a Command or a Result) as one frame, then its arrays' bytes in chunks."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes}; expected >= 1")
+    field = "command" if isinstance(message, pb.Command) else "result"
+    yield pb.Frame(**{field: message})
+    for array in arrays:
+        view = memoryview(np.ascontiguousarray(array)).cast("B")
+        for start in range(0, len(view), chunk_bytes):
+            yield pb.Frame(chunk=bytes(view[start:start + chunk_bytes]))
+
+
+class FrameReader:
+    """Reads (message, arrays) pairs off a frame iterator: a message, then exactly the bytes of the
+    arrays it announces. A chunk with no message before it, or a stream that ends mid-array, is a
+    `ValueError` naming what was expected."""
+
+    def __init__(self, frames: Iterator[pb.Frame]):
+        self._frames = frames
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[object, list[np.ndarray]]:
+        frame = next(self._frames)  # StopIteration ends the stream cleanly between messages
+        kind = frame.WhichOneof("body")
+        if kind == "chunk":
+            raise ValueError("stream out of step: got an array chunk where a message was expected")
+        message = getattr(frame, kind)
+        return message, [self._read_array(h) for h in announced_arrays(message)]
+
+    def _read_array(self, header: pb.Array) -> np.ndarray:
+        out = np.empty(tuple(header.shape), np.dtype(header.dtype))
+        buffer = memoryview(out).cast("B") if out.nbytes else memoryview(b"")
+        filled = 0
+        while filled < out.nbytes:
+            try:
+                frame = next(self._frames)
+            except StopIteration:
+                raise ValueError(f"stream ended after {filled} of {out.nbytes} bytes of a {header.dtype} "
+                                 f"array {tuple(header.shape)}") from None
+            if frame.WhichOneof("body") != "chunk":
+                raise ValueError(f"stream out of step: got a {frame.WhichOneof('body')} after {filled} of "
+                                 f"{out.nbytes} bytes of an array")
+            piece = frame.chunk
+            if filled + len(piece) > out.nbytes:
+                raise ValueError(f"array chunk overruns its {out.nbytes}-byte array")
+            buffer[filled:filled + len(piece)] = piece
+            filled += len(piece)
+        return out

@@ -1,0 +1,206 @@
+"""The rollout worker's side of the service: one RolloutWorker driven by the coordinator's commands.
+
+`RolloutAgent.run()` registers the slice, opens the command stream (a reader thread), beats
+(another thread), and loops on its own thread, as `WorkerThread` does in process: run the
+commands that arrived (submit, load a version, export, import, stop), answering each with one
+`Ack`, then one `worker.step()`, whose finished trajectories are posted (and acknowledged) before
+the next command runs. Fetching a version's params is the caller's `fetch_params(version)`
+(the tensorstore tier in `python -m dora_jax.rollout_worker`).
+
+Ends: a Stop command (returns "stopped"); the coordinator unreachable past the client deadline or
+its stream silent past `silence_s` (raises CoordinatorUnreachable); a command the worker cannot
+execute (answered with the error, then raised). If the coordinator ends the session (it declared
+the slice failed, e.g. after a stall) the agent drops its requests, which the coordinator has
+re-dispatched, and registers again: the slice rejoins with nothing loaded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from dora_jax.records import Request, SlotState
+from dora_jax.rollout.worker import RolloutWorker
+from dora_jax.transport import codec
+from dora_jax.transport import dora_pb2 as pb
+from dora_jax.transport.client import Client, CoordinatorUnreachable, SessionLost
+
+_LOST = "lost"
+
+
+class RolloutAgent:
+    def __init__(self, client: Client, worker: RolloutWorker, fetch_params: Callable[[int], object], config_hash: str,
+                 *, silence_s: float = 60.0, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, log=print):
+        self.client = client
+        self.worker = worker
+        self._fetch_params = fetch_params
+        self._config_hash = config_hash
+        self._silence_s = silence_s
+        self._chunk_bytes = chunk_bytes
+        self._log = log
+        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._done = threading.Event()
+        self._seq = 0
+        self.busy_s = 0.0
+        self.rejoins = 0
+
+    # ------------------------------------------------------------------ session
+    def register(self) -> None:
+        reply = self.client.register(pb.ROLLOUT, self._config_hash, slice_id=self.worker.slice_id,
+                                     num_slots=self.worker.num_slots)
+        self._period = reply.heartbeat_period_s
+        self._seq = 0
+
+    def run(self) -> str:
+        """Serves commands until Stop; see the module docstring. Call `register()` first."""
+        while True:
+            session = self.client.session
+            self._done.clear()
+            stream = self.client.stub.Commands(pb.CommandsRequest(session=session))  # open for the session's life
+            reader = threading.Thread(target=self._read_commands, args=(stream,), daemon=True, name="commands")
+            beater = threading.Thread(target=self._beat, args=(session,), daemon=True, name="heartbeat")
+            reader.start()
+            beater.start()
+            try:
+                return self._serve()
+            except SessionLost as err:
+                self._log(f"slice {self.worker.slice_id}: {err}; dropping its requests and joining again")
+            finally:
+                self._done.set()
+                stream.cancel()
+                reader.join(timeout=5)
+                beater.join(timeout=5)
+            self._reset()
+            self.rejoins += 1
+            self.register()
+
+    def _reset(self) -> None:
+        """Forgets every request: the coordinator re-dispatched them when it ended the session."""
+        if self.worker.active_traj_ids:
+            self.worker.export_requests()
+        self.worker.take_queued()
+        if self.worker.has_work:
+            self.worker.step()  # flushes requests rejected at submit; nothing else is left
+        self._inbox = queue.Queue()
+
+    def _read_commands(self, stream) -> None:
+        try:
+            for message, arrays in codec.FrameReader(iter(stream)):
+                self._inbox.put(("command", message, arrays))
+            self._inbox.put((_LOST, "the coordinator closed the command stream", CoordinatorUnreachable))
+        except grpc.RpcError as err:
+            if not self._done.is_set():
+                kind = SessionLost if err.code() == grpc.StatusCode.NOT_FOUND else CoordinatorUnreachable
+                self._inbox.put((_LOST, f"command stream broke: {err.code().name}: {err.details()}", kind))
+        except ValueError as err:
+            self._inbox.put((_LOST, f"bad command stream: {err}", RuntimeError))
+
+    def _beat(self, session: str) -> None:
+        while not self._done.wait(self._period):
+            c = self.worker.counters
+            request = pb.HeartbeatRequest(session=session, slot_steps=c.slot_steps, idle_slot_steps=c.idle_slot_steps,
+                                          generated_tokens=c.generated_tokens, busy_s=self.busy_s)
+            try:
+                self.client.call("Heartbeat", lambda t: self.client.stub.Heartbeat(request, timeout=t))
+            except (SessionLost, CoordinatorUnreachable) as err:
+                self._inbox.put((_LOST, str(err), type(err)))
+                return
+
+    # ------------------------------------------------------------------ the loop
+    def _serve(self) -> str:
+        last_heard = time.monotonic()
+        while True:
+            block = not self.worker.has_work
+            try:
+                item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item[0] == _LOST:
+                    raise item[2](f"slice {self.worker.slice_id}: {item[1]}")
+                last_heard = time.monotonic()
+                _, message, arrays = item
+                kind = message.WhichOneof("kind")
+                if kind == "stop":
+                    return f"stopped: {message.stop.reason}"
+                if kind != "keepalive":
+                    self._execute(message, arrays)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if time.monotonic() - last_heard > self._silence_s:
+                raise CoordinatorUnreachable(f"slice {self.worker.slice_id}: no word from the coordinator at "
+                                             f"{self.client.address} for {self._silence_s:.0f}s (not even a keepalive)")
+            if self.worker.has_work:
+                start = time.perf_counter()
+                finished = self.worker.step()
+                self.busy_s += time.perf_counter() - start
+                if finished:
+                    self._post_finished(finished)
+
+    def _execute(self, command: pb.Command, arrays: list[np.ndarray]) -> None:
+        kind = command.WhichOneof("kind")
+        exported, out_arrays = [], []
+        try:
+            if kind == "submit":
+                for request in command.submit.requests:
+                    self.worker.submit(codec.request_from_proto(request))
+            elif kind == "load_version":
+                version = int(command.load_version.version)
+                self.worker.load_version(version, self._fetch_params(version))
+            elif kind == "export":
+                exported, out_arrays = codec.migratables_to_proto(self._export(list(command.export.traj_ids)))
+            elif kind == "import_items":
+                self._import(codec.migratables_from_proto(command.import_items.items, iter(arrays)))
+            else:
+                raise ValueError(f"unknown command kind {kind!r}")
+        except Exception as err:
+            self._ack(pb.Result(session=self.client.session, command_id=command.id,
+                                error=f"{type(err).__name__}: {err}"), [])
+            raise
+        self._ack(pb.Result(session=self.client.session, command_id=command.id, exported=exported), out_arrays)
+
+    def _export(self, traj_ids: list[str]) -> list[SlotState | Request]:
+        wanted = set(traj_ids)
+        active = [t for t in self.worker.active_traj_ids if t in wanted]
+        queued = [t for t in self.worker.queued_traj_ids if t in wanted]
+        out: list[SlotState | Request] = self.worker.export_requests(active) if active else []
+        return out + (self.worker.take_queued(queued) if queued else [])
+
+    def _import(self, items: list[SlotState | Request]) -> None:
+        states = [i for i in items if isinstance(i, SlotState)]
+        if states:
+            self.worker.import_requests(states)
+        for request in (i for i in items if isinstance(i, Request)):
+            self.worker.submit(request)
+
+    def _ack(self, result: pb.Result, arrays: list[np.ndarray]) -> None:
+        # The frames are rebuilt on every try: a stream iterator is consumed by the failed attempt.
+        self.client.call("Ack", lambda t: self.client.stub.Ack(codec.to_frames(result, arrays, self._chunk_bytes),
+                                                                timeout=t))
+
+    def _post_finished(self, finished) -> None:
+        self._seq += 1
+        request = pb.FinishedRequest(session=self.client.session, seq=self._seq,
+                                     trajectories=[codec.trajectory_to_proto(t) for t in finished])
+        self.client.call("PostFinished", lambda t: self.client.stub.PostFinished(request, timeout=t))
+
+
+def fetch_from_store(store, shardings, *, wait_s: float = 0.0) -> Callable[[int], object]:
+    """`fetch_params` over a ParamStore: version -> params laid out as `shardings`, waiting up to
+    `wait_s` for a version another process has not committed yet."""
+
+    def fetch(version: int):
+        deadline = time.monotonic() + wait_s
+        while version not in store.versions() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return store.get(version, shardings)
+
+    return fetch
+

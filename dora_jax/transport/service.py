@@ -1,0 +1,343 @@
+"""The coordinator's gRPC service: sessions, rollout command streams, the trainer's calls.
+
+Rollout workers `Register` (refused, with the reason, on a config hash, package version, protocol,
+slice id or slot count that does not match), open their `Commands` stream, `Heartbeat`, answer
+each command with one `Ack` and post finished trajectories with `PostFinished` (in order: a worker
+posts what finished before it answers its next command, so an export's result finds the
+coordinator's view exact). The trainer registers too and calls `TakeBatch` (long-poll, idempotent
+per trainer version) and `ReportPublished`.
+
+A rollout session ends when its stream breaks, its heartbeats stop for `heartbeat_timeout_s`, or a
+call to it fails; its port fails and the coordinator gets `post_slice_failed`. A worker that then
+registers again for the same slice joins through `post_slice_joined` with a fresh port.
+
+The service starts before the Coordinator exists (the coordinator needs every slice's port and the
+trainer's first version): `wait_ready` returns those, then `attach` hands the coordinator over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Optional, Protocol, Sequence
+
+import grpc
+
+from dora_jax.records import Group, Trajectory
+from dora_jax.transport import codec
+from dora_jax.transport import dora_pb2 as pb
+from dora_jax.transport import dora_pb2_grpc as pb_grpc
+from dora_jax.transport.port import GrpcRolloutPort
+
+PROTOCOL = 1  # bump on any incompatible change to dora.proto's meaning
+MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What every client must match to join."""
+
+    config_hash: str
+    package_version: str
+    num_slices: int
+    num_slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    heartbeat_period_s: float = 1.0  # clients beat this often
+    heartbeat_timeout_s: float = 30.0  # a rollout worker silent this long is failed
+    command_timeout_s: float = 600.0  # a command unanswered this long fails its slice
+    keepalive_s: float = 2.0  # an idle command stream carries a keepalive this often
+    chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
+
+
+class Backend(Protocol):
+    """What the service calls on the coordinator (dora_jax.coordinator.coordinator.Coordinator)."""
+
+    def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None: ...
+    def post_slice_failed(self, slice_id: int, reason: str) -> None: ...
+    def post_slice_joined(self, port) -> None: ...
+
+
+@dataclasses.dataclass
+class _Session:
+    role: int
+    host: str
+    slice_id: int = -1
+    port: Optional[GrpcRolloutPort] = None
+    last_beat: float = dataclasses.field(default_factory=time.monotonic)
+    finished_seq: int = 0
+    counters: dict = dataclasses.field(default_factory=dict)
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(self, identity: Identity, timing: Timing = Timing(), *, log=None):
+        self.identity = identity
+        self.timing = timing
+        self._log = log or (lambda message: print(f"[coordinator] {message}", file=sys.stderr, flush=True))
+        self._cond = threading.Condition()
+        self._sessions: dict[str, _Session] = {}
+        self.ports: dict[int, GrpcRolloutPort] = {}  # live port per slice
+        self._trainer: Optional[str] = None
+        self.initial_version: Optional[int] = None
+        self._published = -1
+        self._taken: Optional[tuple[int, pb.TakeBatchReply]] = None
+        self.backend = None
+        self.failures: list[tuple[int, str]] = []
+        self._retired_counters: dict[str, int] = {}  # counters of ended sessions (bubble ratio totals)
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait_ready(self, timeout_s: float) -> tuple[dict[int, GrpcRolloutPort], int]:
+        """Blocks until every slice's command stream is open and the trainer reported its first
+        version; returns (ports, that version). Names what is missing on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [s for s in range(self.identity.num_slices)
+                               if s not in self.ports or not self.ports[s].connected.is_set()]
+                    trainer = "none" if self._trainer is None else f"version {self.initial_version}"
+                    raise TimeoutError(f"not every role joined within {timeout_s:.0f}s: rollout slices missing "
+                                       f"{missing}, trainer published {trainer}")
+                self._cond.wait(min(left, 0.2))
+            return dict(self.ports), self.initial_version
+
+    def _ready(self) -> bool:
+        slices = all(s in self.ports and self.ports[s].connected.is_set() for s in range(self.identity.num_slices))
+        return slices and self.initial_version is not None
+
+    def attach(self, backend) -> None:
+        with self._cond:
+            self.backend = backend
+            self._cond.notify_all()
+
+    def stop(self, reason: str) -> None:
+        """Asks every live worker to exit and stops watching heartbeats."""
+        self._stop.set()
+        with self._cond:
+            ports = list(self.ports.values())
+        for port in ports:
+            port.stop(reason)
+
+    def worker_counters(self) -> dict[str, int]:
+        """Slot steps, idle slot steps and generated tokens over every rollout session so far."""
+        with self._cond:
+            total = dict(self._retired_counters)
+            for session in self._sessions.values():
+                for key, value in session.counters.items():
+                    total[key] = total.get(key, 0) + value
+            return total
+
+    # ------------------------------------------------------------------ sessions
+    def _session(self, session_id: str, context, role: int) -> _Session:
+        with self._cond:
+            session = self._sessions.get(session_id)
+        if session is None or session.role != role:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"session {session_id[:8]} is not live (ended by the coordinator or never registered); "
+                          "register again")
+        return session
+
+    def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
+        problem = self._refusal(request)
+        if problem:
+            self._log(f"refused {pb.Role.Name(request.role).lower()} from {request.host}: {problem}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        session_id = uuid.uuid4().hex
+        with self._cond:
+            if request.role == pb.TRAINER:
+                if self._trainer is not None:
+                    self._end_session(self._trainer)  # a restarted trainer replaces the old one
+                self._trainer = session_id
+                self._sessions[session_id] = _Session(pb.TRAINER, request.host)
+            else:
+                live = self.ports.get(request.slice_id)
+                if live is not None and live.failure is None:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"rollout slice {request.slice_id} is already served by a live worker "
+                                  f"(session {live.session[:8]}); retry once it is gone")
+                port = GrpcRolloutPort(request.slice_id, request.num_slots, session_id,
+                                       command_timeout_s=self.timing.command_timeout_s, on_fail=self._port_failed)
+                self.ports[request.slice_id] = port
+                self._sessions[session_id] = _Session(pb.ROLLOUT, request.host, request.slice_id, port)
+            self._cond.notify_all()
+        self._log(f"registered {pb.Role.Name(request.role).lower()} "
+                  f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}")
+        return pb.RegisterReply(session=session_id, heartbeat_period_s=self.timing.heartbeat_period_s)
+
+    def _refusal(self, request: pb.RegisterRequest) -> Optional[str]:
+        ident = self.identity
+        if request.protocol != PROTOCOL:
+            return f"protocol {request.protocol} differs from the coordinator's {PROTOCOL}: install the same dora_jax"
+        if request.package_version != ident.package_version:
+            return (f"package version {request.package_version!r} differs from the coordinator's "
+                    f"{ident.package_version!r}: install the same dora_jax on every host")
+        if request.config_hash != ident.config_hash:
+            return (f"config hash {request.config_hash[:12]} differs from the coordinator's {ident.config_hash[:12]}: "
+                    "start every role with the same --config file and the same --config.* overrides")
+        if request.role == pb.ROLLOUT:
+            if not 0 <= request.slice_id < ident.num_slices:
+                return f"slice_id={request.slice_id}; expected 0..{ident.num_slices - 1} (rollout.num_slices={ident.num_slices})"
+            if request.num_slots != ident.num_slots:
+                return f"num_slots={request.num_slots}; the config says rollout.slots={ident.num_slots}"
+        elif request.role != pb.TRAINER:
+            return f"role={request.role}; expected ROLLOUT or TRAINER"
+        return None
+
+    def _end_session(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)  # caller holds self._cond
+        if session is not None:
+            for key, value in session.counters.items():
+                self._retired_counters[key] = self._retired_counters.get(key, 0) + value
+
+    def _port_failed(self, port: GrpcRolloutPort, reason: str) -> None:
+        with self._cond:
+            self._end_session(port.session)
+            if self.ports.get(port.slice_id) is port:
+                del self.ports[port.slice_id]
+            backend = self.backend
+            self.failures.append((port.slice_id, reason))
+        if port.stopping:
+            return
+        self._log(f"rollout slice {port.slice_id} failed: {reason}")
+        if backend is not None:
+            backend.post_slice_failed(port.slice_id, reason)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        session = self._session(request.session, context, pb.ROLLOUT)
+        with self._cond:
+            session.last_beat = time.monotonic()
+            session.counters = {"slot_steps": request.slot_steps, "idle_slot_steps": request.idle_slot_steps,
+                                "generated_tokens": request.generated_tokens}
+        return pb.HeartbeatReply()
+
+    def _watch_heartbeats(self) -> None:
+        while not self._stop.wait(min(1.0, self.timing.heartbeat_timeout_s / 4)):
+            now = time.monotonic()
+            with self._cond:
+                late = [s.port for s in self._sessions.values() if s.port is not None and s.port.connected.is_set()
+                        and now - s.last_beat > self.timing.heartbeat_timeout_s]
+            for port in late:
+                port.fail(f"no heartbeat for {self.timing.heartbeat_timeout_s:.0f}s")
+
+    # ------------------------------------------------------------------ rollout streams
+    def Commands(self, request: pb.CommandsRequest, context):
+        session = self._session(request.session, context, pb.ROLLOUT)
+        port = session.port
+        context.add_callback(lambda: port.fail("command stream closed"))  # no-op once failed or stopped
+        with self._cond:
+            session.last_beat = time.monotonic()
+            port.connected.set()
+            backend = self.backend
+            self._cond.notify_all()
+        if backend is not None:  # a slice (re)joining a running coordinator
+            backend.post_slice_joined(port)
+        while context.is_active() and port.failure is None:
+            frames = port.next_frames(self.timing.keepalive_s, self.timing.chunk_bytes)
+            if frames is None:
+                frames = [pb.Frame(command=pb.Command(keepalive=pb.Keepalive()))]
+            yield from frames
+            if frames[0].command.WhichOneof("kind") == "stop":
+                port.fail("stopped")
+                return
+        if port.failure is not None and context.is_active():
+            context.abort(grpc.StatusCode.NOT_FOUND, f"session of slice {port.slice_id} ended: {port.failure}")
+
+    def Ack(self, request_iterator, context) -> pb.ResultReply:
+        try:
+            result, arrays = next(codec.FrameReader(request_iterator))
+        except (StopIteration, ValueError) as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad result stream: {err or 'empty'}")
+        if not isinstance(result, pb.Result):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Ack carries a Result, not a Command")
+        session = self._session(result.session, context, pb.ROLLOUT)
+        session.port.resolve(result, arrays)
+        return pb.ResultReply()
+
+    def PostFinished(self, request: pb.FinishedRequest, context) -> pb.FinishedReply:
+        session = self._session(request.session, context, pb.ROLLOUT)
+        with self._cond:
+            if request.seq <= session.finished_seq:
+                return pb.FinishedReply()  # a retry of a post already applied
+            session.finished_seq = request.seq
+            backend = self.backend
+        if backend is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "finished trajectories before the coordinator started")
+        backend.post_finished(session.slice_id, [codec.trajectory_from_proto(t) for t in request.trajectories])
+        return pb.FinishedReply()
+
+    # ------------------------------------------------------------------ trainer
+    def TakeBatch(self, request: pb.TakeBatchRequest, context) -> pb.TakeBatchReply:
+        self._session(request.session, context, pb.TRAINER)
+        with self._cond:
+            if self._taken is not None and self._taken[0] == request.trainer_version:
+                return self._taken[1]  # the reply to this version was lost on the way: send it again
+            self._cond.wait_for(lambda: self.backend is not None, timeout=request.wait_s)
+            backend = self.backend
+        if backend is None:
+            return pb.TakeBatchReply(ready=False)
+        try:
+            groups: Optional[list[Group]] = backend.take_batch(int(request.trainer_version), timeout=request.wait_s)
+        except TimeoutError:
+            return pb.TakeBatchReply(ready=False, stats_json=self._stats_json(backend))
+        if groups is None:
+            context.abort(grpc.StatusCode.ABORTED, "the coordinator has stopped (see its log)")
+        reply = pb.TakeBatchReply(ready=True, groups=[codec.group_to_proto(g) for g in groups],
+                                  stats_json=self._stats_json(backend))
+        with self._cond:
+            self._taken = (int(request.trainer_version), reply)
+        return reply
+
+    def _stats_json(self, backend) -> str:
+        stats = dataclasses.asdict(backend.stats)
+        stats["versions_in_flight"] = len(backend.versions_in_flight())
+        stats.update(self.worker_counters())
+        return json.dumps(stats)
+
+    def ReportPublished(self, request: pb.PublishedRequest, context) -> pb.PublishedReply:
+        self._session(request.session, context, pb.TRAINER)
+        version = int(request.version)
+        with self._cond:
+            backend = self.backend
+            if backend is None:
+                if self.initial_version is None:
+                    self.initial_version = version
+                    self._published = version
+                    self._cond.notify_all()
+                return pb.PublishedReply(oldest_needed=self.initial_version)
+            fresh = version > self._published
+            self._published = max(self._published, version)
+        if fresh:
+            backend.post_published(version)
+        return pb.PublishedReply(oldest_needed=min(backend.versions_needed() | {version}))
+
+
+def make_server(service: CoordinatorService, port: int, *, host: str = "[::]", max_workers: Optional[int] = None):
+    """A started gRPC server for `service` on `host:port` (port 0 picks one); returns (server, port).
+    Threads: one per open command stream and long-poll, plus room for the short calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = max_workers or 4 * service.identity.num_slices + 32
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (in use?)")
+    server.start()
+    return server, bound
+
+
+def hostname() -> str:
+    return socket.gethostname()

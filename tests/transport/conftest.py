@@ -1,0 +1,46 @@
+"""Tiny engines on two disjoint device slices, and a coordinator service on a real local port."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dora_jax import sharding
+from dora_jax.models import init_model, split
+from dora_jax.rollout.engine import RolloutEngine
+from tests.rollout.conftest import ENGINE, TINY
+
+
+class Sink:
+    """Stands where the Coordinator does behind the service (the service's Backend): records
+    what arrives. The gRPC path in front of it is real."""
+
+    def __init__(self):
+        self.finished, self.failed, self.joined = {}, [], []
+        self.lock = threading.Lock()
+
+    def post_finished(self, slice_id, trajectories):
+        with self.lock:
+            for t in trajectories:
+                self.finished[t.traj_id] = (slice_id, t)
+
+    def post_slice_failed(self, slice_id, reason):
+        self.failed.append((slice_id, reason))
+
+    def post_slice_joined(self, port):
+        self.joined.append(port.slice_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_params():
+    return split(init_model(TINY, seed=3))[1]
+
+
+@pytest.fixture(scope="session")
+def two_engines(tiny_params):
+    slices = sharding.split_devices({"data": 1}, {"tensor": 2}, 2)
+    engines = [RolloutEngine(TINY, ENGINE, mesh) for mesh in slices.rollout]
+    for engine in engines:
+        engine.warmup(engine.load_params(tiny_params))
+    return engines
