@@ -1,0 +1,174 @@
+"""The gcloud command lines of each launch action, as argv lists: pure functions of a `Pod`.
+
+On the pod every worker holds the source tree in `~/dora_jax` (every role starts there, so a
+relative workdir or checkpoint path is relative to it) and writes its log and pid files to
+`~/dora_logs/<process>.{log,pid}`. Roles are started with `setsid nohup` so they outlive the ssh
+session; `stop` kills each recorded process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from typing import Optional, Sequence
+
+from launch.pod import Layout, Node, Pod, Provisioning, Role
+
+SRC_DIR = "~/dora_jax"  # the source tree on every worker
+ARCHIVE = "~/dora_jax_src.tar.gz"  # what `setup` copies there
+LOG_DIR = "~/dora_logs"
+JAX_TPU_FIND_LINKS = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
+IP_FORMAT = "--format=value(networkEndpoints[0].ipAddress)"  # worker 0's internal IP
+
+# A multislice queued resource puts MEGASCALE_* values into every worker's TPU metadata, and
+# jax.distributed.initialize() would then join all slices into ONE JAX job. Here each slice is its
+# own job (versions travel through the ParamStore, not DCN collectives): environment variables win
+# over the metadata, so each process is told it is alone in a one-slice job.
+SINGLE_SLICE_ENV = (("MEGASCALE_COORDINATOR_ADDRESS", ""), ("MEGASCALE_NUM_SLICES", "1"), ("MEGASCALE_SLICE_ID", "0"))
+
+ROLE_MODULES = {
+    Role.EMBEDDED: "dora_jax.train",
+    Role.COORDINATOR: "dora_jax.serve_coordinator",
+    Role.TRAINER: "dora_jax.trainer_worker",
+    Role.ROLLOUT: "dora_jax.rollout_worker",
+}
+
+
+def gcloud(pod: Pod, *args: str) -> list[str]:
+    """`gcloud compute tpus ARGS --zone=ZONE --project=PROJECT`."""
+    return ["gcloud", "compute", "tpus", *args, f"--zone={pod.zone}", f"--project={pod.project}"]
+
+
+def _provisioning_flags(pod: Pod) -> list[str]:
+    flags = {Provisioning.ON_DEMAND: [], Provisioning.SPOT: ["--spot"], Provisioning.PREEMPTIBLE: ["--preemptible"],
+             Provisioning.RESERVED: ["--reserved"]}
+    return flags[pod.provisioning]
+
+
+def create(pod: Pod) -> list[list[str]]:
+    """One `queued-resources create` per request, or one `tpu-vm create` per node."""
+    if not pod.queued:
+        return [gcloud(pod, "tpu-vm", "create", node.name, f"--accelerator-type={node.tpu.name}",
+                       f"--version={node.runtime_version}") + _provisioning_flags(pod) for node in pod.nodes]
+    commands = []
+    for request in pod.requests:
+        first = request.nodes[0]
+        if request.multislice:
+            nodes = [f"--node-count={len(request.nodes)}", f"--node-prefix={request.name}"]
+        else:
+            nodes = [f"--node-id={first.name}"]
+        commands.append(gcloud(pod, "queued-resources", "create", request.name, f"--accelerator-type={first.tpu.name}",
+                               f"--runtime-version={first.runtime_version}", *nodes) + _provisioning_flags(pod))
+    return commands
+
+
+def setup_script(pod: Pod) -> str:
+    """What every worker runs once: unpack the tree, install jax[tpu] and the package, stage the
+    checkpoint."""
+    steps = [
+        f"mkdir -p {SRC_DIR}",
+        f"tar -xzf {ARCHIVE} -C {SRC_DIR}",
+        f"cd {SRC_DIR}",
+        f"{pod.python} -m pip install -q {shlex.quote(pod.jax_tpu)} -f {JAX_TPU_FIND_LINKS}",
+        f"{pod.python} -m pip install -q -e .",
+    ]
+    if pod.stage_model_from:
+        model = shlex.quote(pod.model_path)
+        steps += [f"mkdir -p {model}", f"gcloud storage rsync --recursive {shlex.quote(pod.stage_model_from)} {model}"]
+    return " && ".join(steps)
+
+
+def setup(pod: Pod, archive: str) -> list[list[str]]:
+    """Per node: copy the packed tree to every worker, then run `setup_script` on every worker."""
+    commands = []
+    for node in pod.nodes:
+        commands.append(gcloud(pod, "tpu-vm", "scp", archive, f"{node.name}:{ARCHIVE}", "--worker=all"))
+        commands.append(ssh(pod, node, "all", setup_script(pod)))
+    return commands
+
+
+def ssh(pod: Pod, node: Node, worker: str, command: Optional[str] = None) -> list[str]:
+    argv = gcloud(pod, "tpu-vm", "ssh", node.name, f"--worker={worker}")
+    return argv + ([f"--command={command}"] if command is not None else [])
+
+
+def coordinator_ip(pod: Pod) -> list[str]:
+    """Prints the internal IP of worker 0 of the trainer node (where the coordinator listens)."""
+    return gcloud(pod, "tpu-vm", "describe", pod.trainer.name, IP_FORMAT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Process:
+    """One role started on one worker ("0") or on every worker ("all") of a node."""
+
+    node: Node
+    worker: str
+    role: Role
+    name: str  # log/pid file stem under LOG_DIR
+    env: tuple[tuple[str, str], ...]
+    argv: tuple[str, ...]
+
+
+def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_host: str) -> list[Process]:
+    """Every role process of the run, in start order: coordinator, trainer, rollout slices."""
+    common = (f"--config={config_path}", f"--workdir={pod.workdir}")
+
+    def argv(role: Role, *extra: str) -> tuple[str, ...]:
+        return (pod.python, "-m", ROLE_MODULES[role], *common, *extra, *overrides)
+
+    if pod.layout is Layout.SINGLE_HOST:
+        return [Process(pod.trainer, "all", Role.EMBEDDED, "embedded", (("DORA_ROLE", "embedded"),), argv(Role.EMBEDDED))]
+    address = f"{coordinator_host}:{pod.port}"
+    extra_env = SINGLE_SLICE_ENV if pod.layout is Layout.MULTISLICE else ()
+
+    def env(role: Role, *more: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+        return (("DORA_ROLE", role.value), ("DORA_COORDINATOR", address), *more, *extra_env)
+
+    result = [
+        Process(pod.trainer, "0", Role.COORDINATOR, "coordinator", env(Role.COORDINATOR),
+                argv(Role.COORDINATOR, f"--port={pod.port}")),
+        Process(pod.trainer, "all", Role.TRAINER, "trainer", env(Role.TRAINER),
+                argv(Role.TRAINER, f"--coordinator={address}")),
+    ]
+    for node in pod.rollout_nodes:
+        result.append(Process(node, "all", Role.ROLLOUT, f"rollout-{node.slice_id}",
+                              env(Role.ROLLOUT, ("DORA_SLICE_ID", str(node.slice_id))),
+                              argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}")))
+    return result
+
+
+def start_script(process: Process) -> str:
+    """Starts `process` detached, its output in LOG_DIR/<name>.log, its process group id in .pid."""
+    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in process.env)
+    log, pid = f"{LOG_DIR}/{process.name}.log", f"{LOG_DIR}/{process.name}.pid"
+    command = shlex.join(process.argv)
+    return (f"cd {SRC_DIR} && mkdir -p {LOG_DIR} && "
+            f"{{ {env} setsid nohup {command} > {log} 2>&1 < /dev/null & echo $! > {pid}; }}")
+
+
+def run(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_host: str) -> list[list[str]]:
+    return [ssh(pod, p.node, p.worker, start_script(p)) for p in processes(pod, config_path, overrides, coordinator_host)]
+
+
+def logs(pod: Pod, lines: int) -> list[list[str]]:
+    script = (f'for f in {LOG_DIR}/*.log; do echo "== $(hostname) $f"; tail -n {int(lines)} "$f"; done')
+    return [ssh(pod, node, "all", script) for node in pod.nodes]
+
+
+def stop(pod: Pod) -> list[list[str]]:
+    script = (f'for f in {LOG_DIR}/*.pid; do [ -e "$f" ] && kill -- -"$(cat "$f")" 2>/dev/null; rm -f "$f"; done; true')
+    return [ssh(pod, node, "all", script) for node in pod.nodes]
+
+
+def status(pod: Pod) -> list[list[str]]:
+    if pod.queued:
+        return [gcloud(pod, "queued-resources", "describe", request.name) for request in pod.requests]
+    return [gcloud(pod, "tpu-vm", "describe", node.name) for node in pod.nodes]
+
+
+def delete(pod: Pod) -> list[list[str]]:
+    """Queued resources with --force (their nodes go too), else the TPU VMs; asynchronously."""
+    if pod.queued:
+        return [gcloud(pod, "queued-resources", "delete", request.name, "--force", "--quiet", "--async")
+                for request in pod.requests]
+    return [gcloud(pod, "tpu-vm", "delete", node.name, "--quiet", "--async") for node in pod.nodes]

@@ -1,0 +1,200 @@
+"""Create, set up, run, watch and delete the TPU VMs an experiment config's `pod` section describes.
+
+    python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py [--dry-run]
+    python launch/tpu.py setup  --config=configs/qwen2_5_7b_dapo.py      # tree + jax[tpu] + package on every worker
+    python launch/tpu.py run    --config=configs/qwen2_5_7b_dapo.py [--workdir=gs://...] [--config.trainer.lr=1e-6]
+    python launch/tpu.py logs   --config=configs/qwen2_5_7b_dapo.py [--lines=50]
+    python launch/tpu.py ssh    --config=configs/qwen2_5_7b_dapo.py [--node=NAME] [--worker=0] [--command='...']
+    python launch/tpu.py stop   --config=configs/qwen2_5_7b_dapo.py      # kill the role processes
+    python launch/tpu.py status --config=configs/qwen2_5_7b_dapo.py
+    python launch/tpu.py delete --config=configs/qwen2_5_7b_dapo.py
+
+`--dry-run` prints every command (gcloud, and the local packing step) instead of running it. The
+config is validated before any gcloud call (`launch.pod.from_config`, then `dora_jax.run_config.parse`
+unless `--nocheck_run_config`); `--config.X=Y` overrides apply here and are forwarded to every role.
+Every command goes through one `Shell`, which either prints or runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+if __package__ in (None, ""):  # run as `python launch/tpu.py`: make the `launch` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from launch import commands, pod as pod_lib  # noqa: E402
+from launch.pod import Pod  # noqa: E402
+
+ACTIONS = ("create", "setup", "run", "logs", "ssh", "stop", "status", "delete")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+COORDINATOR_IP_DRY_RUN = "TRAINER_WORKER0_IP"  # stands in for the IP a dry run cannot look up
+
+
+class Shell:
+    """The one place commands run: printed (dry run) or run with subprocess; all are recorded."""
+
+    def __init__(self, dry_run: bool, out: TextIO = sys.stdout):
+        self.dry_run = dry_run
+        self.out = out
+        self.commands: list[list[str]] = []
+
+    def run(self, argv: Sequence[str]) -> None:
+        self.commands.append(list(argv))
+        if self.dry_run:
+            print(shlex.join(argv), file=self.out)
+        else:
+            print(f"+ {shlex.join(argv)}", file=self.out, flush=True)
+            subprocess.run(list(argv), check=True)
+
+    def capture(self, argv: Sequence[str], dry_run_value: str) -> str:
+        """The command's stripped stdout; `dry_run_value` in a dry run."""
+        self.commands.append(list(argv))
+        if self.dry_run:
+            print(shlex.join(argv), file=self.out)
+            return dry_run_value
+        return subprocess.run(list(argv), check=True, capture_output=True, text=True).stdout.strip()
+
+    def note(self, text: str) -> None:
+        print(f"# {text}", file=self.out, flush=True)
+
+
+def source_files(root: Path) -> list[str]:
+    """The tree as git sees it: tracked and untracked-but-not-ignored files (uncommitted edits too)."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            check=True, capture_output=True, text=True).stdout
+    return sorted(f for f in listed.split("\0") if f and (root / f).is_file())
+
+
+def pack(root: Path, archive: str, shell: Shell) -> None:
+    shell.note(f"pack {root} (git ls-files --cached --others --exclude-standard) into {archive}")
+    if shell.dry_run:
+        return
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in source_files(root):
+            tar.add(root / name, arcname=name)
+
+
+def remote_config_path(config_path: str, root: Path = REPO_ROOT) -> str:
+    """The config file's path inside the tree the pod gets (every role starts in ~/dora_jax)."""
+    path = Path(config_path).resolve()
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        raise ValueError(f"--config={config_path} is outside the source tree {root}; the pod gets a copy of the "
+                         "tree, so put the config under configs/") from None
+
+
+def execute(action: str, pod: Pod, shell: Shell, *, config_path: str = "", overrides: Sequence[str] = (),
+            coordinator_ip: Optional[str] = None, lines: int = 50, node: Optional[str] = None, worker: str = "0",
+            command: Optional[str] = None, archive: Optional[str] = None) -> None:
+    """Runs (or prints) the commands of one action."""
+    if action == "create":
+        for argv in commands.create(pod):
+            shell.run(argv)
+    elif action == "setup":
+        archive = archive or os.path.join("/tmp", f"dora_jax-{pod.name}.tar.gz")
+        pack(REPO_ROOT, archive, shell)
+        for argv in commands.setup(pod, archive):
+            shell.run(argv)
+    elif action == "run":
+        host = "localhost"
+        if pod.layout is not pod_lib.Layout.SINGLE_HOST:
+            host = coordinator_ip or shell.capture(commands.coordinator_ip(pod), COORDINATOR_IP_DRY_RUN)
+        for argv in commands.run(pod, remote_config_path(config_path), overrides, host):
+            shell.run(argv)
+        shell.note(f"logs: python launch/tpu.py logs --config={config_path}; workdir: {pod.workdir}")
+    elif action == "logs":
+        for argv in commands.logs(pod, lines):
+            shell.run(argv)
+    elif action == "ssh":
+        shell.run(commands.ssh(pod, pod.node(node) if node else pod.trainer, worker, command))
+    elif action == "stop":
+        for argv in commands.stop(pod):
+            shell.run(argv)
+    elif action == "status":
+        for argv in commands.status(pod):
+            shell.run(argv)
+    elif action == "delete":
+        for argv in commands.delete(pod):
+            shell.run(argv)
+    else:
+        raise ValueError(f"action {action!r}; expected one of {ACTIONS}")
+
+
+def check_placeholders(config, action: str, shell: Shell) -> None:
+    """A real create/setup/run refuses `YOUR_...` values; a dry run only warns."""
+    if action not in ("create", "setup", "run"):
+        return
+    fields = pod_lib.placeholders(config)
+    if not fields:
+        return
+    message = f"these fields still hold a {pod_lib.PLACEHOLDER}... placeholder: {', '.join(fields)}"
+    if not shell.dry_run:
+        raise ValueError(message + "; set them in the config or with --config.FIELD=VALUE")
+    shell.note("warning: " + message)
+
+
+def config_overrides(argv: Sequence[str]) -> list[str]:
+    """The `--config.X=Y` arguments, forwarded verbatim to every role on the pod."""
+    return [a for a in argv if a.startswith("--config.")]
+
+
+def _main(argv, flags_) -> None:
+    if len(argv) != 2 or argv[1] not in ACTIONS:
+        raise SystemExit(f"usage: python launch/tpu.py <{'|'.join(ACTIONS)}> --config=configs/X.py [--dry-run]")
+    action = argv[1]
+    config = flags_.config.value
+    shell = Shell(dry_run=flags_.dry_run.value)
+    try:
+        pod = pod_lib.from_config(config, workdir=flags_.workdir.value or "")
+        if flags_.check_run_config.value and action in ("create", "setup", "run"):
+            from dora_jax import run_config  # validates everything the roles will read, before paying for TPUs
+
+            run_config.parse(config)
+        check_placeholders(config, action, shell)
+    except ValueError as error:
+        raise SystemExit(f"launch/tpu.py: config error: {error}") from None
+    execute(action, pod, shell, config_path=flags_.config_path(), overrides=config_overrides(sys.argv),
+            coordinator_ip=flags_.coordinator_ip.value, lines=flags_.lines.value, node=flags_.node.value,
+            worker=flags_.worker.value, command=flags_.command.value)
+
+
+class _Flags:
+    """absl flags, defined only when run as a program (importing this module defines none)."""
+
+    def __init__(self):
+        from absl import flags
+        from ml_collections import config_flags
+
+        self.config = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)",
+                                                      lock_config=True)
+        self.workdir = flags.DEFINE_string("workdir", None, "run directory on the pod; default: pod.workdir")
+        self.dry_run = flags.DEFINE_bool("dry_run", False, "print the commands instead of running them")
+        self.check_run_config = flags.DEFINE_bool("check_run_config", True,
+                                                  "validate with dora_jax.run_config.parse before create/setup/run")
+        self.coordinator_ip = flags.DEFINE_string("coordinator_ip", None,
+                                                  "run: skip looking up the trainer's worker-0 IP")
+        self.lines = flags.DEFINE_integer("lines", 50, "logs: lines per log file")
+        self.node = flags.DEFINE_string("node", None, "ssh: node name; default: the trainer (or single host)")
+        self.worker = flags.DEFINE_string("worker", "0", "ssh: worker index or 'all'")
+        self.command = flags.DEFINE_string("command", None, "ssh: a command instead of an interactive shell")
+        self._flags = flags
+
+    def config_path(self) -> str:
+        from ml_collections import config_flags
+
+        return config_flags.get_config_filename(self._flags.FLAGS["config"])
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _FLAGS = _Flags()
+    sys.argv = [("--dry_run" if a == "--dry-run" else a) for a in sys.argv]
+    app.run(lambda argv: _main(argv, _FLAGS))

@@ -1,0 +1,402 @@
+"""launch/: the gcloud commands each action generates (dry run: printed, never run; no gcloud
+binary, no network) for a v5e-8 single host, v5p trainer + rollout slices and a 2-slice multislice
+queued resource, and the refusals of configs that do not fit, each naming the field."""
+
+import io
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_collections
+import pytest
+
+from launch import commands, pod as pod_lib, tpu, tpu_types
+from launch.pod import Layout, Role
+from tests.launch.configs import load
+
+ROOT = Path(__file__).resolve().parents[2]
+GCLOUD = ["gcloud", "compute", "tpus"]
+IP = "10.128.0.7"
+
+
+def gsm8k_config():
+    c = load("qwen2_5_0_5b_gsm8k.py")
+    c.pod.project = "my-project"
+    return c
+
+
+def dapo_config():
+    c = load("qwen2_5_7b_dapo.py")
+    c.pod.project = "my-project"
+    c.pod.workdir = "gs://my-bucket/run1"
+    return c
+
+
+def multislice_config():
+    """Two identical v5p-8 slices from one queued resource: slice 0 trains, slice 1 rolls out."""
+    c = dapo_config()
+    with c.unlocked():
+        c.pod.layout = "multislice"
+        c.pod.trainer_type = "v5p-8"
+        c.pod.rollout_type = ""
+        c.rollout.num_slices = 1
+        c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 4})
+        c.mesh.rollout = ml_collections.ConfigDict({"tensor": 4})
+    return c
+
+
+def dry(action, pod, **kwargs):
+    shell = tpu.Shell(dry_run=True, out=io.StringIO())
+    tpu.execute(action, pod, shell, **kwargs)
+    return shell
+
+
+@pytest.fixture(autouse=True)
+def no_subprocess(monkeypatch):
+    """A dry run must not start anything (no gcloud here)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"subprocess.run called in a dry run: {args}")
+    monkeypatch.setattr(subprocess, "run", refuse)
+
+
+def start_command(process_env, module, args, log):
+    return (f"cd ~/dora_jax && mkdir -p ~/dora_logs && {{ {process_env} setsid nohup python3 -m {module} {args} "
+            f"> ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}")
+
+
+# (1) v5e-8: one host runs everything in one process.
+
+def test_single_host_v5e_8_create_queued_and_plain():
+    pod = pod_lib.from_config(gsm8k_config())
+    assert pod.layout is Layout.SINGLE_HOST
+    assert [(n.name, n.tpu.name, n.tpu.chips, n.tpu.hosts, n.role) for n in pod.nodes] == [
+        ("dora-qwen05-gsm8k", "v5litepod-8", 8, 1, Role.EMBEDDED)]
+    assert dry("create", pod).commands == [GCLOUD + [
+        "queued-resources", "create", "dora-qwen05-gsm8k", "--accelerator-type=v5litepod-8",
+        "--runtime-version=v2-alpha-tpuv5-lite", "--node-id=dora-qwen05-gsm8k", "--zone=us-west4-a",
+        "--project=my-project", "--spot"]]
+
+    c = gsm8k_config()
+    c.pod.queued = False
+    c.pod.provisioning = "preemptible"
+    assert dry("create", pod_lib.from_config(c)).commands == [GCLOUD + [
+        "tpu-vm", "create", "dora-qwen05-gsm8k", "--accelerator-type=v5litepod-8", "--version=v2-alpha-tpuv5-lite",
+        "--zone=us-west4-a", "--project=my-project", "--preemptible"]]
+    c.pod.provisioning = "on_demand"
+    assert dry("create", pod_lib.from_config(c)).commands[0][-1] == "--project=my-project"  # no provisioning flag
+
+
+def test_single_host_setup_installs_on_every_worker(tmp_path):
+    pod = pod_lib.from_config(gsm8k_config())
+    shell = dry("setup", pod, archive=str(tmp_path / "src.tar.gz"))
+    script = ("mkdir -p ~/dora_jax && tar -xzf ~/dora_jax_src.tar.gz -C ~/dora_jax && cd ~/dora_jax && "
+              "python3 -m pip install -q 'jax[tpu]==0.10.2' -f "
+              "https://storage.googleapis.com/jax-releases/libtpu_releases.html && python3 -m pip install -q -e . && "
+              "mkdir -p models/Qwen2.5-0.5B-Instruct && gcloud storage rsync --recursive "
+              "gs://YOUR_BUCKET/models/Qwen2.5-0.5B-Instruct models/Qwen2.5-0.5B-Instruct")
+    assert shell.commands == [
+        GCLOUD + ["tpu-vm", "scp", str(tmp_path / "src.tar.gz"), "dora-qwen05-gsm8k:~/dora_jax_src.tar.gz",
+                  "--worker=all", "--zone=us-west4-a", "--project=my-project"],
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen05-gsm8k", "--worker=all", "--zone=us-west4-a", "--project=my-project",
+                  f"--command={script}"],
+    ]
+    assert not (tmp_path / "src.tar.gz").exists()  # a dry run packs nothing
+
+
+def test_single_host_run_starts_dora_jax_train_with_overrides():
+    pod = pod_lib.from_config(gsm8k_config())
+    shell = dry("run", pod, config_path=str(ROOT / "configs/qwen2_5_0_5b_gsm8k.py"),
+                overrides=["--config.trainer.lr=2e-06"])
+    args = "--config=configs/qwen2_5_0_5b_gsm8k.py --workdir=runs/qwen2_5_0_5b_gsm8k --config.trainer.lr=2e-06"
+    assert shell.commands == [GCLOUD + [
+        "tpu-vm", "ssh", "dora-qwen05-gsm8k", "--worker=all", "--zone=us-west4-a", "--project=my-project",
+        "--command=" + start_command("DORA_ROLE=embedded", "dora_jax.train", args, "embedded")]]
+
+
+# (2) v5p: a trainer slice and rollout slices, each its own node and JAX job.
+
+def test_v5p_slices_create_one_queued_resource_per_node():
+    pod = pod_lib.from_config(dapo_config())
+    assert [(n.name, n.tpu.name, n.tpu.chips, n.tpu.hosts, n.role, n.slice_id) for n in pod.nodes] == [
+        ("dora-qwen7b-dapo-trainer", "v5p-32", 16, 4, Role.TRAINER, None)] + [
+        (f"dora-qwen7b-dapo-rollout-{i}", "v5p-8", 4, 1, Role.ROLLOUT, i) for i in range(4)]
+    assert sum(n.tpu.chips for n in pod.nodes) == tpu_types.lookup("v5p-64", "x").chips  # a v5p-64's worth
+    expected = [GCLOUD + ["queued-resources", "create", "dora-qwen7b-dapo-trainer", "--accelerator-type=v5p-32",
+                          "--runtime-version=v2-alpha-tpuv5", "--node-id=dora-qwen7b-dapo-trainer",
+                          "--zone=us-east5-a", "--project=my-project", "--spot"]]
+    expected += [GCLOUD + ["queued-resources", "create", f"dora-qwen7b-dapo-rollout-{i}", "--accelerator-type=v5p-8",
+                           "--runtime-version=v2-alpha-tpuv5", f"--node-id=dora-qwen7b-dapo-rollout-{i}",
+                           "--zone=us-east5-a", "--project=my-project", "--spot"] for i in range(4)]
+    assert dry("create", pod).commands == expected
+    assert dry("delete", pod).commands == [
+        GCLOUD + ["queued-resources", "delete", name, "--force", "--quiet", "--async", "--zone=us-east5-a",
+                  "--project=my-project"] for name in [n.name for n in pod.nodes]]
+
+
+def test_v5p_slices_run_assigns_roles_per_slice():
+    pod = pod_lib.from_config(dapo_config())
+    shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP)
+    common = "--config=configs/qwen2_5_7b_dapo.py --workdir=gs://my-bucket/run1"
+    where = ["--zone=us-east5-a", "--project=my-project"]
+    env = f"DORA_COORDINATOR={IP}:8470"
+    expected = [
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=0", *where, "--command=" + start_command(
+            f"DORA_ROLE=coordinator {env}", "dora_jax.serve_coordinator", f"{common} --port=8470", "coordinator")],
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=all", *where, "--command=" + start_command(
+            f"DORA_ROLE=trainer {env}", "dora_jax.trainer_worker", f"{common} --coordinator={IP}:8470", "trainer")],
+    ]
+    expected += [
+        GCLOUD + ["tpu-vm", "ssh", f"dora-qwen7b-dapo-rollout-{i}", "--worker=all", *where, "--command=" + start_command(
+            f"DORA_ROLE=rollout {env} DORA_SLICE_ID={i}", "dora_jax.rollout_worker",
+            f"{common} --coordinator={IP}:8470 --slice_id={i}", f"rollout-{i}")]
+        for i in range(4)]
+    assert shell.commands == expected
+
+
+def test_v5p_slices_dry_run_looks_up_the_coordinator_ip_first():
+    pod = pod_lib.from_config(dapo_config())
+    shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py")
+    assert shell.commands[0] == GCLOUD + ["tpu-vm", "describe", "dora-qwen7b-dapo-trainer",
+                                          "--format=value(networkEndpoints[0].ipAddress)", "--zone=us-east5-a",
+                                          "--project=my-project"]
+    assert len(shell.commands) == 1 + 2 + 4
+    assert all(f"--coordinator={tpu.COORDINATOR_IP_DRY_RUN}:8470" in c[-1] for c in shell.commands[2:])
+    printed = shell.out.getvalue().splitlines()
+    assert [line for line in printed if not line.startswith("#")] == [shlex.join(c) for c in shell.commands]
+
+
+def test_v5p_64_trainer_with_two_host_rollout_slices():
+    c = dapo_config()
+    with c.unlocked():
+        c.pod.trainer_type = "v5p-64"
+        c.pod.rollout_type = "v5p-16"
+        c.rollout.num_slices = 2
+        c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 32})
+        c.mesh.rollout = ml_collections.ConfigDict({"tensor": 8})
+    pod = pod_lib.from_config(c)
+    assert [(n.tpu.name, n.tpu.chips, n.tpu.hosts) for n in pod.nodes] == [("v5p-64", 32, 8), ("v5p-16", 8, 2),
+                                                                            ("v5p-16", 8, 2)]
+    run = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP).commands
+    assert [(cmd[5], cmd[6]) for cmd in run] == [
+        ("dora-qwen7b-dapo-trainer", "--worker=0"), ("dora-qwen7b-dapo-trainer", "--worker=all"),
+        ("dora-qwen7b-dapo-rollout-0", "--worker=all"), ("dora-qwen7b-dapo-rollout-1", "--worker=all")]
+
+
+# (3) a 2-slice multislice queued resource.
+
+def test_multislice_two_slices_create_one_queued_resource():
+    pod = pod_lib.from_config(multislice_config())
+    assert [(n.name, n.tpu.name, n.role, n.slice_id) for n in pod.nodes] == [
+        ("dora-qwen7b-dapo-0", "v5p-8", Role.TRAINER, None), ("dora-qwen7b-dapo-1", "v5p-8", Role.ROLLOUT, 0)]
+    assert dry("create", pod).commands == [GCLOUD + [
+        "queued-resources", "create", "dora-qwen7b-dapo", "--accelerator-type=v5p-8", "--runtime-version=v2-alpha-tpuv5",
+        "--node-count=2", "--node-prefix=dora-qwen7b-dapo", "--zone=us-east5-a", "--project=my-project", "--spot"]]
+    assert dry("delete", pod).commands == [GCLOUD + [
+        "queued-resources", "delete", "dora-qwen7b-dapo", "--force", "--quiet", "--async", "--zone=us-east5-a",
+        "--project=my-project"]]
+    assert dry("status", pod).commands == [GCLOUD + [
+        "queued-resources", "describe", "dora-qwen7b-dapo", "--zone=us-east5-a", "--project=my-project"]]
+
+
+def test_multislice_run_keeps_each_slice_its_own_jax_job():
+    pod = pod_lib.from_config(multislice_config())
+    shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP,
+                overrides=["--config.num_steps=5"])
+    common = "--config=configs/qwen2_5_7b_dapo.py --workdir=gs://my-bucket/run1"
+    alone = "MEGASCALE_COORDINATOR_ADDRESS='' MEGASCALE_NUM_SLICES=1 MEGASCALE_SLICE_ID=0"
+    where = ["--zone=us-east5-a", "--project=my-project"]
+    env = f"DORA_COORDINATOR={IP}:8470"
+    assert shell.commands == [
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-0", "--worker=0", *where, "--command=" + start_command(
+            f"DORA_ROLE=coordinator {env} {alone}", "dora_jax.serve_coordinator",
+            f"{common} --port=8470 --config.num_steps=5", "coordinator")],
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-0", "--worker=all", *where, "--command=" + start_command(
+            f"DORA_ROLE=trainer {env} {alone}", "dora_jax.trainer_worker",
+            f"{common} --coordinator={IP}:8470 --config.num_steps=5", "trainer")],
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-1", "--worker=all", *where, "--command=" + start_command(
+            f"DORA_ROLE=rollout {env} DORA_SLICE_ID=0 {alone}", "dora_jax.rollout_worker",
+            f"{common} --coordinator={IP}:8470 --slice_id=0 --config.num_steps=5", "rollout-0")],
+    ]
+
+
+# logs, ssh, stop, status on plain TPU VMs.
+
+def test_logs_ssh_stop_status_address_every_node():
+    c = dapo_config()
+    c.pod.queued = False
+    pod = pod_lib.from_config(c)
+    names = [n.name for n in pod.nodes]
+    where = ["--zone=us-east5-a", "--project=my-project"]
+    logs = dry("logs", pod, lines=20).commands
+    assert [cmd[5:7] for cmd in logs] == [[name, "--worker=all"] for name in names]
+    assert "tail -n 20" in logs[0][-1]
+    stop = dry("stop", pod).commands
+    assert [cmd[5:7] for cmd in stop] == [[name, "--worker=all"] for name in names]
+    assert 'kill -- -"$(cat "$f")"' in stop[0][-1]
+    assert dry("ssh", pod).commands == [GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=0", *where]]
+    assert dry("ssh", pod, node="dora-qwen7b-dapo-rollout-2", worker="all", command="uptime").commands == [
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-rollout-2", "--worker=all", *where, "--command=uptime"]]
+    assert dry("status", pod).commands == [GCLOUD + ["tpu-vm", "describe", name, *where] for name in names]
+    assert dry("delete", pod).commands == [GCLOUD + ["tpu-vm", "delete", name, "--quiet", "--async", *where]
+                                           for name in names]
+    with pytest.raises(ValueError, match="no node 'nope'"):
+        dry("ssh", pod, node="nope")
+
+
+# Refusals, before any gcloud call: each names the field.
+
+def _refuse(config, *fields):
+    with pytest.raises(ValueError) as error:
+        pod_lib.from_config(config)
+    for field in fields:
+        assert field in str(error.value), (field, str(error.value))
+    return str(error.value)
+
+
+def test_refuses_unknown_accelerator_types():
+    c = gsm8k_config()
+    c.pod.trainer_type = "v5e-8"
+    assert "v5litepod-8" in _refuse(c, "pod.trainer_type", "launch/tpu_types.py")
+    c = dapo_config()
+    c.pod.rollout_type = "v5p-12"
+    _refuse(c, "pod.rollout_type", "v5p sizes")
+
+
+def test_refuses_a_zone_that_does_not_offer_the_type():
+    c = dapo_config()
+    c.pod.zone = "us-west4-a"
+    _refuse(c, "pod.zone", "pod.trainer_type", "us-east5-a")
+    c = dapo_config()
+    c.pod.rollout_type = "v5litepod-4"  # v5e: not offered in us-east5-a
+    with c.unlocked():
+        c.mesh.rollout = ml_collections.ConfigDict({"tensor": 4})
+    _refuse(c, "pod.zone", "pod.rollout_type")
+
+
+def test_refuses_layouts_that_do_not_fit():
+    c = gsm8k_config()
+    c.pod.trainer_type = "v5litepod-16"
+    _refuse(c, "pod.layout", "pod.trainer_type", "4 hosts")
+    c = gsm8k_config()
+    c.mesh.trainer.fsdp = 8
+    _refuse(c, "mesh.trainer", "rollout.num_slices", "mesh.rollout", "12 chips")
+    c = gsm8k_config()
+    c.pod.rollout_type = "v5litepod-8"
+    _refuse(c, "pod.rollout_type")
+    c = dapo_config()
+    c.mesh.trainer.fsdp = 8
+    _refuse(c, "mesh.trainer", "pod.trainer_type", "16")
+    c = dapo_config()
+    c.mesh.rollout.tensor = 8
+    _refuse(c, "mesh.rollout", "pod.rollout_type")
+    c = dapo_config()
+    c.rollout.num_slices = 0
+    _refuse(c, "rollout.num_slices")
+    c = dapo_config()
+    c.mesh.time_shared = True
+    _refuse(c, "mesh.time_shared")
+
+
+def test_refuses_multislice_misconfigurations():
+    c = multislice_config()
+    c.pod.queued = False
+    _refuse(c, "pod.layout", "pod.queued")
+    c = multislice_config()
+    c.pod.rollout_type = "v5p-16"
+    _refuse(c, "pod.rollout_type", "pod.trainer_type")
+
+
+def test_refuses_bad_pod_fields():
+    for field, value, names in [
+        ("layout", "ring", ("pod.layout", "single_host")),
+        ("provisioning", "cheap", ("pod.provisioning", "spot")),
+        ("name", "Dora_Run", ("pod.name",)),
+        ("project", "", ("pod.project",)),
+        ("workdir", "/tmp/run", ("pod.workdir", "gs://")),
+        ("stage_model_from", "/data/model", ("pod.stage_model_from",)),
+        ("port", 0, ("pod.port",)),
+    ]:
+        c = dapo_config()
+        c.pod[field] = value
+        _refuse(c, *names)
+    c = dapo_config()
+    c.pod.provisioning = "preemptible"
+    _refuse(c, "pod.provisioning", "pod.queued")
+    c = dapo_config()
+    c.pod.queued = False
+    c.pod.provisioning = "reserved"
+    _refuse(c, "pod.provisioning", "pod.queued")
+    c = dapo_config()
+    c.pod.name = "a-very-long-pod-name-that-is-almost-too-long"
+    _refuse(c, "pod.name")
+    c = dapo_config()
+    with c.unlocked():
+        del c["pod"]
+    _refuse(c, "pod")
+
+
+def test_placeholders_refused_unless_dry_run():
+    c = load("qwen2_5_7b_dapo.py")
+    assert pod_lib.placeholders(c) == ["pod.project", "pod.stage_model_from", "pod.workdir",
+                                          "task.source.path"]
+    with pytest.raises(ValueError, match="pod.project, pod.stage_model_from, pod.workdir"):
+        tpu.check_placeholders(c, "create", tpu.Shell(dry_run=False, out=io.StringIO()))
+    tpu.check_placeholders(c, "delete", tpu.Shell(dry_run=False, out=io.StringIO()))  # nothing to pay for
+    shell = tpu.Shell(dry_run=True, out=io.StringIO())
+    tpu.check_placeholders(c, "create", shell)
+    assert "warning" in shell.out.getvalue()
+
+
+def test_config_outside_the_tree_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--config="):
+        tpu.remote_config_path(str(tmp_path / "x.py"))
+    assert tpu.remote_config_path(str(ROOT / "configs" / "smoke.py")) == "configs/smoke.py"
+    assert tpu.config_overrides(["tpu.py", "run", "--config=c.py", "--config.a.b=1", "--dry_run"]) == ["--config.a.b=1"]
+
+
+def test_tpu_type_table():
+    assert [(t.chips, t.hosts) for t in map(lambda n: tpu_types.lookup(n, "f"),
+                                            ["v5litepod-8", "v5litepod-16", "v5p-8", "v5p-64", "v6e-8", "v6e-256",
+                                             "v4-32"])] == [(8, 1), (16, 4), (4, 1), (32, 8), (8, 1), (256, 64),
+                                                            (16, 4)]
+    assert "v5litepod-8" in tpu_types.known_types()
+
+
+# The real shell and the packing step (these run local programs, not gcloud).
+
+def test_shell_runs_and_captures(monkeypatch):
+    monkeypatch.undo()  # allow subprocess.run here
+    shell = tpu.Shell(dry_run=False, out=io.StringIO())
+    assert shell.capture([sys.executable, "-c", "print(' 10.1.2.3 ')"], "unused") == "10.1.2.3"
+    shell.run([sys.executable, "-c", "pass"])
+    with pytest.raises(subprocess.CalledProcessError):
+        shell.run([sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test_pack_takes_the_tree_git_sees(monkeypatch, tmp_path):
+    monkeypatch.undo()
+    import tarfile
+
+    archive = tmp_path / "src.tar.gz"
+    tpu.pack(ROOT, str(archive), tpu.Shell(dry_run=False, out=io.StringIO()))
+    names = set(tarfile.open(archive).getnames())
+    assert {"pyproject.toml", "launch/tpu.py", "configs/qwen2_5_7b_dapo.py"} <= names
+    assert not any(n.startswith(".git/") or "__pycache__" in n for n in names)
+
+
+def test_command_line_dry_run(monkeypatch):
+    monkeypatch.undo()
+    out = subprocess.run(
+        [sys.executable, "launch/tpu.py", "create", "--config=configs/qwen2_5_7b_dapo.py", "--dry-run",
+         "--nocheck_run_config", "--config.pod.project=p1", "--config.rollout.num_slices=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert [shlex.split(line)[5] for line in lines] == [
+        "dora-qwen7b-dapo-trainer", "dora-qwen7b-dapo-rollout-0", "dora-qwen7b-dapo-rollout-1"]
+    bad = subprocess.run(
+        [sys.executable, "launch/tpu.py", "create", "--config=configs/qwen2_5_7b_dapo.py", "--dry-run",
+         "--nocheck_run_config", "--config.pod.trainer_type=v5p-48"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "pod.trainer_type='v5p-48'" in bad.stderr
