@@ -107,6 +107,8 @@ class Pod:
 
 # TPU node and queued-resource ids: lower-case letters, digits and hyphens, starting with a letter.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$")
+POD_FIELDS = ("name", "project", "zone", "layout", "trainer_type", "rollout_type", "runtime_version", "provisioning",
+              "queued", "workdir", "port", "python", "jax_tpu", "stage_model_from")
 PLACEHOLDER = "YOUR_"  # configs mark values the user must set with this, e.g. gs://YOUR_BUCKET/...
 
 
@@ -126,6 +128,10 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
     if "pod" not in c:
         raise ValueError("the config has no `pod` section; see configs/qwen2_5_0_5b_gsm8k.py for one")
     p = c.pod
+    missing = [f for f in POD_FIELDS if f not in p]
+    if missing:
+        raise ValueError(f"the pod section lacks {', '.join('pod.' + f for f in missing)}; a pod section has "
+                         f"{', '.join(POD_FIELDS)} (see configs/qwen2_5_7b_dapo.py)")
     if not _NAME.match(p.name):
         raise ValueError(f"pod.name={p.name!r}; expected lower-case letters, digits and hyphens, starting with a "
                          "letter, at most 42 characters")
@@ -146,7 +152,10 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
     num_slices = int(c.rollout.num_slices)
     if num_slices < 1:
         raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
-    runtime = lambda t: p.runtime_version or t.runtime_version  # noqa: E731
+
+    def runtime(tpu: TpuType) -> str:
+        return p.runtime_version or tpu.runtime_version
+
     if layout is Layout.SINGLE_HOST:
         nodes = _single_host(c, p, trainer_type, runtime(trainer_type))
     else:

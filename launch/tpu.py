@@ -75,9 +75,12 @@ def pack(root: Path, archive: str, shell: Shell) -> None:
     shell.note(f"pack {root} (git ls-files --cached --others --exclude-standard) into {archive}")
     if shell.dry_run:
         return
+    names = source_files(root)
     with tarfile.open(archive, "w:gz") as tar:
-        for name in source_files(root):
+        for name in names:
             tar.add(root / name, arcname=name)
+    # Untracked files that .gitignore does not exclude travel too: say how much went.
+    shell.note(f"packed {len(names)} files, {os.path.getsize(archive) / 1e6:.1f} MB")
 
 
 def remote_config_path(config_path: str, root: Path = REPO_ROOT) -> str:

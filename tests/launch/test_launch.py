@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_collections
 import pytest
 
-from launch import commands, pod as pod_lib, tpu, tpu_types
+from launch import pod as pod_lib, tpu, tpu_types
 from launch.pod import Layout, Role
 from tests.launch.configs import load
 
@@ -331,6 +331,9 @@ def test_refuses_bad_pod_fields():
     c.pod.name = "a-very-long-pod-name-that-is-almost-too-long"
     _refuse(c, "pod.name")
     c = dapo_config()
+    with c.unlocked():
+        del c.pod["jax_tpu"]
+    _refuse(c, "pod.jax_tpu")
     with c.unlocked():
         del c["pod"]
     _refuse(c, "pod")
