@@ -60,6 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus filter (1 = off)
     c.rollout.top_k = 0  # top-k filter (0 = off)
     c.rollout.max_new_tokens = 120  # response cap
+    c.rollout.heartbeat_timeout_s = 120.0  # a slice silent this long is declared dead, its requests re-dispatched
+    c.rollout.max_rejoins = 2  # times a crashed slice is restarted and rejoins
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer
@@ -83,7 +85,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.pad_to = 32  # sequence lengths are padded to a multiple of this (bounded compiles)
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 0  # 0 = no periodic checkpoints
+    c.checkpoint.every_steps = 0  # 0 = no periodic checkpoints (SIGTERM still saves one)
+    c.checkpoint.keep = 3  # newest checkpoints kept in WORKDIR/checkpoints
 
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True  # write TensorBoard events under WORKDIR/tb

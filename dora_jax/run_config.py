@@ -44,6 +44,8 @@ class RolloutSpec:
     max_prefill_length: int
     sampling: SamplingParams
     max_new_tokens: int
+    heartbeat_timeout_s: float = 120.0  # a slice silent this long is declared dead
+    max_rejoins: int = 2  # times a slice whose worker raised is restarted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class RunConfig:
     trainer: "object"  # dora_jax.trainer.TrainerConfig (imported lazily: it pulls in JAX)
     pad_to: int
     checkpoint_every: int
+    checkpoint_keep: int
     tensorboard: bool
 
 
@@ -94,7 +97,12 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
     r = c.rollout
     sampling = SamplingParams(temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k))
     rollout = RolloutSpec(int(r.num_slices), int(r.slots), int(r.cache_length), int(r.max_prefill_length),
-                          sampling, int(r.max_new_tokens))
+                          sampling, int(r.max_new_tokens), float(r.get("heartbeat_timeout_s", 120.0)),
+                          int(r.get("max_rejoins", 2)))
+    if rollout.heartbeat_timeout_s <= 0:
+        raise ValueError(f"rollout.heartbeat_timeout_s={rollout.heartbeat_timeout_s}; expected > 0")
+    if int(c.checkpoint.get("keep", 3)) < 1:
+        raise ValueError(f"checkpoint.keep={c.checkpoint.keep}; expected >= 1 (checkpoints to keep)")
     if rollout.max_new_tokens >= rollout.cache_length:
         raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} must be < rollout.cache_length={rollout.cache_length}")
     k = c.coordinator
@@ -127,5 +135,6 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         mode=mode, num_steps=int(c.num_steps), seed=int(c.seed), model=model, init=init,
         task=ml_collections.FrozenConfigDict(c.task), mesh=mesh, rollout=rollout, coordinator=coordinator,
         trainer=trainer, pad_to=pad_to, checkpoint_every=int(c.checkpoint.every_steps),
+        checkpoint_keep=int(c.checkpoint.get("keep", 3)),
         tensorboard=bool(c.log.tensorboard),
     )

@@ -7,13 +7,23 @@ another, and the trainer loop runs on the caller's thread:
     take TBS samples (version window) -> pack -> train step (behaviour log-probs per version from
     the ParamStore) -> publish v+1 to the store -> coordinator: rebalance / migrate / supplement.
 
-Writes WORKDIR/config.json, ledger.jsonl, metrics.jsonl and TensorBoard events.
+Writes WORKDIR/config.json, ledger.jsonl, metrics.jsonl, TensorBoard events and, every
+`checkpoint.every_steps` steps and on preemption, WORKDIR/checkpoints (dora_jax.checkpoint).
+A workdir that already has a ledger is resumed: from its newest checkpoint that restores, or
+from scratch when the lost run never saved one; either way the ledger's `resume` event voids
+what the lost process wrote after that checkpoint, so the audit over the whole ledger holds.
+
+A rollout slice whose worker raises or stops beating is reported to the coordinator, which
+re-dispatches its requests under their own version; a slice that raised is restarted (up to
+`rollout.max_rejoins` times) and rejoins. A trainer failure ends the run; the last checkpoint
+stays intact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -21,10 +31,11 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 
-from dora_jax import sharding
+from dora_jax import faults, sharding
+from dora_jax.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
-from dora_jax.coordinator.ledger import Ledger
+from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
 from dora_jax.metrics import MetricsWriter
 from dora_jax.records import Trajectory
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -32,8 +43,11 @@ from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.run_config import RunConfig
 from dora_jax.setup import Setup, build_setup
 from dora_jax.store import InProcessTier, ParamStore
+from dora_jax.tasks.prompt import Prompt
 from dora_jax.trainer import Trainer, make_train_batch
-from dora_jax.worker_thread import SliceError, WorkerThread
+from dora_jax.worker_thread import WorkerThread
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -47,6 +61,10 @@ class RunResult:
     slice_busy_s: list[float]
     train_busy_s: float
     timelines: dict
+    resumed_from: Optional[int] = None  # checkpoint step this process started from (0: from scratch)
+    preempted: bool = False  # stopped early on request (SIGTERM), after a checkpoint
+    checkpoint_errors: list = dataclasses.field(default_factory=list)
+    checkpoint_s: list = dataclasses.field(default_factory=list)  # seconds the trainer spent per save
 
 
 class _Scorer:
@@ -78,10 +96,13 @@ def _unpack(future: Future):
 
 def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progress: bool = True,
         forced_length: Optional[Callable[[str, int], Optional[int]]] = None,
-        scorer=None, write_config: Optional[dict] = None) -> RunResult:
-    """Runs `config.num_steps` training steps; see the module docstring."""
+        scorer=None, write_config: Optional[dict] = None, preempt: Optional[threading.Event] = None) -> RunResult:
+    """Runs (or resumes) to `config.num_steps` training steps; see the module docstring. Setting
+    `preempt` stops the run at the next step boundary with a checkpoint."""
     os.makedirs(workdir, exist_ok=True)
-    if write_config is not None:
+    ledger_path = os.path.join(workdir, "ledger.jsonl")
+    resuming = os.path.exists(ledger_path) and os.path.getsize(ledger_path) > 0
+    if write_config is not None and not resuming:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(write_config, f, indent=1, default=str)
     setup = setup or build_setup(config, workdir)
@@ -89,11 +110,24 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
                                     time_shared=config.mesh.time_shared)
     store = ParamStore(InProcessTier())
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, slices.trainer, config.trainer, store)
+    checkpointer = RunCheckpointer(directory_of(workdir), keep=config.checkpoint_keep)
+    prompts: dict = {}
+    restored = None
+    if resuming:
+        repair_torn_tail(ledger_path)
+        restored = checkpointer.restore_latest(lambda: abstract_like(trainer.state, trainer.state_shardings),
+                                               lambda: abstract_like(trainer.params, trainer.param_shardings))
+        if restored is not None:
+            check_resumable(restored.meta["fingerprint"], fingerprint(config, setup))
+            trainer.load_state(restored.trainer_state, restored.meta["trainer_version"])
+            for version in sorted(restored.versions):
+                store.publish(version, restored.versions[version])
+            setup.task.source.restore(restored.meta["coordinator"]["extra"]["source"])
+            prompts.update({k: _prompt_from_json(v) for k, v in restored.meta["prompts"].items()})
     trainer.publish()
     engine_config = EngineConfig(num_slots=config.rollout.slots, cache_length=config.rollout.cache_length,
                                  max_prefill_length=config.rollout.max_prefill_length)
-    ledger = Ledger(os.path.join(workdir, "ledger.jsonl"))
-    prompts: dict = {}
+    ledger = Ledger(ledger_path)
 
     def next_prompt():
         prompt = setup.task.source.next()
@@ -105,28 +139,54 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
         pool = setup.task.make_reward_pool(setup.reward_workers, setup.reward_timeout_s)
         scorer = _Scorer(pool, prompts, setup.tokenizer.decode)
     holder: list[Coordinator] = []
-    threads = []
+    slice_parts = []  # (worker factory, fetch) per slice, to restart a failed one
+    threads: dict[int, WorkerThread] = {}
     for slice_id, mesh in enumerate(slices.rollout):
         engine = RolloutEngine(setup.model_config, engine_config, mesh, tokenizer=setup.tokenizer)
-        worker = RolloutWorker(engine, slice_id=slice_id, eos_ids=setup.eos_ids)
         shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
-        engine.warmup(store.get(0, shardings))
-        threads.append(WorkerThread(worker, lambda v, sh=shardings: store.get(v, sh),
-                                    lambda sid, trajs: holder[0].post_finished(sid, trajs)))
-    coord = Coordinator(config.coordinator, {t.slice_id: t for t in threads}, next_prompt, scorer, ledger,
-                        forced_length=forced_length)
+        engine.warmup(store.get(trainer.version, shardings))
+        slice_parts.append((lambda e=engine, sid=slice_id: RolloutWorker(e, slice_id=sid, eos_ids=setup.eos_ids),
+                            lambda v, sh=shardings: store.get(v, sh)))
+        threads[slice_id] = _start_slice(slice_parts[slice_id], holder, config)
+    coord = Coordinator(config.coordinator, dict(threads), next_prompt, scorer, ledger,
+                        forced_length=forced_length, initial_version=trainer.version)
     holder.append(coord)
+    if resuming:
+        coord.restore(restored.meta["coordinator"] if restored else None)
+    start_step = trainer.version
+    _trim_metrics(workdir, start_step)
     metrics_writer = MetricsWriter(workdir, tensorboard=config.tensorboard)
     stop = threading.Event()
     loop_error: list[BaseException] = []
+    all_threads = list(threads.values())
 
     def coordinator_loop():
+        reported: set[int] = set()
+        restart_at: dict[int, float] = {}
+        rejoins: dict[int, int] = {}
         try:
             while not stop.is_set():
-                coord.process(timeout=0.005)
-                failed = [t for t in threads if t.error is not None]
-                if failed:
-                    raise SliceError(failed[0].slice_id, failed[0].error)
+                if coord.process(timeout=0.005):
+                    faults.reached("rollout")
+                now = time.monotonic()
+                for sid, t in list(threads.items()):
+                    hung = t.error is None and now - t.last_beat > config.rollout.heartbeat_timeout_s
+                    if sid in reported or (t.error is None and not hung):
+                        continue
+                    if hung:
+                        t.abandon()  # it still holds its engine: it does not come back
+                    elif rejoins.get(sid, 0) < config.rollout.max_rejoins:
+                        restart_at[sid] = now + 1.0
+                    reported.add(sid)
+                    coord.post_slice_failed(sid, f"{type(t.error).__name__}: {t.error}")
+                for sid, when in list(restart_at.items()):
+                    if now >= when:  # a fresh worker on the slice's engine rejoins with nothing loaded
+                        del restart_at[sid]
+                        rejoins[sid] = rejoins.get(sid, 0) + 1
+                        threads[sid] = _start_slice(slice_parts[sid], holder, config)
+                        all_threads.append(threads[sid])
+                        reported.discard(sid)
+                        coord.post_slice_joined(threads[sid])
         except BaseException as err:
             loop_error.append(err)
             coord.closed = True
@@ -136,34 +196,64 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     loop = threading.Thread(target=coordinator_loop, name="coordinator", daemon=True)
     loop.start()
     rows, train_busy, train_timeline = [], 0.0, []
-    bar = _progress(config.num_steps, progress)
+    checkpoint_errors, checkpoint_s = [], []
+    preempted = False
+    bar = _progress(config.num_steps - start_step, progress)
+
+    def save_checkpoint() -> None:
+        t0 = time.perf_counter()
+        try:
+            _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fingerprint(config, setup))
+        except (CheckpointError, OSError) as err:  # e.g. disk full: keep running on the previous one
+            log.warning("%s; the previous checkpoint stays in use", err)
+            checkpoint_errors.append(str(err))
+        checkpoint_s.append(time.perf_counter() - t0)
+
     try:
-        last = _slot_totals(threads)
-        for step in range(config.num_steps):
-            groups = coord.take_batch(trainer.version)
+        last = _slot_totals(all_threads)
+        for step in range(start_step, config.num_steps):
+            groups = coord.take_batch(trainer.version, cancel=preempt)
             if groups is None:
+                if preempt is not None and preempt.is_set():
+                    break
                 raise loop_error[0] if loop_error else RuntimeError("coordinator closed")
             t0 = time.perf_counter()
             batch = make_train_batch(groups, config.pad_to, setup.tokenizer.pad_id)
             metrics = trainer.train_step(batch)
+            faults.reached("train_step")
             trainer.publish()
             t1 = time.perf_counter()
             train_busy += t1 - t0
             train_timeline.append((t0, t1, metrics.version - 1))
             coord.post_published(trainer.version)
             _retire(store, coord, trainer.version)
-            totals = _slot_totals(threads)
+            for sid, kind in faults.slices_to_fail(step):
+                threads[sid].inject_failure("hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}"))
+            totals = _slot_totals(all_threads)
             row = _step_row(step, batch, metrics, coord, totals, last, start)
             last = totals
+            due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
+            if due or (preempt is not None and preempt.is_set()):
+                save_checkpoint()
+                row["checkpoint_s"] = checkpoint_s[-1]
             rows.append(row)
             metrics_writer.write(step, row, {"staleness": [k for k, v in metrics.staleness.items() for _ in range(v)]})
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", versions=row["versions_in_flight"])
+            if preempt is not None and preempt.is_set():
+                break
+        preempted = trainer.version < config.num_steps
+        if preempted and not (rows and "checkpoint_s" in rows[-1]):
+            save_checkpoint()  # preempted while waiting for a batch: nothing taken since the last step
     finally:
+        try:
+            checkpointer.close()
+        except Exception as err:
+            checkpoint_errors.append(f"checkpoint in {checkpointer.directory} failed: {err}")
         stop.set()
         loop.join(timeout=10)
         coord.closed = True
-        for t in threads:
+        for t in all_threads:
             t.stop()
         bar.close()
         metrics_writer.close()
@@ -171,11 +261,85 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
         if pool is not None:
             pool.close()
     wall = time.perf_counter() - start
-    report = audit(ledger.memory)
-    timelines = {"start": start, "slices": [t.timeline for t in threads], "trainer": train_timeline,
-                 "slot_totals": _slot_totals(threads)[:2]}
+    report = audit(read_ledger(ledger_path))
+    timelines = {"start": start, "slices": [t.timeline for t in all_threads], "trainer": train_timeline,
+                 "slot_totals": _slot_totals(all_threads)[:2]}
     return RunResult(workdir, wall, len(rows), rows, report, dataclasses.asdict(coord.stats),
-                     [t.busy_s for t in threads], train_busy, timelines)
+                     [t.busy_s for t in all_threads], train_busy, timelines,
+                     resumed_from=(restored.step if restored else 0) if resuming else None, preempted=preempted,
+                     checkpoint_errors=checkpoint_errors, checkpoint_s=checkpoint_s)
+
+
+def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
+    make_worker, fetch = parts
+    return WorkerThread(make_worker(), fetch, lambda sid, trajs: holder[0].post_finished(sid, trajs),
+                        command_timeout_s=config.rollout.heartbeat_timeout_s)
+
+
+# --------------------------------------------------------------------------- checkpoints
+def fingerprint(config: RunConfig, setup: Setup) -> dict:
+    """What a resumed run may not change."""
+    model = {k: str(v) for k, v in dataclasses.asdict(setup.model_config).items()}
+    return {"model": model, "mode": config.mode, "group_size": config.coordinator.group_size,
+            "k_max": config.coordinator.k_max, "task": str(config.task.kind), "seed": config.seed}
+
+
+def check_resumable(saved: dict, current: dict) -> None:
+    """Refuses a resume whose config changes what cannot change, listing every difference."""
+    problems = []
+    for key in ("mode", "group_size", "task", "seed"):
+        if saved.get(key) != current[key]:
+            problems.append(f"{key}: checkpoint {saved.get(key)!r}, config {current[key]!r}")
+    for key, value in current["model"].items():
+        if saved["model"].get(key) != value:
+            problems.append(f"model.{key}: checkpoint {saved['model'].get(key)}, config {value}")
+    if current["k_max"] < saved["k_max"]:
+        problems.append(f"coordinator.k_max: checkpoint {saved['k_max']}, config {current['k_max']} (a smaller "
+                        "window could strand trajectories admitted under the larger one)")
+    if problems:
+        raise ValueError("cannot resume this workdir with this config; differences:\n  " + "\n  ".join(problems))
+
+
+def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp) -> None:
+    coord.wait_for_version(trainer.version)
+    state = coord.snapshot(extra=lambda: {"source": setup.task.source.state()})
+    requests = state["dispatched"] + state["backlog"]
+    needed = {r["version"] for r in requests} | {g["version"] for g in state["queue"]}
+    needed |= {g["version"] for g in state["groups"].values()} | {t["version"] for t in state["unscored"]}
+    needed.discard(trainer.version)
+    live = {r["prompt_id"] for r in requests} | {t["prompt_id"] for t in state["unscored"]}
+    meta = {"coordinator": state, "trainer_version": trainer.version, "versions": sorted(needed),
+            "prompts": {pid: _prompt_to_json(prompts[pid]) for pid in sorted(live)}, "fingerprint": fp}
+    versions = {v: store.get(v, trainer.param_shardings, copy=False) for v in needed}
+    faults.before_checkpoint_save()
+    checkpointer.save(trainer.version, trainer.state, versions, meta)
+    faults.reached("checkpoint_save")
+
+
+def _prompt_to_json(prompt: Prompt) -> dict:
+    return dataclasses.asdict(prompt)
+
+
+def _prompt_from_json(data: dict) -> Prompt:
+    return Prompt(**{**data, "prompt_ids": tuple(data["prompt_ids"])})
+
+
+def _trim_metrics(workdir: str, start_step: int) -> None:
+    """A resumed run rewrites the steps after its checkpoint: drop the lost process's rows."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < start_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a torn last row
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(kept)
 
 
 def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:

@@ -2,12 +2,18 @@
 
 Runs the whole system in one process on the local devices (dora_jax.runner), then audits the
 ledger and prints the summary. Exits non-zero if the audit finds a violation the mode promises.
+
+Run it again on the same workdir to resume (from the newest checkpoint that restores). SIGTERM
+(a preemption notice) stops at the next step boundary with a checkpoint and exits with 75:
+rerun the same command to continue.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 
 from absl import app
 
@@ -22,22 +28,28 @@ def main(argv):
     if not cli.WORKDIR.value:
         raise app.UsageError("--workdir is required")
     config = run_config.parse(cli.CONFIG.value)
-    result = runner.run(config, cli.WORKDIR.value, write_config=cli.config_as_json(cli.CONFIG.value))
+    preempt = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: preempt.set())
+    result = runner.run(config, cli.WORKDIR.value, write_config=cli.config_as_json(cli.CONFIG.value), preempt=preempt)
     summary = result.audit.summary()
-    last = result.metrics[-3:]
+    from dora_jax.metrics import read_metrics
+
+    rows = read_metrics(result.workdir)  # every step of the run, resumed ones included
     print(json.dumps({
         "workdir": result.workdir, "mode": config.mode, "steps": result.steps, "wall_s": round(result.wall_s, 2),
-        "reward_first3": _mean(r["reward_mean"] for r in result.metrics[:3]),
-        "reward_last3": _mean(r["reward_mean"] for r in last),
+        "reward_first3": _mean(r["reward_mean"] for r in rows[:3]),
+        "reward_last3": _mean(r["reward_mean"] for r in rows[-3:]),
+        "resumed_from": result.resumed_from, "preempted": result.preempted,
+        "checkpoint_errors": result.checkpoint_errors,
         "audit_ok": result.audit.ok, "violations": result.audit.violations(),
         "max_staleness": summary["max_staleness"], "max_versions_in_flight": summary["max_versions_in_flight"],
         "migrations_kv": summary["migrations_kv"], "trainer_wait_s": round(result.coordinator_stats["trainer_wait_s"], 2),
     }))
-    sys.exit(0 if result.audit.ok else 1)
+    sys.exit(1 if not result.audit.ok else 75 if result.preempted else 0)
 
 
 def _mean(values):
-    values = [v for v in values if v == v]
+    values = [v for v in values if v is not None and v == v]
     return round(sum(values) / len(values), 4) if values else None
 
 

@@ -4,7 +4,8 @@ The thread alternates between the commands in its inbox (submit, load a version,
 import) and one `worker.step()`; finished trajectories go to the coordinator's inbox. Commands
 are answered through futures, so a coordinator call returns once the worker has done it, and a
 trajectory that finished before an export is already posted when the export returns. A worker
-that raises stops its thread and surfaces the error, with its slice, to the runner.
+that raises stops its thread and keeps the error; the runner reports it (and a heartbeat that
+stops, `last_beat`) to the coordinator as a failed slice.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class WorkerThread:
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
                 if self._fault is not None:
+                    if self._fault == "hang":
+                        while not self._stop.is_set():  # no heartbeat, no answers: a hung worker
+                            time.sleep(0.05)
+                        return
                     raise self._fault
                 self._run_commands(block=not self.worker.has_work)
                 if self.worker.has_work:
@@ -133,8 +138,9 @@ class WorkerThread:
                 return
             future.set_exception(SliceError(self.slice_id, err))
 
-    def inject_failure(self, error: BaseException) -> None:
-        """Fault injection: the thread raises `error` at its next turn, as a crashing worker would."""
+    def inject_failure(self, error: BaseException | str) -> None:
+        """Fault injection: at its next turn the thread raises `error` as a crashing worker would,
+        or, for "hang", stops answering and beating as a hung one would."""
         self._fault = error
 
     def abandon(self) -> None:

@@ -10,7 +10,6 @@ runs the rebalancing triggers; the trainer thread calls `take_batch`, which wait
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import queue
 import threading
 import time
@@ -148,8 +147,6 @@ class Coordinator:
         self._next_group = 0
         self._last_rebalance = 0.0
         self.closed = False
-        ledger.write("run", mode=config.mode, k_max=config.window, rbs=config.rollout_batch_size,
-                     tbs=config.train_batch_size, group_size=config.group_size, slices=len(self.ports))
 
     # ------------------------------------------------------------------ events in
     def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None:
@@ -168,8 +165,11 @@ class Coordinator:
         self._inbox.put(("slice_joined", port))
 
     def start(self) -> None:
-        """First dispatch at the initial version."""
+        """Writes the run's header to the ledger and dispatches at the initial version."""
         with self._cond:
+            cfg = self.config
+            self.ledger.write("run", mode=cfg.mode, k_max=cfg.window, rbs=cfg.rollout_batch_size,
+                              tbs=cfg.train_batch_size, group_size=cfg.group_size, slices=len(self.ports))
             self._supply(initial=True)
             self._apply_switching()
 
@@ -568,12 +568,14 @@ class Coordinator:
         self._apply_switching()
 
     # ------------------------------------------------------------------ checkpoints
-    def snapshot(self) -> dict:
+    def snapshot(self, extra: Optional[Callable[[], dict]] = None) -> dict:
         """The coordinator's state as JSON, consistent with the ledger's first `ledger_offset`
         lines. In-flight requests carry their tokens so far (the ports' `progress`) as a prefix;
-        finished groups, partly scored groups and trajectories awaiting a reward are kept whole."""
+        finished groups, partly scored groups and trajectories awaiting a reward are kept whole.
+        `extra()` runs under the same lock (the prompt source's position: it advances only here)."""
         with self._cond:
             self._absorb()
+            extra_state = extra() if extra else {}
             progress: dict[str, Request] = {}
             for sid in list(self.ports):
                 if hasattr(self.ports[sid], "progress"):
@@ -593,13 +595,19 @@ class Coordinator:
                 "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
                 "stats": dataclasses.asdict(self.stats),
                 "ledger_offset": self.ledger.lines_written,
+                "extra": extra_state,
             }
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: Optional[dict]) -> None:
         """Continues from `snapshot()`, before `start()` and with nothing loaded on the slices:
         writes the ledger's `resume` event (voiding what the lost process wrote after the
-        snapshot), re-dispatches in-flight requests under their own version, re-scores."""
+        snapshot), re-dispatches in-flight requests under their own version, re-scores. With no
+        state (a run that died before its first checkpoint) everything before is voided."""
         with self._cond:
+            if state is None:
+                self.ledger.write("resume", ledger_offset=0, version=self.latest, in_flight=0, backlog=0,
+                                  unconsumed_groups=0, prefix_tokens=0)
+                return
             self.latest = int(state["latest"])
             self._next_group = int(state["next_group"])
             for gid, g in state["groups"].items():
@@ -618,11 +626,14 @@ class Coordinator:
             for data in state["unscored"]:
                 self._score(records.trajectory_from_json(data))
 
-    def live_prompt_ids(self) -> set[str]:
-        """Prompts something still refers to (in flight, backlog, awaiting a reward)."""
+    def wait_for_version(self, version: int, timeout: float = 60.0) -> None:
+        """Blocks until the publish of `version` has been applied (the event loop runs it)."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            ids = {r.prompt_id for r in self.requests.values()} | {r.prompt_id for r in self.backlog}
-            return ids | {t.prompt_id for t in self.unscored.values()}
+            while self.latest < version:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"coordinator did not apply the publish of version {version} within {timeout}s")
+                self._cond.wait(0.05)
 
     # ------------------------------------------------------------------ trainer side
     def try_take_batch(self, trainer_version: int) -> Optional[list[Group]]:
@@ -648,12 +659,14 @@ class Coordinator:
             self._apply_switching()
             return batch
 
-    def take_batch(self, trainer_version: int, timeout: float | None = None) -> Optional[list[Group]]:
-        """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s."""
+    def take_batch(self, trainer_version: int, timeout: float | None = None,
+                   cancel: Optional[threading.Event] = None) -> Optional[list[Group]]:
+        """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s.
+        None once the coordinator is closed or `cancel` is set (nothing is taken then)."""
         start = time.monotonic()
         while True:
             batch = self.try_take_batch(trainer_version)
-            if batch is not None or self.closed:
+            if batch is not None or self.closed or (cancel is not None and cancel.is_set()):
                 self.stats.trainer_wait_s += time.monotonic() - start
                 return batch
             if timeout is not None and time.monotonic() - start > timeout:

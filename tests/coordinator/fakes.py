@@ -60,6 +60,13 @@ class FakeWorker:
             else:
                 self.queued.append(item)
 
+    def progress(self):
+        out = {r.traj_id: r for r in self.queued}
+        for traj_id, st in self.active.items():
+            out[traj_id] = dataclasses.replace(st["req"], prefix_response_ids=tuple(st["tokens"]),
+                                               prefix_logprobs=tuple(st["logps"]), prefix_versions=tuple(st["versions"]))
+        return out
+
     # -- the scripted decode loop
     def tick(self):
         while self.queued and len(self.active) < self.num_slots:
@@ -83,6 +90,21 @@ class FakeWorker:
                                        FinishReason.LENGTH, self.slice_id))
         if done:
             self._coord[0].post_finished(self.slice_id, done)
+
+
+class DyingWorker(FakeWorker):
+    """A FakeWorker that can die: then it decodes nothing and every port call raises."""
+
+    dead = False
+
+    def __getattribute__(self, name):
+        if name in ("submit", "load_version", "export", "import_", "progress") and object.__getattribute__(self, "dead"):
+            raise ConnectionError(f"fake slice {object.__getattribute__(self, 'slice_id')} is dead")
+        return object.__getattribute__(self, name)
+
+    def tick(self):
+        if not self.dead:
+            super().tick()
 
 
 class InstantScorer:

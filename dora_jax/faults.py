@@ -1,0 +1,81 @@
+"""Fault injection for the reliability tests and `python -m dora_jax.chaos`.
+
+Set `DORA_FAULTS` to a comma-separated list (parsed once per process); with it unset nothing
+here does anything:
+
+  kill=<point>:<n>          SIGKILL this process the n-th time it reaches <point>
+                            (points: rollout, train_step, checkpoint_save)
+  slice_error=<slice>:<step> after training step <step>, rollout slice <slice> raises
+  slice_hang=<slice>:<step>  after training step <step>, rollout slice <slice> stops responding
+  checkpoint_error=<n>      the n-th checkpoint save fails as a full disk would (ENOSPC)
+
+The faults are real: a real SIGKILL, a real exception on the worker thread, a real OSError in the
+save path; only the moment is chosen.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import signal
+from typing import Optional
+
+_hits: collections.Counter[str] = collections.Counter()
+_parsed: Optional[dict] = None
+POINTS = ("rollout", "train_step", "checkpoint_save")
+
+
+def parse(spec: str) -> dict:
+    """'kill=train_step:3,slice_error=1:2' -> {'kill': ('train_step', 3), 'slice_error': [(1, 2)], ...}."""
+    out: dict = {"kill": None, "slice_error": [], "slice_hang": [], "checkpoint_error": None}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            if name == "kill":
+                point, count = value.split(":")
+                if point not in POINTS:
+                    raise ValueError(f"unknown point {point!r}; expected one of {POINTS}")
+                out["kill"] = (point, int(count))
+            elif name in ("slice_error", "slice_hang"):
+                slice_id, step = value.split(":")
+                out[name].append((int(slice_id), int(step)))
+            elif name == "checkpoint_error":
+                out["checkpoint_error"] = int(value)
+            else:
+                raise ValueError(f"unknown fault {name!r}")
+        except ValueError as err:
+            raise ValueError(f"DORA_FAULTS item {item!r}: {err}; see dora_jax/faults.py") from None
+    return out
+
+
+def _faults() -> dict:
+    global _parsed
+    if _parsed is None:
+        _parsed = parse(os.environ.get("DORA_FAULTS", ""))
+    return _parsed
+
+
+def reached(point: str) -> None:
+    """Counts a pass through `point`; SIGKILLs the process on the configured pass."""
+    kill = _faults()["kill"]
+    if kill is None or kill[0] != point:
+        return
+    _hits[point] += 1
+    if _hits[point] == kill[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slices_to_fail(step: int) -> list[tuple[int, str]]:
+    """(slice, 'error' | 'hang') faults due after training step `step`."""
+    f = _faults()
+    return [(s, "error") for s, at in f["slice_error"] if at == step] + [(s, "hang") for s, at in f["slice_hang"] if at == step]
+
+
+def before_checkpoint_save() -> None:
+    n = _faults()["checkpoint_error"]
+    if n is None:
+        return
+    _hits["checkpoint_error"] += 1
+    if _hits["checkpoint_error"] == n:
+        raise OSError(errno.ENOSPC, "No space left on device (injected by DORA_FAULTS)")
