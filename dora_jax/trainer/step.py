@@ -8,6 +8,11 @@ jits it once with explicit shardings and donates the state. Each update's gradie
 its micro-batch gradients, which equals the full mini-batch gradient because the token weights of
 `token_weights` are computed over the whole mini-batch first. An update whose loss or gradient is
 not finite is skipped (params and optimizer state kept) and counted.
+
+MoE models: every micro-batch's forward also returns its routing; the step reports the expert
+load over the loss-mask tokens (`router_load_LX`, L MoE layers x X experts) and the
+load-balancing loss, which enters the objective only with `router_aux_coef` > 0 (off by default:
+RL fine-tuning keeps the router as trained).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dora_jax.models.moe import expert_load, load_balancing_loss
 from dora_jax.trainer.advantages import group_advantages, informative_samples
 from dora_jax.trainer.loss import LossConfig, LossStats, policy_loss, token_logps, token_weights
 
@@ -61,6 +67,8 @@ class StepOutputs:
     dropped_groups: jax.Array
     updates: jax.Array  # TrainState.updates after the step
     stats: LossStats
+    router_load_LX: jax.Array  # MoE: assignments per layer and expert over the step's loss tokens ([0, 0] if dense)
+    router_aux_loss: jax.Array  # MoE: load-balancing loss, mean over micro-batches (0 if dense)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,34 +123,47 @@ def sequence_logps(graphdef, params, tokens_BT):
     return token_logps(logits_BTV, tokens_BT)
 
 
-def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config: LossConfig):
-    """Loss and stats of one micro-batch (a dict of [C, ...] arrays) under `params`."""
-    logps_CT, entropy_CT = sequence_logps(graphdef, params, micro["tokens"])
+def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config: LossConfig,
+                router_aux_coef: float = 0.0, micro_batches: int = 1):
+    """Loss and (LossStats, (router_load_LX, router_aux_loss)) of one micro-batch (a dict of
+    [C, ...] arrays) under `params`; the aux loss enters with weight router_aux_coef / micro_batches."""
+    logits_CTV, routing = nnx.merge(graphdef, params)(micro["tokens"], return_routing=True)
+    logps_CT, entropy_CT = token_logps(logits_CTV, micro["tokens"])
     ref_CT = None
     if ref_params is not None:
         ref_CT = jax.lax.stop_gradient(sequence_logps(graphdef, ref_params, micro["tokens"])[0])
-    return policy_loss(
+    loss, stats = policy_loss(
         logps_CT, micro["behaviour"], micro["inference"], micro["adv"], micro["mask"], weights_CT,
         loss_config, ref_logps_BT=ref_CT, entropy_BT=entropy_CT,
     )
+    load_LX = jnp.stack([expert_load(r, micro["mask"]) for r in routing]) if routing else jnp.zeros((0, 0))
+    aux = load_balancing_loss(routing, micro["mask"])
+    if router_aux_coef:
+        loss = loss + (router_aux_coef / micro_batches) * aux
+    return loss, (stats, (load_LX, aux))
 
 
-def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_config: LossConfig):
+def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_config: LossConfig,
+                router_aux_coef: float = 0.0):
     """One optimizer update from a mini-batch of [M, C, ...] arrays, skipped if not finite."""
     M, C, T = mini["mask"].shape
     weights_MCT = token_weights(mini["mask"].reshape(M * C, T), loss_config.loss_norm, loss_config.t_max)
-    grad_fn = jax.value_and_grad(
-        functools.partial(_micro_loss, graphdef=graphdef, loss_config=loss_config), has_aux=True
-    )
+    micro_loss_fn = functools.partial(_micro_loss, graphdef=graphdef, loss_config=loss_config,
+                                      router_aux_coef=router_aux_coef, micro_batches=M)
+    grad_fn = jax.value_and_grad(micro_loss_fn, has_aux=True)
+    router_shape = jax.eval_shape(micro_loss_fn, state.params, jax.tree.map(lambda x: x[0], mini),
+                                  weights_MCT[:C], ref_params)[1][1]
 
     def accumulate(carry, xs):
-        grads, loss, stats = carry
+        grads, loss, stats, router = carry
         micro, weights_CT = xs
-        (micro_loss, micro_stats), micro_grads = grad_fn(state.params, micro, weights_CT, ref_params)
-        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, stats.merge(micro_stats)), None
+        (micro_loss, (micro_stats, micro_router)), micro_grads = grad_fn(state.params, micro, weights_CT, ref_params)
+        router = jax.tree.map(jnp.add, router, micro_router)
+        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, stats.merge(micro_stats), router), None
 
-    carry = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), LossStats.empty())
-    (grads, loss, stats), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT.reshape(M, C, T)))
+    router = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), router_shape)
+    carry = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), LossStats.empty(), router)
+    (grads, loss, stats, (load_LX, aux)), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT.reshape(M, C, T)))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     deltas, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -152,7 +173,7 @@ def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_confi
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         updates=state.updates + finite.astype(jnp.int32),
     )
-    return new_state, (loss, grad_norm, finite, stats)
+    return new_state, (loss, grad_norm, finite, stats, (load_LX, aux / M))
 
 
 def train_step(
@@ -166,10 +187,12 @@ def train_step(
     estimator: str,
     dynamic_sampling: bool,
     rows_sharding=None,
+    router_aux_coef: float = 0.0,
 ) -> tuple[TrainState, StepOutputs]:
     """U optimizer updates, one per leading slice of the [U, M, C, T] inputs; see the module docstring.
 
-    `ref_params` (or None) is the KL reference policy. `rows_sharding` (optional) is the sharding
+    `ref_params` (or None) is the KL reference policy; `router_aux_coef` weights the MoE
+    load-balancing loss (0: reported, not optimised). `rows_sharding` (optional) is the sharding
     of a [U, M, C] array, so that advantages and validity are laid out like the token arrays.
     """
     U, M, C, _ = inputs.tokens_UMCT.shape
@@ -187,13 +210,15 @@ def train_step(
         tokens=inputs.tokens_UMCT, mask=inputs.loss_mask_UMCT.astype(jnp.float32) * valid_UMC[..., None],
         inference=inputs.inference_logps_UMCT, behaviour=inputs.behaviour_logps_UMCT, adv=adv_UMC,
     )
-    update = functools.partial(_one_update, ref_params=ref_params, graphdef=graphdef, tx=tx, loss_config=loss_config)
-    state, (loss_U, grad_norm_U, finite_U, stats_U) = jax.lax.scan(update, state, rows)
+    update = functools.partial(_one_update, ref_params=ref_params, graphdef=graphdef, tx=tx, loss_config=loss_config,
+                               router_aux_coef=router_aux_coef)
+    state, (loss_U, grad_norm_U, finite_U, stats_U, (load_ULX, aux_U)) = jax.lax.scan(update, state, rows)
     stats = jax.tree.map(lambda x: x[0], stats_U)
     for u in range(1, U):
         stats = stats.merge(jax.tree.map(lambda x, u=u: x[u], stats_U))
     outputs = StepOutputs(
         loss=loss_U.mean(), grad_norm=grad_norm_U.mean(), finite_U=finite_U.astype(jnp.int32),
         dropped_groups=dropped.astype(jnp.int32), updates=state.updates, stats=stats,
+        router_load_LX=load_ULX.sum(0), router_aux_loss=aux_U.mean(),
     )
     return state, outputs

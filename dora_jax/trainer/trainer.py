@@ -51,6 +51,7 @@ class TrainerConfig:
     loss_norm: str = "token_mean"  # "token_mean" | "seq_mean_token_mean" | "constant"
     t_max: int = 4096  # the constant of loss_norm="constant"
     kl_coef: float = 0.0  # k3 KL to the initial params; 0 = off (no reference kept)
+    router_aux_coef: float = 0.0  # MoE load-balancing loss weight; 0 = off (RL keeps the router as trained)
     # Advantages (see dora_jax.trainer.advantages).
     advantage: str = "grpo"  # "grpo" | "dr_grpo" | "rloo"
     dynamic_sampling: bool = False  # DAPO: mask groups whose rewards are all equal
@@ -64,6 +65,8 @@ class TrainerConfig:
         make_optimizer(self.optimizer_config())  # validates the schedule fields
         if self.advantage not in ESTIMATORS:
             raise ValueError(f"trainer.advantage={self.advantage!r}; expected one of {ESTIMATORS}")
+        if self.router_aux_coef < 0:
+            raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
         for name in ("num_updates", "micro_batch_size", "max_nonfinite_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)}; expected >= 1")
@@ -102,10 +105,23 @@ class StepMetrics:
     tokens_per_s: float  # loss_tokens / step_time_s
     step_time_s: float
     staleness: dict[int, int]  # trainer version - generating version -> samples
+    # MoE only (None for a dense model), over the step's loss tokens:
+    expert_load: tuple[tuple[int, ...], ...] | None = None  # per MoE layer: assignments per expert
+    router_load_ratio: tuple[float, ...] | None = None  # per MoE layer: max / mean expert load (1 = balanced)
+    router_aux_loss: float | None = None  # load-balancing loss (K when balanced), optimised iff router_aux_coef > 0
 
     def as_dict(self) -> dict[str, float]:
-        flat = {k: v for k, v in dataclasses.asdict(self).items() if k != "staleness"}
+        """Flat scalars; a MoE adds router/aux_loss, router/load_ratio_max, router/load_ratio/{layer}
+        and the histogram router/expert_load/{layer} (a list of counts)."""
+        moe = ("expert_load", "router_load_ratio", "router_aux_loss")
+        flat = {k: v for k, v in dataclasses.asdict(self).items() if k != "staleness" and k not in moe}
         flat.update({f"staleness/{k}": v for k, v in sorted(self.staleness.items())})
+        if self.expert_load is not None:
+            flat["router/aux_loss"] = self.router_aux_loss
+            flat["router/load_ratio_max"] = max(self.router_load_ratio)
+            for layer, (load, ratio) in enumerate(zip(self.expert_load, self.router_load_ratio)):
+                flat[f"router/load_ratio/{layer}"] = ratio
+                flat[f"router/expert_load/{layer}"] = list(load)
         return flat
 
 
@@ -164,7 +180,7 @@ class Trainer:
         step = functools.partial(
             train_step, graphdef=graphdef, tx=self._tx, loss_config=config.loss_config(),
             estimator=config.advantage, dynamic_sampling=config.dynamic_sampling,
-            rows_sharding=self._rows_UMC,
+            rows_sharding=self._rows_UMC, router_aux_coef=config.router_aux_coef,
         )
 
         def traced(state, inputs, ref_params):
@@ -291,4 +307,19 @@ class Trainer:
             step_time_s=elapsed,
             staleness={int(k): int(v) for k, v in sorted(staleness.items())},
             **stats.summary(),
+            **_router_metrics(outputs),
         )
+
+
+def _router_metrics(outputs) -> dict:
+    """StepMetrics' MoE fields from the step outputs (none for a dense model)."""
+    load_LX = np.asarray(outputs.router_load_LX)
+    if load_LX.size == 0:
+        return {}
+    counts_LX = np.rint(load_LX).astype(np.int64)  # exact integer counts, summed in float32 on device
+    ratio_L = counts_LX.max(-1) / np.maximum(counts_LX.mean(-1), 1e-9)
+    return dict(
+        expert_load=tuple(tuple(int(n) for n in row) for row in counts_LX),
+        router_load_ratio=tuple(float(r) for r in ratio_L),
+        router_aux_loss=float(outputs.router_aux_loss),
+    )
