@@ -87,13 +87,16 @@ class WorkerThread:
             raise SliceError(self.slice_id, self.error)
         future: Future = Future()
         self._inbox.put((fn, future))
-        return future.result(timeout=self._timeout)
+        try:
+            return future.result(timeout=self._timeout)
+        except TimeoutError:
+            raise SliceError(self.slice_id, TimeoutError(f"no answer within {self._timeout}s (hung?)")) from None
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
-                if self._fault is not None:
+                if self._fault is not None and self.worker.num_active:  # strike mid-generation
                     if self._fault == "hang":
                         while not self._stop.is_set():  # no heartbeat, no answers: a hung worker
                             time.sleep(0.05)

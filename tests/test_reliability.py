@@ -1,0 +1,111 @@
+"""Reliability end to end: SIGKILL at each kind of moment and resume, a corrupt checkpoint, a
+crashed and a hung rollout slice, a failing checkpoint save, and a resume with a changed config.
+The audit over the whole ledger must show every sample consumed exactly once and no C1/C3 break."""
+
+import os
+
+import pytest
+
+from dora_jax import chaos, faults, run_config, runner
+from dora_jax.checkpoint import RunCheckpointer, abstract_like
+from dora_jax.coordinator.ledger import read_ledger
+from tests.test_train_smoke import CONFIG, tiny_config
+
+STEPS, TBS = 6, 8
+OVERRIDES = [
+    "--config.init.sft_steps=0", "--config.model.hidden_size=64", "--config.model.intermediate_size=128",
+    "--config.model.head_dim=16", "--config.rollout.num_slices=3", "--config.rollout.slots=4",
+    "--config.rollout.cache_length=128", "--config.rollout.max_prefill_length=64", "--config.rollout.max_new_tokens=40",
+    "--config.task.k_max=20", f"--config.coordinator.train_batch_size={TBS}", "--config.coordinator.rollout_batch_size=16",
+    "--config.trainer.micro_batch_size=8", "--config.log.tensorboard=False", f"--config.num_steps={STEPS}",
+    "--config.checkpoint.every_steps=2",
+]
+
+
+def test_sigkill_during_save_train_step_and_rollout_then_resume_loses_nothing(tmp_path):
+    plan = [("checkpoint_save", 2), ("train_step", 2), ("rollout", 25)]
+    summary = chaos.chaos(CONFIG, str(tmp_path), OVERRIDES, plan, corrupt_latest=True, timeout_s=900)
+    assert [k["returncode"] for k in summary["kills"]] == [-9, -9, -9], summary["kills"]
+    assert summary["final_returncode"] == 0, open(tmp_path / "chaos.log").read()[-3000:]
+    audit = summary["audit"]
+    assert summary["audit_ok"], audit
+    assert audit["consumed"] == STEPS * TBS and audit["exactly_once_violations"]["count"] == 0
+    assert audit["c1_violations"]["count"] == 0 and audit["c3_violations"]["count"] == 0
+    assert summary["steps"] == list(range(STEPS))  # every step trained once, after all the restarts
+    assert len(summary["resumes"]) == 3
+    assert any(r["ledger_offset"] > 0 for r in summary["resumes"])  # at least one came from a checkpoint
+    assert summary["corrupted"] and os.path.isdir(summary["corrupted"] + ".corrupt")  # set aside, previous used
+
+
+@pytest.fixture
+def fault_env(monkeypatch):
+    def set_faults(spec):
+        monkeypatch.setenv("DORA_FAULTS", spec)
+        faults._parsed = None
+        faults._hits.clear()
+
+    yield set_faults
+    faults._parsed = None
+    faults._hits.clear()
+
+
+def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, fault_env):
+    fault_env("slice_error=1:1,slice_hang=2:2,checkpoint_error=2")
+    c = tiny_config("dora", steps=STEPS)
+    with c.unlocked():
+        c.checkpoint.every_steps = 1
+        c.rollout.heartbeat_timeout_s = 8.0
+        c.log.tensorboard = False
+    result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
+    assert result.steps == STEPS
+    assert result.audit.ok, result.audit.summary()
+    assert result.audit.consumed == STEPS * TBS
+    events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
+    failed = {e["slice"]: e for e in events if e["ev"] == "slice_failed"}
+    assert set(failed) == {1, 2}
+    assert "injected failure" in failed[1]["reason"]
+    assert "TimeoutError" in failed[2]["reason"]  # missed heartbeats, or a command it never answered
+    redispatched = [e for e in events if e["ev"] == "dispatch" and e.get("redispatch")]
+    assert len(redispatched) == failed[1]["requests"] + failed[2]["requests"] > 0
+    joined = [e["slice"] for e in events if e["ev"] == "slice_joined"]
+    assert 1 in joined and 2 not in joined  # the crashed one restarts; the hung one keeps its engine
+    assert len(result.checkpoint_errors) == 1 and "No space left" in result.checkpoint_errors[0]
+    steps = RunCheckpointer(str(tmp_path / "checkpoints")).steps()
+    assert steps and 2 not in steps  # the failed save left nothing; the others are there
+
+    changed = tiny_config("dora", steps=STEPS + 2)
+    with changed.unlocked():
+        changed.coordinator.group_size = 2
+        changed.coordinator.k_max = 1
+        changed.coordinator.rollout_batch_size = 8
+    with pytest.raises(ValueError) as err:
+        runner.run(run_config.parse(changed), str(tmp_path), progress=False)
+    assert "group_size: checkpoint 4, config 2" in str(err.value) and "coordinator.k_max: checkpoint 2, config 1" in str(err.value)
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
+    import jax.numpy as jnp
+
+    state = {"w": jnp.arange(6.0), "b": jnp.ones((2, 3))}
+    ckpt = RunCheckpointer(str(tmp_path), async_save=False)
+    ckpt.save(1, state, {}, {"coordinator": {}, "versions": []})
+    ckpt.save(2, {k: v + 1 for k, v in state.items()}, {1: state}, {"coordinator": {"n": 2}, "versions": [1]})
+    ckpt.wait()
+    shardings = {k: v.sharding for k, v in state.items()}
+    restored = ckpt.restore_latest(lambda: abstract_like(state, shardings), lambda: abstract_like(state, shardings))
+    assert restored.step == 2 and float(restored.trainer_state["w"][0]) == 1.0 and list(restored.versions) == [1]
+    assert chaos.corrupt_latest_checkpoint(str(tmp_path.parent / tmp_path.name / "..")) is None  # no checkpoints/ there
+    for dirpath, _, files in os.walk(tmp_path / "2" / "trainer"):
+        for name in files:
+            if "/d" in dirpath:
+                (open(os.path.join(dirpath, name), "wb")).write(b"garbage")
+    restored = ckpt.restore_latest(lambda: abstract_like(state, shardings), lambda: abstract_like(state, shardings))
+    assert restored.step == 1 and float(restored.trainer_state["w"][0]) == 0.0
+    assert os.path.isdir(tmp_path / "2.corrupt") and ckpt.steps() == [1]
+    ckpt.close()
+
+
+def test_fault_spec_errors_name_the_item():
+    with pytest.raises(ValueError, match="DORA_FAULTS item 'kill=nowhere:1'"):
+        faults.parse("kill=nowhere:1")
+    assert faults.parse("kill=train_step:3,slice_error=1:2")["slice_error"] == [(1, 2)]
