@@ -30,6 +30,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.head_dim = 32  # per-head width
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"  # storage dtype of params
+    c.model.num_experts = 0  # > 0: a Qwen3-MoE with this many experts per layer (configs/smoke_moe.py)
+    c.model.num_experts_per_tok = 0  # MoE: experts per token (top-k)
+    c.model.moe_intermediate_size = 0  # MoE: each expert's SwiGLU width
+    c.model.norm_topk_prob = False  # MoE: renormalise the top-k routing weights
+    c.model.moe_dispatch = "grouped"  # MoE: "dense" | "grouped" computation (same numbers)
 
     c.init = ml_collections.ConfigDict()
     c.init.checkpoint = ""  # a HF checkpoint dir to start RL from; "" = SFT cold start in WORKDIR/sft

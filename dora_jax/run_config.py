@@ -26,6 +26,12 @@ class ModelSpec:
     head_dim: int
     dtype: str
     param_dtype: str
+    # A fresh Qwen3-MoE (num_experts > 0; with hf_path, config.json decides): see dora_jax.models.moe.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_dispatch: str = "grouped"  # "dense" | "grouped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +134,12 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
                     bool(c.mesh.time_shared), int(c.mesh.fake_cpu_devices))
     m = c.model
     model = ModelSpec(str(m.hf_path), int(m.num_layers), int(m.hidden_size), int(m.intermediate_size),
-                      int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype), str(m.param_dtype))
+                      int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype), str(m.param_dtype),
+                      num_experts=int(m.get("num_experts", 0)), num_experts_per_tok=int(m.get("num_experts_per_tok", 0)),
+                      moe_intermediate_size=int(m.get("moe_intermediate_size", 0)),
+                      norm_topk_prob=bool(m.get("norm_topk_prob", False)), moe_dispatch=str(m.get("moe_dispatch", "grouped")))
+    if model.moe_dispatch not in ("dense", "grouped"):
+        raise ValueError(f"model.moe_dispatch={model.moe_dispatch!r}; expected 'dense' or 'grouped'")
     i = c.init
     init = InitSpec(str(i.checkpoint), int(i.sft_steps), int(i.sft_batch_size), float(i.sft_lr))
     return RunConfig(
