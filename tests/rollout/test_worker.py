@@ -141,3 +141,27 @@ def test_prefix_tokens_keep_their_versions_and_queue_can_be_taken(warm_engine, t
     assert traj.response_ids[:2] == (5, 6) and traj.logprobs[:2] == (-1.0, -2.0)
     assert traj.versions_seen == (6, 7, 8) and len(traj.response_ids) == 6
     assert dataclasses.replace(traj).prompt_ids == (1, 4, 9, 16)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=5)])
+def test_progress_is_a_resumable_snapshot_that_leaves_the_worker_untouched(warm_engine, tiny_params, sampling):
+    """What a checkpoint keeps of in-flight work: resumed in a new worker, the same sequence."""
+    worker = RolloutWorker(warm_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    for name in "abcde":  # 4 slots: one stays queued
+        worker.submit(_request(name, max_new=16, sampling=sampling))
+    for _ in range(6):
+        worker.step()
+    snapshot = worker.progress()
+    assert set(snapshot) == set("abcde") and worker.num_active == 4 and worker.num_queued == 1
+    assert snapshot["e"].prefix_response_ids == ()  # queued: nothing generated yet
+    active = [t for t in "abcd" if snapshot[t].prefix_response_ids]
+    assert active and all(len(snapshot[t].prefix_response_ids) == len(snapshot[t].prefix_versions) for t in active)
+    straight = run_to_end(worker)  # the snapshot did not disturb the original
+    fresh = RolloutWorker(warm_engine, eos_ids=())
+    fresh.load_version(0, tiny_params)
+    for request in snapshot.values():
+        fresh.submit(request)
+    resumed = run_to_end(fresh)
+    for name in "abcde":
+        assert resumed[name].response_ids == straight[name].response_ids
