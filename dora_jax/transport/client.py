@@ -95,10 +95,12 @@ class Client:
                 time.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, self.timing.max_backoff_s)
 
-    def register(self, role: int, config_hash_: str, *, slice_id: int = -1, num_slots: int = 0) -> pb.RegisterReply:
+    def register(self, role: int, config_hash_: str, *, slice_id: int = -1, num_slots: int = 0,
+                 host_id: int = 0) -> pb.RegisterReply:
         """Joins the run; a worker for a slice whose old session is still live waits for it to end."""
         request = pb.RegisterRequest(role=role, slice_id=slice_id, num_slots=num_slots, config_hash=config_hash_,
-                                     package_version=dora_jax.__version__, protocol=PROTOCOL, host=hostname())
+                                     package_version=dora_jax.__version__, protocol=PROTOCOL, host=hostname(),
+                                     host_id=host_id)
         self.last_answer = time.monotonic()
         reply = self.call("Register", lambda t: self.stub.Register(request, timeout=t),
                           also_retry=(grpc.StatusCode.ALREADY_EXISTS,))

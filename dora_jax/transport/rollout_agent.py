@@ -97,18 +97,26 @@ class RolloutAgent:
             if not self._done.is_set():
                 kind = SessionLost if err.code() == grpc.StatusCode.NOT_FOUND else CoordinatorUnreachable
                 self._inbox.put((_LOST, f"command stream broke: {err.code().name}: {err.details()}", kind))
-        except ValueError as err:
-            self._inbox.put((_LOST, f"bad command stream: {err}", RuntimeError))
+        except Exception as err:
+            self._inbox.put((_LOST, f"bad command stream: {type(err).__name__}: {err}", RuntimeError))
 
     def _beat(self, session: str) -> None:
+        counters = self.worker.counters
         while not self._done.wait(self._period):
-            c = self.worker.counters
-            request = pb.HeartbeatRequest(session=session, slot_steps=c.slot_steps, idle_slot_steps=c.idle_slot_steps,
-                                          generated_tokens=c.generated_tokens, busy_s=self.busy_s)
+            try:  # the loop thread updates the counters meanwhile: a torn read is skipped
+                counters = self.worker.counters
+            except RuntimeError:
+                pass
+            request = pb.HeartbeatRequest(session=session, slot_steps=counters.slot_steps,
+                                          idle_slot_steps=counters.idle_slot_steps,
+                                          generated_tokens=counters.generated_tokens, busy_s=self.busy_s)
             try:
                 self.client.call("Heartbeat", lambda t: self.client.stub.Heartbeat(request, timeout=t))
             except (SessionLost, CoordinatorUnreachable) as err:
                 self._inbox.put((_LOST, str(err), type(err)))
+                return
+            except Exception as err:
+                self._inbox.put((_LOST, f"heartbeat failed: {err}", CoordinatorUnreachable))
                 return
 
     # ------------------------------------------------------------------ the loop

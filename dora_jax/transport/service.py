@@ -84,7 +84,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._cond = threading.Condition()
         self._sessions: dict[str, _Session] = {}
         self.ports: dict[int, GrpcRolloutPort] = {}  # live port per slice
-        self._trainer: Optional[str] = None
+        self._trainers: dict[int, str] = {}  # host_id -> session (a multi-host trainer: one per host)
         self.initial_version: Optional[int] = None
         self._published = -1
         self._taken: Optional[tuple[int, pb.TakeBatchReply]] = None
@@ -106,7 +106,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if left <= 0:
                     missing = [s for s in range(self.identity.num_slices)
                                if s not in self.ports or not self.ports[s].connected.is_set()]
-                    trainer = "none" if self._trainer is None else f"version {self.initial_version}"
+                    trainer = "nothing" if self.initial_version is None else f"version {self.initial_version}"
                     raise TimeoutError(f"not every role joined within {timeout_s:.0f}s: rollout slices missing "
                                        f"{missing}, trainer published {trainer}")
                 self._cond.wait(min(left, 0.2))
@@ -116,10 +116,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         slices = all(s in self.ports and self.ports[s].connected.is_set() for s in range(self.identity.num_slices))
         return slices and self.initial_version is not None
 
-    def attach(self, backend) -> None:
+    def attach(self, backend, known_ports: Sequence[GrpcRolloutPort] = ()) -> None:
+        """Hands over the coordinator built from `known_ports` (what `wait_ready` returned); a
+        slice that joined since then joins it now."""
         with self._cond:
             self.backend = backend
+            late = [p for p in self.ports.values() if p.connected.is_set() and p not in known_ports]
             self._cond.notify_all()
+        for port in late:
+            backend.post_slice_joined(port)
 
     def stop(self, reason: str) -> None:
         """Asks every live worker to exit and stops watching heartbeats."""
@@ -156,9 +161,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         session_id = uuid.uuid4().hex
         with self._cond:
             if request.role == pb.TRAINER:
-                if self._trainer is not None:
-                    self._end_session(self._trainer)  # a restarted trainer replaces the old one
-                self._trainer = session_id
+                old = self._trainers.get(request.host_id)
+                if old is not None:
+                    self._end_session(old)  # a restarted trainer host replaces the old one
+                self._trainers[request.host_id] = session_id
                 self._sessions[session_id] = _Session(pb.TRAINER, request.host)
             else:
                 live = self.ports.get(request.slice_id)
