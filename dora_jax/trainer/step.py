@@ -164,6 +164,12 @@ def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_confi
     router = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), router_shape)
     carry = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), LossStats.empty(), router)
     (grads, loss, stats, (load_LX, aux)), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT.reshape(M, C, T)))
+    new_state, grad_norm, finite = apply_grads(state, grads, loss, tx=tx)
+    return new_state, (loss, grad_norm, finite, stats, (load_LX, aux / M))
+
+
+def apply_grads(state: TrainState, grads, loss, *, tx):
+    """One optimizer update from summed micro-batch gradients; skipped (state kept) if not finite."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     deltas, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -173,7 +179,18 @@ def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_confi
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         updates=state.updates + finite.astype(jnp.int32),
     )
-    return new_state, (loss, grad_norm, finite, stats, (load_LX, aux / M))
+    return new_state, grad_norm, finite
+
+
+def batch_advantages(rewards_B, group_ids_B, valid_B, *, estimator: str, dynamic_sampling: bool):
+    """(advantages_B, valid_B after DAPO's dynamic sampling, dropped groups): the per-sample part
+    of `train_step`, for callers that run the micro-batches themselves."""
+    valid_B = valid_B.astype(jnp.float32)
+    dropped = jnp.zeros((), jnp.int32)
+    if dynamic_sampling:
+        keep_B, dropped = informative_samples(rewards_B, group_ids_B, valid_B)
+        valid_B = valid_B * keep_B
+    return group_advantages(rewards_B, group_ids_B, valid_B, estimator), valid_B, dropped.astype(jnp.int32)
 
 
 def train_step(
@@ -196,12 +213,9 @@ def train_step(
     of a [U, M, C] array, so that advantages and validity are laid out like the token arrays.
     """
     U, M, C, _ = inputs.tokens_UMCT.shape
-    valid_B = inputs.valid_B.astype(jnp.float32)
-    dropped = jnp.zeros((), jnp.int32)
-    if dynamic_sampling:
-        keep_B, dropped = informative_samples(inputs.rewards_B, inputs.group_ids_B, valid_B)
-        valid_B = valid_B * keep_B
-    adv_UMC = group_advantages(inputs.rewards_B, inputs.group_ids_B, valid_B, estimator).reshape(U, M, C)
+    adv_B, valid_B, dropped = batch_advantages(inputs.rewards_B, inputs.group_ids_B, inputs.valid_B,
+                                               estimator=estimator, dynamic_sampling=dynamic_sampling)
+    adv_UMC = adv_B.reshape(U, M, C)
     valid_UMC = valid_B.reshape(U, M, C)
     if rows_sharding is not None:
         adv_UMC = jax.lax.with_sharding_constraint(adv_UMC, rows_sharding)

@@ -23,6 +23,7 @@ from dora_jax.records import TrainBatch
 from dora_jax.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
 from dora_jax.store import ParamStore
 from dora_jax.trainer.advantages import ESTIMATORS
+from dora_jax.trainer.bucketed import BucketedStep
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
 from dora_jax.trainer.step import (
@@ -58,6 +59,8 @@ class TrainerConfig:
     # Batching.
     num_updates: int = 1  # optimizer updates per batch (the batch is split into this many)
     micro_batch_size: int = 8  # rows per forward/backward (and per recompute chunk)
+    length_bucket: int = 0  # 0: every row padded to the batch's length; N: rows sorted by length and
+    #                         each micro-batch padded to its own N * 2^k (dora_jax.trainer.bucketed)
     max_nonfinite_in_a_row: int = 3  # raise after this many skipped updates in a row
 
     def __post_init__(self):
@@ -67,6 +70,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.advantage={self.advantage!r}; expected one of {ESTIMATORS}")
         if self.router_aux_coef < 0:
             raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
+        if self.length_bucket < 0:
+            raise ValueError(f"trainer.length_bucket={self.length_bucket}; expected 0 (off) or a pad multiple >= 1")
         for name in ("num_updates", "micro_batch_size", "max_nonfinite_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)}; expected >= 1")
@@ -174,6 +179,13 @@ class Trainer:
             on_trace=lambda: self.trace_counts.update(["recompute"]), compiler_options=self._compiler_options,
         )
         self._step = self._compile_step(graphdef)
+        self._bucketed = None
+        if config.length_bucket:
+            self._bucketed = BucketedStep(
+                graphdef, self._tx, config, mesh, batch_axes, self.param_shardings, self.state_shardings,
+                self._replicated, self._behaviour, pad_to=config.length_bucket,
+                compiler_options=self._compiler_options, on_trace=lambda: self.trace_counts.update(["bucketed"]),
+            )
 
     def _compile_step(self, graphdef):
         config = self.config
@@ -236,6 +248,9 @@ class Trainer:
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
         start = time.perf_counter()
+        if self._bucketed is not None:
+            self._state, outputs = self._bucketed(self._state, batch, self._ref_params, self._params_of)
+            return self._finish(jax.device_get(outputs), versions_B, time.perf_counter() - start)
         tokens_UMCT = self._rows(batch.tokens_BT, np.int32)
         inputs = StepInputs(
             tokens_UMCT=tokens_UMCT,
