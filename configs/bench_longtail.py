@@ -35,8 +35,9 @@ def get_config(arg=None):
         c.coordinator.train_batch_size = 32
         c.coordinator.rollout_batch_size = 64
         c.coordinator.k_max = 3
-        c.trainer.micro_batch_size = 16
-        c.trainer.pad_to = 344  # one batch shape (prompt <= 18 + response <= 320): no mode pays a compile mid-run
+        c.trainer.micro_batch_size = 8
+        c.trainer.pad_to = 344  # the batch-wide shape when length_bucket = 0 (prompt <= 18 + response <= 320)
+        c.trainer.length_bucket = 16  # each micro-batch padded to its own 16 * 2^k: short rows cost short forwards
         c.log.tensorboard = False
         c.bench = {"median_len": 20.0, "sigma": 1.1, "max_len": 320}  # forced response lengths (tokens)
     c.lock()
