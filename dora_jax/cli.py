@@ -19,6 +19,9 @@ def prepare_devices(config) -> None:
     # Reruns skip XLA compiles (tiny models compile for longer than they train on CPU).
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/dora_jax/xla"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
     count = int(config.mesh.fake_cpu_devices)
     flag = f"--xla_force_host_platform_device_count={count}"
     if count > 0 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
