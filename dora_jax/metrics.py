@@ -47,3 +47,35 @@ def _plain(value):
 def read_metrics(workdir: str) -> list[dict]:
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str | None:
+    """Writes WORKDIR/`filename`: `reward_mean` per step from metrics.jsonl, with its running mean
+    over 5 steps. Returns the path, or None when no step has a reward (nothing to plot)."""
+    rows = [r for r in read_metrics(workdir) if r.get("reward_mean") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    rewards = [r["reward_mean"] for r in rows]
+    window = 5
+    smoothed = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+                for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, rewards, marker=".", linewidth=1, alpha=0.6, label="reward_mean per step")
+    ax.plot(steps, smoothed, linewidth=2, label=f"running mean ({window} steps)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    ax.set_title(os.path.basename(os.path.normpath(workdir)))
+    fig.tight_layout()
+    path = os.path.join(workdir, filename)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,7 +1,8 @@
 """`python -m dora_jax.train --config=configs/smoke.py --workdir=DIR [--config.mode=sync ...]`
 
 Runs the whole system in one process on the local devices (dora_jax.runner), then audits the
-ledger and prints the summary. Exits non-zero if the audit finds a violation the mode promises.
+ledger, plots the reward curve to WORKDIR/reward_curve.png and prints the summary. Exits
+non-zero if the audit finds a violation the mode promises.
 
 Run it again on the same workdir to resume (from the newest checkpoint that restores). SIGTERM
 (a preemption notice) stops at the next step boundary with a checkpoint and exits with 75:
@@ -24,6 +25,7 @@ def main(argv):
     del argv
     cli.prepare_devices(cli.CONFIG.value)
     from dora_jax import run_config, runner
+    from dora_jax.metrics import plot_reward_curve
 
     if not cli.WORKDIR.value:
         raise app.UsageError("--workdir is required")
@@ -44,6 +46,7 @@ def main(argv):
         "audit_ok": result.audit.ok, "violations": result.audit.violations(),
         "max_staleness": summary["max_staleness"], "max_versions_in_flight": summary["max_versions_in_flight"],
         "migrations_kv": summary["migrations_kv"], "trainer_wait_s": round(result.coordinator_stats["trainer_wait_s"], 2),
+        "reward_curve": curve,
     }))
     sys.exit(1 if not result.audit.ok else 75 if result.preempted else 0)
 

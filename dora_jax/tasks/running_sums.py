@@ -1,24 +1,31 @@
 """Running sums: a synthetic reasoning task with long-tailed response lengths and an exact reward.
 
-The prompt lists k digits, each behind a position tag (a..z, then A..Z); the response writes the
-running sums mod `modulus` behind the same tags, then ';' and the final sum:
+The prompt lists k small numbers (0..`max_term`), each behind a position tag (a..z, then A..Z);
+the response walks the list: for each tag it writes the tag, the term it looked up and the running
+sum so far mod `modulus`, then ';' and the final sum:
 
-    prompt    a3b1c4d1e5=
-    response  a3b4c8d9e4;4      (then EOS)
+    prompt    a2b1c2d0e1=
+    response  a22b13c25d05e16;6      (then EOS)
 
-Why tags: without them, the model must fetch the i-th prompt digit at an offset that depends on
-k, which a 2-layer char-level transformer learns slowly. With them, each step is an induction-head
-lookup (find the tag just written in the prompt, copy the digit after it) plus a local mod-10
-addition with the previous sum two tokens back, so a tiny model can learn it.
-Why mod 10 by default: every sum is one digit, so each step costs exactly two tokens, the response
-length is exactly 2k + 2 characters (+ EOS) and the alphabet stays at 64 characters.
+Why tags: without them, the model must fetch the i-th prompt term at an offset that depends on
+k, which a 2-layer char-level transformer learns slowly. With them, fetching a term is an
+induction-head lookup (find the tag just written in the prompt, copy the term after it).
+Why the response repeats the term: then the addition is local (the term one token back, the
+previous sum three tokens back) instead of fused with the lookup; measured on the smoke model,
+writing only the sums ("a2b3c5...") left the sum digits at 24% teacher-forced accuracy after 300
+SFT updates, writing the term first lifted them to 44%.
+Why terms 0..2 by default: the step is then a 30-entry table (previous sum x term), which the
+smoke model learns exactly (100% teacher-forced sum accuracy after 300 updates); with terms 0..9
+(a 100-entry table) it had not learned it after 300 updates. With modulus 10 every sum is one
+digit, so each step costs exactly three tokens and the response is 3k + 2 characters (+ EOS).
 
 k is a discretised log-normal (median `median_k`, shape `sigma`) clipped to [1, k_max]: with the
-defaults (median 3, sigma 1, k_max 52) the response is 9 tokens at the median and 107 at the
-max, about 12x (`python -m dora_jax.tasks.running_sums` measures it).
+defaults (median 3, sigma 1, k_max 52) the response is 12 tokens at the median and 159 at the
+max, about 13x (`python -m dora_jax.tasks.running_sums` measures it).
 
-The reward is 1 for a well-formed response (exactly k tagged steps in tag order, then ';' and a
-number) whose final answer is right, 0 otherwise; intermediate sums are not graded.
+The reward is 1 for a well-formed response (exactly k steps of tag, one digit, a number, in tag
+order, then ';' and a number) whose final answer is right, 0 otherwise; the copied terms and the
+intermediate sums are not graded.
 """
 
 from __future__ import annotations
@@ -38,17 +45,19 @@ TAGS = string.ascii_lowercase + string.ascii_uppercase
 ALPHABET = string.digits + ";=" + TAGS  # for CharTokenizer(ALPHABET): vocab 3 specials + 64
 
 _PROMPT_RE = re.compile(r"((?:[a-zA-Z][0-9])+)=")
-_RESPONSE_RE = re.compile(r"((?:[a-zA-Z][0-9]+)+);([0-9]+)")
-_STEP_RE = re.compile(r"([a-zA-Z])([0-9]+)")
+_RESPONSE_RE = re.compile(r"((?:[a-zA-Z][0-9][0-9]+)+);([0-9]+)")
+_STEP_RE = re.compile(r"([a-zA-Z])([0-9]+)")  # prompt steps: tag, term
+_RESPONSE_STEP_RE = re.compile(r"([a-zA-Z])([0-9])([0-9]+)")  # response steps: tag, term, sum
 
 
 @dataclasses.dataclass(frozen=True)
 class RunningSumsConfig:
-    """The task's distribution. Lengths: response = 2k + 2 characters + EOS (modulus 10)."""
+    """The task's distribution. Lengths: response = 3k + 2 characters + EOS (modulus 10)."""
 
     median_k: float = 3.0  # median number of terms (log-normal scale exp(mu))
     sigma: float = 1.0  # log-normal shape: larger means a longer tail
     k_max: int = 52  # clip; at most len(TAGS) = 52
+    max_term: int = 2  # terms are uniform in 0..max_term (2: the step is a 30-entry table)
     modulus: int = 10  # running sums are taken mod this; 10 keeps every sum one digit
     seed: int = 0  # PromptSource seed: prompt i is drawn from default_rng([seed, i])
 
@@ -59,6 +68,8 @@ class RunningSumsConfig:
             raise ValueError(f"RunningSumsConfig.median_k={self.median_k}: must be >= 1")
         if not self.sigma >= 0:
             raise ValueError(f"RunningSumsConfig.sigma={self.sigma}: must be >= 0")
+        if not 1 <= self.max_term <= 9:
+            raise ValueError(f"RunningSumsConfig.max_term={self.max_term}: must be in [1, 9]")
         if not 2 <= self.modulus <= 1000:
             raise ValueError(f"RunningSumsConfig.modulus={self.modulus}: must be in [2, 1000]")
 
@@ -70,9 +81,9 @@ def sample_k(rng: np.random.Generator, config: RunningSumsConfig) -> int:
 
 
 def draw_terms(rng: np.random.Generator, config: RunningSumsConfig) -> list[int]:
-    """k = `sample_k` digits, uniform in 0-9."""
+    """k = `sample_k` terms, uniform in 0..max_term."""
     k = sample_k(rng, config)
-    return [int(t) for t in rng.integers(0, 10, size=k)]
+    return [int(t) for t in rng.integers(0, config.max_term + 1, size=k)]
 
 
 def prompt_text(terms: list[int]) -> str:
@@ -99,7 +110,7 @@ def running_sums(terms: list[int], modulus: int) -> list[int]:
 def make_prompt(
     rng: np.random.Generator, config: RunningSumsConfig, tokenizer: Tokenizer, prompt_id: str = ""
 ) -> Prompt:
-    """One prompt: k from `sample_k`, digits uniform in 0-9; ids start with BOS."""
+    """One prompt: k from `sample_k`, terms uniform in 0..max_term; ids start with BOS."""
     terms = draw_terms(rng, config)
     text = prompt_text(terms)
     answer = running_sums(terms, config.modulus)[-1]
@@ -120,17 +131,18 @@ def demonstration(prompt: Prompt) -> str:
 
 def _response(terms: list[int], modulus: int) -> str:
     sums = running_sums(terms, modulus)
-    return "".join(f"{tag}{s}" for tag, s in zip(TAGS, sums)) + f";{sums[-1]}"
+    return "".join(f"{tag}{t}{s}" for tag, t, s in zip(TAGS, terms, sums)) + f";{sums[-1]}"
 
 
 def reward(prompt: Prompt, response_text: str) -> float:
-    """1.0 if the response is well formed (k tagged steps, ';', a number) and its final answer is
-    the true running sum; 0.0 otherwise. Raises ValueError only for a malformed *prompt*."""
+    """1.0 if the response is well formed (k tagged steps of term and sum, ';', a number) and its
+    final answer is the true running sum; 0.0 otherwise. Raises ValueError only for a malformed
+    *prompt*."""
     terms = parse_terms(prompt.text)
     match = _RESPONSE_RE.fullmatch(response_text)
     if match is None:
         return 0.0
-    tags = "".join(tag for tag, _ in _STEP_RE.findall(match.group(1)))
+    tags = "".join(tag for tag, _, _ in _RESPONSE_STEP_RE.findall(match.group(1)))
     if tags != TAGS[: len(terms)]:
         return 0.0
     expected = running_sums(terms, _modulus(prompt))[-1]
@@ -138,8 +150,8 @@ def reward(prompt: Prompt, response_text: str) -> float:
 
 
 def response_length(k: int) -> int:
-    """Response tokens for k terms with modulus 10: 2k + 2 characters and EOS."""
-    return 2 * k + 3
+    """Response tokens for k terms with modulus 10: 3k + 2 characters and EOS."""
+    return 3 * k + 3
 
 
 def _modulus(prompt: Prompt) -> int:
@@ -205,8 +217,9 @@ def main() -> None:
     parser.add_argument("--median_k", type=float, default=RunningSumsConfig.median_k)
     parser.add_argument("--sigma", type=float, default=RunningSumsConfig.sigma)
     parser.add_argument("--k_max", type=int, default=RunningSumsConfig.k_max)
+    parser.add_argument("--max_term", type=int, default=RunningSumsConfig.max_term)
     args = parser.parse_args()
-    config = RunningSumsConfig(median_k=args.median_k, sigma=args.sigma, k_max=args.k_max)
+    config = RunningSumsConfig(median_k=args.median_k, sigma=args.sigma, k_max=args.k_max, max_term=args.max_term)
     print(length_stats(config, args.num_prompts))
 
 

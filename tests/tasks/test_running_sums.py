@@ -19,11 +19,13 @@ def _prompt(terms, modulus=10):
 
 
 def test_worked_example():
-    prompt = _prompt([3, 1, 4, 1, 5])
-    assert prompt.text == "a3b1c4d1e5="
-    assert prompt.answer == "4"
-    assert rs.demonstration(prompt) == "a3b4c8d9e4;4"
-    assert rs.reward(prompt, "a3b4c8d9e4;4") == 1.0
+    prompt = _prompt([2, 1, 2, 0, 1])
+    assert prompt.text == "a2b1c2d0e1="
+    assert prompt.answer == "6"
+    assert rs.demonstration(prompt) == "a22b13c25d05e16;6"
+    assert rs.reward(prompt, "a22b13c25d05e16;6") == 1.0
+    wraps = _prompt([3, 1, 4, 1, 5])  # terms up to 9 are valid prompts; sums wrap mod 10
+    assert rs.demonstration(wraps) == "a33b14c48d19e54;4"
     assert TOKENIZER.vocab_size == 67
     assert prompt.prompt_ids[0] == CharTokenizer.BOS
 
@@ -41,30 +43,33 @@ def test_demonstrations_score_one_and_tokenize():
         assert TOKENIZER.decode(prompt.prompt_ids) == prompt.text
         ks.add(prompt.metadata["k"])
     assert min(ks) == 1 and max(ks) >= 20
+    assert {t for p in [source.prompt(i) for i in range(50)] for t in rs.parse_terms(p.text)} == {0, 1, 2}
 
 
 @pytest.mark.parametrize(
     "response",
     [
-        "a3b4c8d9e5;5",  # wrong final answer
-        "a3b4c8d9e4;5",  # right last sum, wrong answer
-        "a3b4c8d9e4",  # no answer
-        "a3b4c8d9;9",  # one step short
-        "a3b4c8d9e4f4;4",  # one step too many
-        "a3b4c8e9d4;4",  # tags out of order
-        "a3b4c8d9e4;04",  # not canonical
-        "a3b4c8d9e4;4;4",  # trailing garbage
-        "3,4,8,9,4;4",  # other format
-        ";4",
+        "a22b13c25d05e17;7",  # wrong final answer
+        "a22b13c25d05e16;7",  # right last sum, wrong answer
+        "a22b13c25d05e16",  # no answer
+        "a22b13c25d05;5",  # one step short
+        "a22b13c25d05e16f06;6",  # one step too many
+        "a22b13c25e05d16;6",  # tags out of order
+        "a2b3c5d5e6;6",  # sums without the terms (the old format)
+        "a22b13c25d05e1;6",  # a step without its sum
+        "a22b13c25d05e16;06",  # not canonical
+        "a22b13c25d05e16;6;6",  # trailing garbage
+        "2,3,5,5,6;6",  # other format
+        ";6",
         "",
     ],
 )
 def test_corruptions_score_zero(response):
-    assert rs.reward(_prompt([3, 1, 4, 1, 5]), response) == 0.0
+    assert rs.reward(_prompt([2, 1, 2, 0, 1]), response) == 0.0
 
 
 def test_only_the_final_answer_is_graded():
-    assert rs.reward(_prompt([3, 1, 4, 1, 5]), "a0b0c0d0e0;4") == 1.0
+    assert rs.reward(_prompt([2, 1, 2, 0, 1]), "a00b00c00d00e00;6") == 1.0
 
 
 def test_malformed_prompt_raises():
@@ -74,14 +79,14 @@ def test_malformed_prompt_raises():
 
 def test_modulus_100():
     prompt = _prompt([9, 9, 9, 9, 9], modulus=100)
-    assert rs.demonstration(prompt) == "a9b18c27d36e45;45"
-    assert rs.reward(prompt, "a9b18c27d36e45;45") == 1.0
-    assert rs.reward(prompt, "a9b18c27d36e45;5") == 0.0
+    assert rs.demonstration(prompt) == "a99b918c927d936e945;45"
+    assert rs.reward(prompt, "a99b918c927d936e945;45") == 1.0
+    assert rs.reward(prompt, "a99b918c927d936e945;5") == 0.0
 
 
 def test_length_distribution_is_long_tailed():
     stats = rs.length_stats(rs.RunningSumsConfig(), 5000)
-    assert stats["median"] == 9.0
+    assert stats["median"] == 12.0  # k = 3: 3 x 3 + 2 characters and EOS
     assert stats["max"] >= 10 * stats["median"]
     assert stats["p99"] > 4 * stats["median"]
 
@@ -108,6 +113,8 @@ def test_config_and_tokenizer_errors():
         rs.RunningSumsConfig(k_max=60)
     with pytest.raises(ValueError, match="modulus"):
         rs.RunningSumsConfig(modulus=1)
+    with pytest.raises(ValueError, match="max_term"):
+        rs.RunningSumsConfig(max_term=10)
     with pytest.raises(ValueError, match="alphabet"):
         rs.RunningSumsSource(rs.RunningSumsConfig(), CharTokenizer("0123456789"))
 
