@@ -25,7 +25,6 @@ def main(argv):
     del argv
     cli.prepare_devices(cli.CONFIG.value)
     from dora_jax import run_config, runner
-    from dora_jax.metrics import plot_reward_curve
 
     if not cli.WORKDIR.value:
         raise app.UsageError("--workdir is required")
@@ -34,9 +33,10 @@ def main(argv):
     signal.signal(signal.SIGTERM, lambda *_: preempt.set())
     result = runner.run(config, cli.WORKDIR.value, write_config=cli.config_as_json(cli.CONFIG.value), preempt=preempt)
     summary = result.audit.summary()
-    from dora_jax.metrics import read_metrics
+    from dora_jax.metrics import plot_reward_curve, read_metrics
 
     rows = read_metrics(result.workdir)  # every step of the run, resumed ones included
+    curve = plot_reward_curve(result.workdir)
     print(json.dumps({
         "workdir": result.workdir, "mode": config.mode, "steps": result.steps, "wall_s": round(result.wall_s, 2),
         "reward_first3": _mean(r["reward_mean"] for r in rows[:3]),
