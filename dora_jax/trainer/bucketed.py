@@ -124,5 +124,24 @@ class BucketedStep:
         )
         return state, outputs
 
+    def warmup(self, params, ref_params, version: int, max_length: int, rows_per_update: int, params_of) -> list[int]:
+        """Compiles every bucket shape up to `max_length` (gradient and recompute) on dummy rows,
+        so that a long sample arriving mid-run costs no compile. Params are not changed."""
+        C = self._config.micro_batch_size
+        lengths, T = [], self._pad_to
+        while True:
+            lengths.append(T)
+            if T >= max_length:
+                break
+            T *= 2
+        zeros = lambda T, dtype: self._put(np.zeros((C, T), dtype))  # noqa: E731
+        for T in lengths:
+            tokens = np.zeros((C, T), np.int32)
+            self._behaviour(jax.device_put(tokens[None, None], self._rows_UMCT), np.full(C, version), params_of)
+            micro = dict(tokens=zeros(T, np.int32), mask=zeros(T, np.float32), inference=zeros(T, np.float32),
+                         behaviour=zeros(T, np.float32), adv=jax.device_put(np.zeros(C, np.float32), self._rows_C))
+            jax.block_until_ready(self._grad(params, micro, zeros(T, np.float32), ref_params, rows_per_update // C))
+        return lengths
+
     def _put(self, x_CT: np.ndarray) -> jax.Array:
         return jax.device_put(x_CT, self._rows_CT)

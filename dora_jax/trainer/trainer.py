@@ -230,6 +230,14 @@ class Trainer:
         self._version = int(version)
         self._nonfinite_in_a_row = 0
 
+    def warmup(self, max_length: int, batch_size: int) -> list[int]:
+        """With `length_bucket`, compiles the step of `batch_size`-row batches for every bucket up
+        to `max_length` positions (returns them); without, nothing to do. Params are not changed."""
+        if self._bucketed is None:
+            return []
+        return self._bucketed.warmup(self._state.params, self._ref_params, self._version, max_length,
+                                     batch_size // self.config.num_updates, self._params_of)
+
     def publish(self) -> int:
         """Stores the current params under `version` in the ParamStore; returns the version."""
         if self._store is None:
