@@ -60,6 +60,8 @@ def test_bucketed_steps_equal_fixed_shape_steps(model, loss_norm):  # noqa: F811
         trainers[name] = Trainer(graphdef, params, axes, mesh, dataclasses.replace(config, length_bucket=bucket), store,
                                  compiler_options=FAST_COMPILE)
         trainers[name].publish()
+    assert trainers["bucketed"].warmup(T, B) == [8, 16, 32, 64] and trainers["fixed"].warmup(T, B) == []
+    warm = trainers["bucketed"].trace_counts["bucketed"]
     metrics = {name: [] for name in trainers}
     for step, versions in enumerate([0, np.arange(B) % 2]):  # the second step mixes versions 0 and 1
         batch = long_tailed_batch(step, versions)
@@ -74,4 +76,4 @@ def test_bucketed_steps_equal_fixed_shape_steps(model, loss_norm):  # noqa: F811
         # as in test_trainer: Adam's sqrt(v) turns fp32 summation-order noise into <= 2% of lr
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * config.lr)
         assert np.abs(a - b).mean() < 1e-7
-    assert trainers["bucketed"].trace_counts["bucketed"] <= 4  # one gradient function per bucket shape
+    assert warm == 4 and trainers["bucketed"].trace_counts["bucketed"] == warm  # warmup compiled every shape
