@@ -34,7 +34,7 @@ RANDOM_TIME = flags.DEFINE_bool("random_time", False, "kill after a random delay
 CORRUPT = flags.DEFINE_bool("corrupt_latest", False, "damage the newest checkpoint before the last resume")
 TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "per process")
 
-POINTS = (("rollout", 10, 200), ("train_step", 1, 4), ("checkpoint_save", 1, 2))
+POINTS = (("rollout", 3, 40), ("train_step", 1, 4), ("checkpoint_save", 1, 2))  # (point, fewest, most passes)
 
 
 def draw_plan(kills: int, seed: int) -> list[tuple[str, int]]:
@@ -98,8 +98,8 @@ def chaos(config: str, workdir: str, overrides: Sequence[str], plan: Sequence[tu
         else:
             rc = run_once(command, fault=f"kill={point}:{count}", timeout_s=timeout_s, log_path=log_path)
             where = f"{point} #{count}"
-        kills.append({"where": where, "returncode": rc, "seconds": round(time.perf_counter() - start, 1),
-                      "metrics_rows": _rows(workdir)})
+        kills.append({"where": where, "killed": rc == -signal.SIGKILL, "returncode": rc,
+                      "seconds": round(time.perf_counter() - start, 1), "metrics_rows": _rows(workdir)})
     corrupted = corrupt_latest_checkpoint(workdir) if corrupt_latest else None
     start = time.perf_counter()
     final_rc = run_once(command, timeout_s=timeout_s, log_path=log_path)
