@@ -151,21 +151,17 @@ def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_confi
     micro_loss_fn = functools.partial(_micro_loss, graphdef=graphdef, loss_config=loss_config,
                                       router_aux_coef=router_aux_coef, micro_batches=M)
     grad_fn = jax.value_and_grad(micro_loss_fn, has_aux=True)
-    router_shape = jax.eval_shape(micro_loss_fn, state.params, jax.tree.map(lambda x: x[0], mini),
-                                  weights_MCT[:C], ref_params)[1][1]
 
     def accumulate(carry, xs):
-        grads, loss, stats, router = carry
+        grads, loss, stats = carry
         micro, weights_CT = xs
-        (micro_loss, (micro_stats, micro_router)), micro_grads = grad_fn(state.params, micro, weights_CT, ref_params)
-        router = jax.tree.map(jnp.add, router, micro_router)
-        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, stats.merge(micro_stats), router), None
+        (micro_loss, (micro_stats, router)), micro_grads = grad_fn(state.params, micro, weights_CT, ref_params)
+        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss, stats.merge(micro_stats)), router
 
-    router = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), router_shape)
-    carry = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), LossStats.empty(), router)
-    (grads, loss, stats, (load_LX, aux)), _ = jax.lax.scan(accumulate, carry, (mini, weights_MCT.reshape(M, C, T)))
+    carry = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), LossStats.empty())
+    (grads, loss, stats), (load_MLX, aux_M) = jax.lax.scan(accumulate, carry, (mini, weights_MCT.reshape(M, C, T)))
     new_state, grad_norm, finite = apply_grads(state, grads, loss, tx=tx)
-    return new_state, (loss, grad_norm, finite, stats, (load_LX, aux / M))
+    return new_state, (loss, grad_norm, finite, stats, (load_MLX.sum(0), aux_M.mean()))
 
 
 def apply_grads(state: TrainState, grads, loss, *, tx):

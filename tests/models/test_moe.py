@@ -258,3 +258,27 @@ def test_fresh_moe_model_has_expert_axes():
     mlp = axes["layers"][0]["mlp"]
     assert tuple(mlp["gate_XEM"]) == ("expert", "embed", "mlp") and tuple(mlp["down_XME"]) == ("expert", "mlp", "embed")
     assert tuple(mlp["router_EX"]) == ("embed", None)
+
+
+def _load_config(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_smoke_configs_build_a_moe_and_a_dense_model():
+    from dora_jax import run_config
+    from dora_jax.setup import fresh_model_config
+
+    moe = fresh_model_config(run_config.parse(_load_config("smoke_moe")), 20, (2,))
+    assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == ("qwen3_moe", 8, 2, 128)
+    assert moe.norm_topk_prob and moe.moe_dispatch == "dense" and all(moe.is_moe_layer(i) for i in range(moe.num_layers))
+    dense = fresh_model_config(run_config.parse(_load_config("smoke")), 20, (2,))
+    assert dense.model_type == "qwen3" and dense.num_experts == 0 and not dense.is_moe_layer(0)
+    bad = _load_config("smoke_moe")
+    bad.model.moe_dispatch = "sparse"
+    with pytest.raises(ValueError, match="model.moe_dispatch='sparse'"):
+        run_config.parse(bad)
