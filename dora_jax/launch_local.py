@@ -11,8 +11,9 @@ child is its own process group, killed whole, and dies with the launcher), audit
 and prints the summary. Logs: DIR/logs/<role>.log. Exit status: 0 when the trainer finished and
 the audit is clean.
 
-`--kill_slice=N --kill_after_s=T` kills rollout worker N with SIGKILL T seconds after the
-coordinator starts dispatching (fault injection: the run must finish and the audit stay clean).
+`--kill_slice=N --kill_after_s=T` kills rollout worker N with SIGKILL at the first moment, T
+seconds or more after the coordinator starts dispatching, when the ledger shows it holding
+requests (fault injection: the run must finish, its requests re-dispatched, the audit clean).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from dora_jax import cli
 PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
 KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL this rollout worker mid-run")
-KILL_AFTER_S = flags.DEFINE_float("kill_after_s", 30.0, "seconds after dispatch starts to kill --kill_slice")
+KILL_AFTER_S = flags.DEFINE_float("kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, "
+                                  "as soon as it holds requests")
 HEARTBEAT_TIMEOUT_S = flags.DEFINE_float("heartbeat_timeout_s", 60.0, "passed to the coordinator")
 
 
@@ -117,6 +119,7 @@ def launch(config, workdir: str, config_flags: list[str], *, trainer_devices: in
 def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_steps: int) -> None:
     deadline = time.monotonic() + TIMEOUT_S.value
     dispatch_t, reported, exits_seen = None, -1, set()
+    follower = _SliceLoad(os.path.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
     while stop["signal"] is None:
         if children["trainer"].poll() is not None:
             outcome["trainer_exit"] = children["trainer"].returncode
@@ -131,14 +134,16 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
                 exits_seen.add(name)
                 _print(f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
                        + _tail(workdir, name, 5))
-        if dispatch_t is None and _dispatching(workdir):
-            dispatch_t = time.monotonic()
-        if (KILL_SLICE.value >= 0 and outcome["killed"] is None and dispatch_t is not None
-                and time.monotonic() - dispatch_t > KILL_AFTER_S.value):
-            victim = children[f"rollout_{KILL_SLICE.value}"]
-            os.killpg(victim.pid, signal.SIGKILL)
-            outcome["killed"] = f"rollout_{KILL_SLICE.value} (SIGKILL at {KILL_AFTER_S.value:.0f}s into dispatch)"
-            _print(f"killed {outcome['killed']}")
+        if KILL_SLICE.value >= 0 and outcome["killed"] is None:
+            holding = follower.poll()
+            if dispatch_t is None and follower.dispatched:
+                dispatch_t = time.monotonic()
+            if dispatch_t is not None and time.monotonic() - dispatch_t > KILL_AFTER_S.value and holding:
+                victim = children[f"rollout_{KILL_SLICE.value}"]
+                os.killpg(victim.pid, signal.SIGKILL)
+                outcome["killed"] = (f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
+                                     f"the first dispatch, holding {holding} requests by the ledger)")
+                _print(f"killed {outcome['killed']}")
         steps = _steps_done(workdir)
         if steps != reported and steps % 5 == 0:
             reported = steps
@@ -200,11 +205,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dispatching(workdir: str) -> bool:
-    path = os.path.join(workdir, "ledger.jsonl")
-    with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
-        return '"ev":"dispatch"' in f.read(1 << 16)
-    return False
+class _SliceLoad:
+    """Follows the ledger as it grows: how many requests one slice holds (dispatched or migrated
+    to it, not yet finished or moved off), so fault injection can kill it mid-rollout."""
+
+    def __init__(self, path: str, slice_id: int):
+        self._path, self._slice = path, slice_id
+        self._offset, self._held = 0, set()
+        self.dispatched = False
+
+    def poll(self) -> int:
+        with contextlib.suppress(OSError), open(self._path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offset += len(complete)
+            for line in complete.splitlines():
+                self._apply(json.loads(line))
+        return len(self._held)
+
+    def _apply(self, event: dict) -> None:
+        ev, traj = event["ev"], event.get("traj")
+        self.dispatched |= ev == "dispatch"
+        if (ev == "dispatch" and event["slice"] == self._slice) or (ev == "migrate" and event["to"] == self._slice):
+            self._held.add(traj)
+        elif ev in ("finish", "late_finish") or (ev == "migrate" and event["from"] == self._slice):
+            self._held.discard(traj)
 
 
 def _steps_done(workdir: str) -> int:

@@ -34,13 +34,13 @@ def main(argv):
     address = roles.require(roles.COORDINATOR, "coordinator")
     slice_id = roles.require(SLICE_ID, "slice_id")
     from dora_jax import run_config
-    from dora_jax.transport.client import Client, CoordinatorUnreachable, Refused
+    from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused
 
     config = run_config.parse(cli.CONFIG.value)
     client = Client(address, roles.client_timing())
     try:
         outcome = serve(config, workdir, client, slice_id)
-    except (CoordinatorUnreachable, Refused) as err:
+    except (CoordinatorUnreachable, Refused, CallFailed) as err:
         roles.fail(str(err))
     finally:
         client.close()

@@ -33,13 +33,13 @@ def main(argv):
     workdir = roles.require(cli.WORKDIR, "workdir")
     address = roles.require(roles.COORDINATOR, "coordinator")
     from dora_jax import run_config
-    from dora_jax.transport.client import Client, CoordinatorUnreachable, Refused, SessionLost
+    from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused, SessionLost
 
     config = run_config.parse(cli.CONFIG.value)
     client = Client(address, roles.client_timing())
     try:
         train(config, workdir, client)
-    except (CoordinatorUnreachable, Refused, SessionLost) as err:
+    except (CoordinatorUnreachable, Refused, SessionLost, CallFailed) as err:
         roles.fail(str(err))
     finally:
         client.close()

@@ -39,6 +39,11 @@ class SessionLost(RuntimeError):
     pass
 
 
+class CallFailed(RuntimeError):
+    """The coordinator answered a call with an error that retrying cannot fix (e.g. ABORTED: it
+    stopped the run)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientTiming:
     call_timeout_s: float = 30.0  # deadline of one unary call
@@ -84,7 +89,7 @@ class Client:
                 if code == grpc.StatusCode.NOT_FOUND:
                     raise SessionLost(f"coordinator at {self.address}: {err.details()}") from None
                 if code not in _RETRIED + tuple(also_retry):
-                    raise RuntimeError(f"{what} failed at {self.address}: {code.name}: {err.details()}") from None
+                    raise CallFailed(f"{what} failed at {self.address}: {code.name}: {err.details()}") from None
                 silent = time.monotonic() - self.last_answer
                 if silent > self.timing.unreachable_after_s:
                     state = "unreachable" if code in _RETRIED else "still refusing"

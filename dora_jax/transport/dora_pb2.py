@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64ora_jax/transport/dora.proto\x12\x12\x64ora_jax.transport\"%\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x03\"\xbf\x02\n\x07Request\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.dora_jax.transport.Sampling\x12\x10\n\x08stop_ids\x18\x08 \x03(\x05\x12\x19\n\x11has_forced_length\x18\t \x01(\x08\x12\x15\n\rforced_length\x18\n \x01(\x05\x12\x1b\n\x13prefix_response_ids\x18\x0b \x03(\x05\x12\x17\n\x0fprefix_logprobs\x18\x0c \x03(\x01\x12\x17\n\x0fprefix_versions\x18\r \x03(\x03\"\xa8\x02\n\tSlotState\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.dora_jax.transport.Request\x12$\n\x01k\x18\x02 \x01(\x0b\x32\x19.dora_jax.transport.Array\x12$\n\x01v\x18\x03 \x01(\x0b\x32\x19.dora_jax.transport.Array\x12\x10\n\x08position\x18\x04 \x01(\x03\x12\x12\n\nlast_token\x18\x05 \x01(\x05\x12\x14\n\x0cresponse_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x01\x12\x16\n\x0etoken_versions\x18\x08 \x03(\x03\x12*\n\x07rng_key\x18\t \x01(\x0b\x32\x19.dora_jax.transport.Array\x12\x0f\n\x07version\x18\n \x01(\x03\"y\n\nMigratable\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.dora_jax.transport.RequestH\x00\x12\x33\n\nslot_state\x18\x02 \x01(\x0b\x32\x1d.dora_jax.transport.SlotStateH\x00\x42\x06\n\x04item\"\xaf\x02\n\nTrajectory\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x05 \x03(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x01\x12\x0f\n\x07version\x18\x07 \x01(\x03\x12\x15\n\rversions_seen\x18\x08 \x03(\x03\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x10\n\x08slice_id\x18\n \x01(\x05\x12\x11\n\thas_error\x18\x0b \x01(\x08\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x12\n\ndispatch_t\x18\r \x01(\x01\x12\x10\n\x08\x66inish_t\x18\x0e \x01(\x01\x12\x16\n\x0enum_migrations\x18\x0f \x01(\x05\"\x86\x01\n\x10ScoredTrajectory\x12\x32\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1e.dora_jax.transport.Trajectory\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x18\n\x10has_reward_error\x18\x03 \x01(\x08\x12\x14\n\x0creward_error\x18\x04 \x01(\t\"a\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x35\n\x07samples\x18\x03 \x03(\x0b\x32$.dora_jax.transport.ScoredTrajectory\"\xbd\x01\n\x0fRegisterRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.dora_jax.transport.Role\x12\x10\n\x08slice_id\x18\x02 \x01(\x05\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onfig_hash\x18\x04 \x01(\t\x12\x17\n\x0fpackage_version\x18\x05 \x01(\t\x12\x10\n\x08protocol\x18\x06 \x01(\x05\x12\x0c\n\x04host\x18\x07 \x01(\t\x12\x0f\n\x07host_id\x18\x08 \x01(\x05\"<\n\rRegisterReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x1a\n\x12heartbeat_period_s\x18\x02 \x01(\x01\"z\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nslot_steps\x18\x02 \x01(\x03\x12\x17\n\x0fidle_slot_steps\x18\x03 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x03\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\"\x10\n\x0eHeartbeatReply\"\xc4\x02\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12,\n\x06submit\x18\x02 \x01(\x0b\x32\x1a.dora_jax.transport.SubmitH\x00\x12\x37\n\x0cload_version\x18\x03 \x01(\x0b\x32\x1f.dora_jax.transport.LoadVersionH\x00\x12,\n\x06\x65xport\x18\x04 \x01(\x0b\x32\x1a.dora_jax.transport.ExportH\x00\x12\x32\n\x0cimport_items\x18\x05 \x01(\x0b\x32\x1a.dora_jax.transport.ImportH\x00\x12(\n\x04stop\x18\x06 \x01(\x0b\x32\x18.dora_jax.transport.StopH\x00\x12\x32\n\tkeepalive\x18\x07 \x01(\x0b\x32\x1d.dora_jax.transport.KeepaliveH\x00\x42\x06\n\x04kind\"7\n\x06Submit\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.dora_jax.transport.Request\"\x1e\n\x0bLoadVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1a\n\x06\x45xport\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"7\n\x06Import\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.dora_jax.transport.Migratable\"\x16\n\x04Stop\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0b\n\tKeepalive\"n\n\x06Result\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ncommand_id\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x30\n\x08\x65xported\x18\x04 \x03(\x0b\x32\x1e.dora_jax.transport.Migratable\"~\n\x05\x46rame\x12.\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x1b.dora_jax.transport.CommandH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.dora_jax.transport.ResultH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"\"\n\x0f\x43ommandsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\r\n\x0bResultReply\"e\n\x0f\x46inishedRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x34\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1e.dora_jax.transport.Trajectory\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\x0f\n\rFinishedReply\"L\n\x10TakeBatchRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x17\n\x0ftrainer_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\"^\n\x0eTakeBatchReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12)\n\x06groups\x18\x02 \x03(\x0b\x32\x19.dora_jax.transport.Group\x12\x12\n\nstats_json\x18\x03 \x01(\t\"4\n\x10PublishedRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\'\n\x0ePublishedReply\x12\x15\n\roldest_needed\x18\x01 \x01(\x03*6\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07ROLLOUT\x10\x01\x12\x0b\n\x07TRAINER\x10\x02\x32\xd7\x04\n\x0b\x43oordinator\x12R\n\x08Register\x12#.dora_jax.transport.RegisterRequest\x1a!.dora_jax.transport.RegisterReply\x12U\n\tHeartbeat\x12$.dora_jax.transport.HeartbeatRequest\x1a\".dora_jax.transport.HeartbeatReply\x12L\n\x08\x43ommands\x12#.dora_jax.transport.CommandsRequest\x1a\x19.dora_jax.transport.Frame0\x01\x12\x43\n\x03\x41\x63k\x12\x19.dora_jax.transport.Frame\x1a\x1f.dora_jax.transport.ResultReply(\x01\x12V\n\x0cPostFinished\x12#.dora_jax.transport.FinishedRequest\x1a!.dora_jax.transport.FinishedReply\x12U\n\tTakeBatch\x12$.dora_jax.transport.TakeBatchRequest\x1a\".dora_jax.transport.TakeBatchReply\x12[\n\x0fReportPublished\x12$.dora_jax.transport.PublishedRequest\x1a\".dora_jax.transport.PublishedReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64ora_jax/transport/dora.proto\x12\x12\x64ora_jax.transport\"%\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x03\"\xbf\x02\n\x07Request\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.dora_jax.transport.Sampling\x12\x10\n\x08stop_ids\x18\x08 \x03(\x05\x12\x19\n\x11has_forced_length\x18\t \x01(\x08\x12\x15\n\rforced_length\x18\n \x01(\x05\x12\x1b\n\x13prefix_response_ids\x18\x0b \x03(\x05\x12\x17\n\x0fprefix_logprobs\x18\x0c \x03(\x01\x12\x17\n\x0fprefix_versions\x18\r \x03(\x03\"\xa8\x02\n\tSlotState\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.dora_jax.transport.Request\x12$\n\x01k\x18\x02 \x01(\x0b\x32\x19.dora_jax.transport.Array\x12$\n\x01v\x18\x03 \x01(\x0b\x32\x19.dora_jax.transport.Array\x12\x10\n\x08position\x18\x04 \x01(\x03\x12\x12\n\nlast_token\x18\x05 \x01(\x05\x12\x14\n\x0cresponse_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x01\x12\x16\n\x0etoken_versions\x18\x08 \x03(\x03\x12*\n\x07rng_key\x18\t \x01(\x0b\x32\x19.dora_jax.transport.Array\x12\x0f\n\x07version\x18\n \x01(\x03\"y\n\nMigratable\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.dora_jax.transport.RequestH\x00\x12\x33\n\nslot_state\x18\x02 \x01(\x0b\x32\x1d.dora_jax.transport.SlotStateH\x00\x42\x06\n\x04item\"\xaf\x02\n\nTrajectory\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x05 \x03(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x01\x12\x0f\n\x07version\x18\x07 \x01(\x03\x12\x15\n\rversions_seen\x18\x08 \x03(\x03\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x10\n\x08slice_id\x18\n \x01(\x05\x12\x11\n\thas_error\x18\x0b \x01(\x08\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x12\n\ndispatch_t\x18\r \x01(\x01\x12\x10\n\x08\x66inish_t\x18\x0e \x01(\x01\x12\x16\n\x0enum_migrations\x18\x0f \x01(\x05\"\x86\x01\n\x10ScoredTrajectory\x12\x32\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1e.dora_jax.transport.Trajectory\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x18\n\x10has_reward_error\x18\x03 \x01(\x08\x12\x14\n\x0creward_error\x18\x04 \x01(\t\"a\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x35\n\x07samples\x18\x03 \x03(\x0b\x32$.dora_jax.transport.ScoredTrajectory\"\xbd\x01\n\x0fRegisterRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.dora_jax.transport.Role\x12\x10\n\x08slice_id\x18\x02 \x01(\x05\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onfig_hash\x18\x04 \x01(\t\x12\x17\n\x0fpackage_version\x18\x05 \x01(\t\x12\x10\n\x08protocol\x18\x06 \x01(\x05\x12\x0c\n\x04host\x18\x07 \x01(\t\x12\x0f\n\x07host_id\x18\x08 \x01(\x05\"<\n\rRegisterReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x1a\n\x12heartbeat_period_s\x18\x02 \x01(\x01\"z\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nslot_steps\x18\x02 \x01(\x03\x12\x17\n\x0fidle_slot_steps\x18\x03 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x03\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\"\x10\n\x0eHeartbeatReply\"\xf6\x02\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12,\n\x06submit\x18\x02 \x01(\x0b\x32\x1a.dora_jax.transport.SubmitH\x00\x12\x37\n\x0cload_version\x18\x03 \x01(\x0b\x32\x1f.dora_jax.transport.LoadVersionH\x00\x12,\n\x06\x65xport\x18\x04 \x01(\x0b\x32\x1a.dora_jax.transport.ExportH\x00\x12\x32\n\x0cimport_items\x18\x05 \x01(\x0b\x32\x1a.dora_jax.transport.ImportH\x00\x12(\n\x04stop\x18\x06 \x01(\x0b\x32\x18.dora_jax.transport.StopH\x00\x12\x32\n\tkeepalive\x18\x07 \x01(\x0b\x32\x1d.dora_jax.transport.KeepaliveH\x00\x12\x30\n\x08progress\x18\x08 \x01(\x0b\x32\x1c.dora_jax.transport.ProgressH\x00\x42\x06\n\x04kind\"7\n\x06Submit\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.dora_jax.transport.Request\"\x1e\n\x0bLoadVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1a\n\x06\x45xport\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"7\n\x06Import\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.dora_jax.transport.Migratable\"\x16\n\x04Stop\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0b\n\tKeepalive\"\n\n\x08Progress\"\x9d\x01\n\x06Result\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ncommand_id\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x30\n\x08\x65xported\x18\x04 \x03(\x0b\x32\x1e.dora_jax.transport.Migratable\x12-\n\x08progress\x18\x05 \x03(\x0b\x32\x1b.dora_jax.transport.Request\"~\n\x05\x46rame\x12.\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x1b.dora_jax.transport.CommandH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.dora_jax.transport.ResultH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"\"\n\x0f\x43ommandsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\r\n\x0bResultReply\"e\n\x0f\x46inishedRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x34\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1e.dora_jax.transport.Trajectory\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\x0f\n\rFinishedReply\"L\n\x10TakeBatchRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x17\n\x0ftrainer_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\"^\n\x0eTakeBatchReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12)\n\x06groups\x18\x02 \x03(\x0b\x32\x19.dora_jax.transport.Group\x12\x12\n\nstats_json\x18\x03 \x01(\t\"4\n\x10PublishedRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\'\n\x0ePublishedReply\x12\x15\n\roldest_needed\x18\x01 \x01(\x03*6\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07ROLLOUT\x10\x01\x12\x0b\n\x07TRAINER\x10\x02\x32\xd7\x04\n\x0b\x43oordinator\x12R\n\x08Register\x12#.dora_jax.transport.RegisterRequest\x1a!.dora_jax.transport.RegisterReply\x12U\n\tHeartbeat\x12$.dora_jax.transport.HeartbeatRequest\x1a\".dora_jax.transport.HeartbeatReply\x12L\n\x08\x43ommands\x12#.dora_jax.transport.CommandsRequest\x1a\x19.dora_jax.transport.Frame0\x01\x12\x43\n\x03\x41\x63k\x12\x19.dora_jax.transport.Frame\x1a\x1f.dora_jax.transport.ResultReply(\x01\x12V\n\x0cPostFinished\x12#.dora_jax.transport.FinishedRequest\x1a!.dora_jax.transport.FinishedReply\x12U\n\tTakeBatch\x12$.dora_jax.transport.TakeBatchRequest\x1a\".dora_jax.transport.TakeBatchReply\x12[\n\x0fReportPublished\x12$.dora_jax.transport.PublishedRequest\x1a\".dora_jax.transport.PublishedReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dora_jax.transport.dora_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=3069
-  _globals['_ROLE']._serialized_end=3123
+  _globals['_ROLE']._serialized_start=3179
+  _globals['_ROLE']._serialized_end=3233
   _globals['_ARRAY']._serialized_start=53
   _globals['_ARRAY']._serialized_end=90
   _globals['_SAMPLING']._serialized_start=92
@@ -58,39 +58,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREPLY']._serialized_start=1833
   _globals['_HEARTBEATREPLY']._serialized_end=1849
   _globals['_COMMAND']._serialized_start=1852
-  _globals['_COMMAND']._serialized_end=2176
-  _globals['_SUBMIT']._serialized_start=2178
-  _globals['_SUBMIT']._serialized_end=2233
-  _globals['_LOADVERSION']._serialized_start=2235
-  _globals['_LOADVERSION']._serialized_end=2265
-  _globals['_EXPORT']._serialized_start=2267
-  _globals['_EXPORT']._serialized_end=2293
-  _globals['_IMPORT']._serialized_start=2295
-  _globals['_IMPORT']._serialized_end=2350
-  _globals['_STOP']._serialized_start=2352
-  _globals['_STOP']._serialized_end=2374
-  _globals['_KEEPALIVE']._serialized_start=2376
-  _globals['_KEEPALIVE']._serialized_end=2387
-  _globals['_RESULT']._serialized_start=2389
-  _globals['_RESULT']._serialized_end=2499
-  _globals['_FRAME']._serialized_start=2501
-  _globals['_FRAME']._serialized_end=2627
-  _globals['_COMMANDSREQUEST']._serialized_start=2629
-  _globals['_COMMANDSREQUEST']._serialized_end=2663
-  _globals['_RESULTREPLY']._serialized_start=2665
-  _globals['_RESULTREPLY']._serialized_end=2678
-  _globals['_FINISHEDREQUEST']._serialized_start=2680
-  _globals['_FINISHEDREQUEST']._serialized_end=2781
-  _globals['_FINISHEDREPLY']._serialized_start=2783
-  _globals['_FINISHEDREPLY']._serialized_end=2798
-  _globals['_TAKEBATCHREQUEST']._serialized_start=2800
-  _globals['_TAKEBATCHREQUEST']._serialized_end=2876
-  _globals['_TAKEBATCHREPLY']._serialized_start=2878
-  _globals['_TAKEBATCHREPLY']._serialized_end=2972
-  _globals['_PUBLISHEDREQUEST']._serialized_start=2974
-  _globals['_PUBLISHEDREQUEST']._serialized_end=3026
-  _globals['_PUBLISHEDREPLY']._serialized_start=3028
-  _globals['_PUBLISHEDREPLY']._serialized_end=3067
-  _globals['_COORDINATOR']._serialized_start=3126
-  _globals['_COORDINATOR']._serialized_end=3725
+  _globals['_COMMAND']._serialized_end=2226
+  _globals['_SUBMIT']._serialized_start=2228
+  _globals['_SUBMIT']._serialized_end=2283
+  _globals['_LOADVERSION']._serialized_start=2285
+  _globals['_LOADVERSION']._serialized_end=2315
+  _globals['_EXPORT']._serialized_start=2317
+  _globals['_EXPORT']._serialized_end=2343
+  _globals['_IMPORT']._serialized_start=2345
+  _globals['_IMPORT']._serialized_end=2400
+  _globals['_STOP']._serialized_start=2402
+  _globals['_STOP']._serialized_end=2424
+  _globals['_KEEPALIVE']._serialized_start=2426
+  _globals['_KEEPALIVE']._serialized_end=2437
+  _globals['_PROGRESS']._serialized_start=2439
+  _globals['_PROGRESS']._serialized_end=2449
+  _globals['_RESULT']._serialized_start=2452
+  _globals['_RESULT']._serialized_end=2609
+  _globals['_FRAME']._serialized_start=2611
+  _globals['_FRAME']._serialized_end=2737
+  _globals['_COMMANDSREQUEST']._serialized_start=2739
+  _globals['_COMMANDSREQUEST']._serialized_end=2773
+  _globals['_RESULTREPLY']._serialized_start=2775
+  _globals['_RESULTREPLY']._serialized_end=2788
+  _globals['_FINISHEDREQUEST']._serialized_start=2790
+  _globals['_FINISHEDREQUEST']._serialized_end=2891
+  _globals['_FINISHEDREPLY']._serialized_start=2893
+  _globals['_FINISHEDREPLY']._serialized_end=2908
+  _globals['_TAKEBATCHREQUEST']._serialized_start=2910
+  _globals['_TAKEBATCHREQUEST']._serialized_end=2986
+  _globals['_TAKEBATCHREPLY']._serialized_start=2988
+  _globals['_TAKEBATCHREPLY']._serialized_end=3082
+  _globals['_PUBLISHEDREQUEST']._serialized_start=3084
+  _globals['_PUBLISHEDREQUEST']._serialized_end=3136
+  _globals['_PUBLISHEDREPLY']._serialized_start=3138
+  _globals['_PUBLISHEDREPLY']._serialized_end=3177
+  _globals['_COORDINATOR']._serialized_start=3236
+  _globals['_COORDINATOR']._serialized_end=3835
 # @@protoc_insertion_point(module_scope)

@@ -58,6 +58,11 @@ class GrpcRolloutPort:
         messages, arrays = codec.migratables_to_proto(items)
         self._call(pb.Command(import_items=pb.Import(items=messages)), arrays)
 
+    def progress(self) -> dict[str, Request]:
+        """Every request on the slice as a Request carrying its tokens so far, the slice untouched."""
+        result, _ = self._call(pb.Command(progress=pb.Progress()), [])
+        return {r.traj_id: r for r in map(codec.request_from_proto, result.progress)}
+
     # ------------------------------------------------------------------ coordinator side
     def _call(self, command: pb.Command, arrays: list[np.ndarray]) -> tuple[pb.Result, list[np.ndarray]]:
         kind = command.WhichOneof("kind")

@@ -154,7 +154,7 @@ class RolloutAgent:
 
     def _execute(self, command: pb.Command, arrays: list[np.ndarray]) -> None:
         kind = command.WhichOneof("kind")
-        exported, out_arrays = [], []
+        exported, out_arrays, progress = [], [], []
         try:
             if kind == "submit":
                 for request in command.submit.requests:
@@ -166,13 +166,16 @@ class RolloutAgent:
                 exported, out_arrays = codec.migratables_to_proto(self._export(list(command.export.traj_ids)))
             elif kind == "import_items":
                 self._import(codec.migratables_from_proto(command.import_items.items, iter(arrays)))
+            elif kind == "progress":
+                progress = [codec.request_to_proto(r) for r in self.worker.progress().values()]
             else:
                 raise ValueError(f"unknown command kind {kind!r}")
         except Exception as err:
             self._ack(pb.Result(session=self.client.session, command_id=command.id,
                                 error=f"{type(err).__name__}: {err}"), [])
             raise
-        self._ack(pb.Result(session=self.client.session, command_id=command.id, exported=exported), out_arrays)
+        self._ack(pb.Result(session=self.client.session, command_id=command.id, exported=exported,
+                            progress=progress), out_arrays)
 
     def _export(self, traj_ids: list[str]) -> list[SlotState | Request]:
         wanted = set(traj_ids)

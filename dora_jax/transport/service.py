@@ -168,15 +168,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._sessions[session_id] = _Session(pb.TRAINER, request.host)
             else:
                 live = self.ports.get(request.slice_id)
-                if live is not None and live.failure is None:
+                if live is not None and live.failure is None and live.connected.is_set():
                     context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                   f"rollout slice {request.slice_id} is already served by a live worker "
                                   f"(session {live.session[:8]}); retry once it is gone")
+                stale = live if live is not None and live.failure is None else None
                 port = GrpcRolloutPort(request.slice_id, request.num_slots, session_id,
                                        command_timeout_s=self.timing.command_timeout_s, on_fail=self._port_failed)
                 self.ports[request.slice_id] = port
                 self._sessions[session_id] = _Session(pb.ROLLOUT, request.host, request.slice_id, port)
             self._cond.notify_all()
+        if request.role == pb.ROLLOUT and stale is not None:  # registered, died before its stream opened
+            stale.fail("replaced by a new registration of its slice")
         self._log(f"registered {pb.Role.Name(request.role).lower()} "
                   f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}")
         return pb.RegisterReply(session=session_id, heartbeat_period_s=self.timing.heartbeat_period_s)

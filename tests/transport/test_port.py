@@ -88,9 +88,14 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
         destination.load_version(0)
         source.submit(_requests())
         _until(lambda: service.worker_counters().get("generated_tokens", 0) >= 12, what="tokens on slice 0")
+        progress = source.progress()  # what a checkpoint keeps; the slice goes on untouched
+        assert sorted(progress) == [r.traj_id for r in _requests()]
+        assert all(len(r.prefix_response_ids) == len(r.prefix_logprobs) == len(r.prefix_versions) >= 1
+                   and set(r.prefix_versions) == {0} for r in progress.values())
         items = source.export([r.traj_id for r in _requests()])
         assert len(items) == 4 and all(isinstance(i, SlotState) for i in items), items
         assert all(1 <= len(i.response_ids) < 40 for i in items)  # mid-generation
+        assert all(len(i.response_ids) >= len(progress[i.request.traj_id].prefix_response_ids) for i in items)
         assert all(i.k_LSKD.shape[1] == i.position for i in items)
         destination.import_(items[::-1])
         _until(lambda: len(sink.finished) == 4, what="the migrated requests to finish")
