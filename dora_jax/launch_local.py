@@ -37,7 +37,6 @@ TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) aft
 KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL this rollout worker mid-run")
 KILL_AFTER_S = flags.DEFINE_float("kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, "
                                   "as soon as it holds requests")
-HEARTBEAT_TIMEOUT_S = flags.DEFINE_float("heartbeat_timeout_s", 60.0, "passed to the coordinator")
 
 
 def main(argv):
@@ -98,8 +97,7 @@ def launch(config, workdir: str, config_flags: list[str], *, trainer_devices: in
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        children["coordinator"] = _spawn("coordinator", "serve_coordinator", [
-            *common, f"--port={port}", f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S.value}"], 1, workdir)
+        children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, workdir)
         children["trainer"] = _spawn("trainer", "trainer_worker", [*common, f"--coordinator={address}"],
                                      trainer_devices, workdir)
         for sid in range(config.rollout.num_slices):

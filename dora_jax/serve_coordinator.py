@@ -25,7 +25,8 @@ from dora_jax.transport import roles
 PORT = flags.DEFINE_integer("port", 50051, "port to serve on (all interfaces)")
 START_TIMEOUT_S = flags.DEFINE_float("start_timeout_s", 3600.0, "how long to wait for every role to join (the "
                                      "trainer's SFT cold start and the first compiles happen meanwhile)")
-HEARTBEAT_TIMEOUT_S = flags.DEFINE_float("heartbeat_timeout_s", 60.0, "a rollout worker silent this long is failed")
+HEARTBEAT_TIMEOUT_S = flags.DEFINE_float("heartbeat_timeout_s", None, "a rollout worker silent this long is failed "
+                                         "(default: rollout.heartbeat_timeout_s of the config)")
 COMMAND_TIMEOUT_S = flags.DEFINE_float("command_timeout_s", 600.0, "a command unanswered this long fails its slice")
 
 
@@ -57,7 +58,8 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
     from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
 
     identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
-    service = CoordinatorService(identity, Timing(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S.value,
+    heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
+    service = CoordinatorService(identity, Timing(heartbeat_timeout_s=heartbeat_timeout_s,
                                                   command_timeout_s=COMMAND_TIMEOUT_S.value))
     server, port = make_server(service, PORT.value)
     _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
