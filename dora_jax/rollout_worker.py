@@ -11,7 +11,6 @@ gRPC. Exits 0 when the coordinator says stop, 1 with the reason otherwise.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
