@@ -1,7 +1,6 @@
 """The coordinator's scorer seam over a task's RewardPool: trajectory -> (reward, error) future.
 
-Used by the gRPC coordinator (`dora_jax.serve_coordinator`); the embedded runner has the same
-adapter inline.
+Used by the embedded runner and the gRPC coordinator (`dora_jax.serve_coordinator`).
 """
 
 from __future__ import annotations

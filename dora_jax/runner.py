@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
 from typing import Callable, Optional
 
 
@@ -37,9 +36,9 @@ from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
 from dora_jax.metrics import MetricsWriter
-from dora_jax.records import Trajectory
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
+from dora_jax.reward_scorer import RewardPoolScorer
 from dora_jax.run_config import RunConfig
 from dora_jax.setup import Setup, build_setup
 from dora_jax.store import InProcessTier, ParamStore
@@ -65,33 +64,6 @@ class RunResult:
     preempted: bool = False  # stopped early on request (SIGTERM), after a checkpoint
     checkpoint_errors: list = dataclasses.field(default_factory=list)
     checkpoint_s: list = dataclasses.field(default_factory=list)  # seconds the trainer spent per save
-
-
-class _Scorer:
-    """Adapts the task's RewardPool to the coordinator's scorer seam: (reward, error) futures."""
-
-    def __init__(self, pool, prompts: dict, decode: Callable):
-        self._pool, self._prompts, self._decode = pool, prompts, decode
-
-    def submit(self, trajectory: Trajectory) -> Future:
-        out: Future = Future()
-        prompt = self._prompts.get(trajectory.prompt_id)
-        try:
-            text = self._decode(trajectory.response_ids)
-        except Exception as err:  # undecodable response: a masked sample, not a crash
-            out.set_result((0.0, f"decode error: {err}"))
-            return out
-        inner = self._pool.submit(trajectory.traj_id, (prompt, text))
-        inner.add_done_callback(lambda f: out.set_result(_unpack(f)))
-        return out
-
-
-def _unpack(future: Future):
-    try:
-        result = future.result()
-    except Exception as err:
-        return 0.0, f"reward pool error: {err}"
-    return float(result.value), result.error
 
 
 def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progress: bool = True,
@@ -138,7 +110,7 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     pool = None
     if scorer is None:
         pool = setup.task.make_reward_pool(setup.reward_workers, setup.reward_timeout_s)
-        scorer = _Scorer(pool, prompts, setup.tokenizer.decode)
+        scorer = RewardPoolScorer(pool, prompts, setup.tokenizer.decode)
     holder: list[Coordinator] = []
     slice_parts = []  # (worker factory, fetch) per slice, to restart a failed one
     threads: dict[int, WorkerThread] = {}
