@@ -252,7 +252,7 @@ def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
 # --------------------------------------------------------------------------- checkpoints
 def fingerprint(config: RunConfig, setup: Setup) -> dict:
     """What a resumed run may not change."""
-    model = {k: str(v) for k, v in dataclasses.asdict(setup.model_config).items()}
+    model = {k: str(v) for k, v in dataclasses.asdict(setup.model_config).items() if k != "moe_dispatch"}  # same numbers
     return {"model": model, "mode": config.mode, "group_size": config.coordinator.group_size,
             "k_max": config.coordinator.k_max, "task": str(config.task.kind), "seed": config.seed}
 

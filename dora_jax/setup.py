@@ -70,7 +70,7 @@ def build_setup(config: RunConfig, workdir: str) -> Setup:
     param_dtype = models.dtype_from_name(config.model.param_dtype)
     start = config.init.checkpoint or config.model.hf_path
     if start:
-        model = models.load_hf(start, dtype=dtype, param_dtype=param_dtype)
+        model = models.load_hf(start, dtype=dtype, param_dtype=param_dtype, moe_dispatch=config.model.moe_dispatch)
     else:
         model_config = fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
         model = cold_start(config, model_config, tokenizer, workdir)
@@ -84,7 +84,8 @@ def cold_start(config: RunConfig, model_config: models.ModelConfig, tokenizer, w
     """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint."""
     path = os.path.join(workdir, "sft")
     if os.path.exists(os.path.join(path, "DONE")):
-        return models.load_hf(path, dtype=model_config.dtype, param_dtype=model_config.param_dtype)
+        return models.load_hf(path, dtype=model_config.dtype, param_dtype=model_config.param_dtype,
+                              moe_dispatch=model_config.moe_dispatch)
     model = models.init_model(model_config, seed=config.seed)
     if config.init.sft_steps <= 0 or config.task.kind != "running_sums":
         return model
