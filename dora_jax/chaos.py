@@ -34,7 +34,7 @@ RANDOM_TIME = flags.DEFINE_bool("random_time", False, "kill after a random delay
 CORRUPT = flags.DEFINE_bool("corrupt_latest", False, "damage the newest checkpoint before the last resume")
 TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "per process")
 
-POINTS = (("rollout", 3, 40), ("train_step", 1, 4), ("checkpoint_save", 1, 2))  # (point, fewest, most passes)
+POINTS = (("rollout", 15, 120), ("train_step", 2, 6), ("checkpoint_save", 1, 3))  # (point, fewest, most passes)
 
 
 def draw_plan(kills: int, seed: int) -> list[tuple[str, int]]:
