@@ -6,8 +6,8 @@
 
 On CPU the local devices are 8 fake ones (`mesh.fake_cpu_devices`): a trainer slice of 2 and
 4 rollout slices of 1. Without `init.checkpoint` the run first trains the model briefly on
-correct demonstrations (cached in WORKDIR/sft) so that RL starts from a model that sometimes
-answers right.
+correct demonstrations (50 updates, cached in WORKDIR/sft) so that RL starts from a model that
+sometimes answers right (about 15% of samples), then RL raises the mean reward over 400 steps.
 """
 
 import ml_collections
@@ -17,7 +17,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
     c = ml_collections.ConfigDict()
     c.mode = "dora"  # sync | one_step_off | partial_rollout | dora
-    c.num_steps = 30  # training steps (= versions published)
+    c.num_steps = 400  # training steps (= versions published); ~1 s each on 2 CPU cores
     c.seed = 0  # model init, prompt order, sampling seeds
 
     c.model = ml_collections.ConfigDict()
@@ -38,7 +38,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.init = ml_collections.ConfigDict()
     c.init.checkpoint = ""  # a HF checkpoint dir to start RL from; "" = SFT cold start in WORKDIR/sft
-    c.init.sft_steps = 300  # SFT updates for the cold start
+    c.init.sft_steps = 50  # SFT updates for the cold start: stopped early on purpose (sampled accuracy
+    # ~15%, greedy higher), so RL has room to sharpen and improve the same skill; 300 updates reach ~89%
     c.init.sft_batch_size = 32  # demonstrations per SFT update
     c.init.sft_lr = 3e-3  # SFT learning rate
 
@@ -64,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
     c.rollout.top_p = 1.0  # nucleus filter (1 = off)
     c.rollout.top_k = 0  # top-k filter (0 = off)
-    c.rollout.max_new_tokens = 120  # response cap
+    c.rollout.max_new_tokens = 128  # response cap (k_max = 40 terms: 3 x 40 + 2 characters + EOS = 123)
     c.rollout.heartbeat_timeout_s = 120.0  # a slice silent this long is declared dead, its requests re-dispatched
     c.rollout.max_rejoins = 2  # times a crashed slice is restarted and rejoins
 
@@ -76,14 +77,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.coordinator.rebalance_period_s = 0.5  # periodic orchestrator trigger
 
     c.trainer = ml_collections.ConfigDict()
-    c.trainer.lr = 5e-4  # AdamW learning rate
+    c.trainer.lr = 5e-4  # AdamW learning rate (1e-3 blew the policy up: entropy and lengths ran away)
     c.trainer.warmup_steps = 0  # linear warm-up updates
     c.trainer.clip_grad_norm = 1.0  # global-norm gradient clip
     c.trainer.eps_low = 0.2  # PPO clip below
     c.trainer.eps_high = 0.28  # PPO clip above (DAPO clip-higher)
     c.trainer.dual_clip = 3.0  # dual-clip bound for negative advantages
     c.trainer.tis_cap = 2.0  # truncated importance weight cap (0 = off)
-    c.trainer.loss_norm = "token_mean"  # token_mean | seq_mean_token_mean | constant
+    c.trainer.loss_norm = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | constant; per sequence,
+    # so long wrong responses (negative advantage) do not outweigh short right ones
     c.trainer.advantage = "grpo"  # grpo | dr_grpo | rloo
     c.trainer.num_updates = 1  # optimizer updates per batch
     c.trainer.micro_batch_size = 16  # rows per forward/backward
