@@ -50,8 +50,9 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str | None:
-    """Writes WORKDIR/`filename`: `reward_mean` per step from metrics.jsonl, with its running mean
-    over 5 steps. Returns the path, or None when no step has a reward (nothing to plot)."""
+    """Writes WORKDIR/`filename`: `reward_mean` per step from metrics.jsonl, its running mean (over
+    5 steps, or 1/20 of the run if longer), and the means of the first and last 3 steps in the
+    title. Returns the path, or None when no step has a reward (nothing to plot)."""
     rows = [r for r in read_metrics(workdir) if r.get("reward_mean") is not None]
     if not rows:
         return None
@@ -62,7 +63,7 @@ def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str |
 
     steps = [r["step"] for r in rows]
     rewards = [r["reward_mean"] for r in rows]
-    window = 5
+    window = max(5, len(rewards) // 20)
     smoothed = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
                 for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
@@ -73,7 +74,8 @@ def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str |
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
-    ax.set_title(os.path.basename(os.path.normpath(workdir)))
+    first, last = sum(rewards[:3]) / len(rewards[:3]), sum(rewards[-3:]) / len(rewards[-3:])
+    ax.set_title(f"{os.path.basename(os.path.normpath(workdir))}: first 3 steps {first:.3f}, last 3 {last:.3f}")
     fig.tight_layout()
     path = os.path.join(workdir, filename)
     fig.savefig(path)
