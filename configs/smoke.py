@@ -48,6 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.median_k = 3.0  # running_sums: median number of terms
     c.task.sigma = 1.0  # running_sums: log-normal shape of the number of terms (the long tail)
     c.task.k_max = 40  # running_sums: most terms in one prompt
+    c.task.max_term = 2  # running_sums: terms are 0..max_term (2: the step is a 30-entry table a tiny model learns)
     c.task.reward_workers = 2  # reward processes
     c.task.reward_timeout_s = 10.0  # per-sample reward timeout
 

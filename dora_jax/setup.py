@@ -33,7 +33,8 @@ class Setup:
 def task_config(config: RunConfig) -> TaskConfig:
     t = config.task
     if t.kind == "running_sums":
-        rs = running_sums.RunningSumsConfig(median_k=t.median_k, sigma=t.sigma, k_max=t.k_max, seed=config.seed)
+        rs = running_sums.RunningSumsConfig(median_k=t.median_k, sigma=t.sigma, k_max=t.k_max,
+                                            max_term=int(t.get("max_term", 2)), seed=config.seed)
         return TaskConfig(kind="running_sums", running_sums=rs)
     source = SourceConfig(**{k: v for k, v in t.source.items()}, seed=config.seed)
     return TaskConfig(kind=t.kind, source=source)
