@@ -9,7 +9,8 @@ first, micro-batch gradients summed, one optimizer update per mini-batch (`step.
 tests/trainer/test_bucketed.py checks the two give the same params.
 
 The host drives the loop: one jitted gradient function per bucket shape (a handful per run),
-one jitted update. Behaviour log-probs are recomputed per micro-batch at its own length.
+one jitted update. Behaviour log-probs are recomputed first, per version in length-sorted chunks
+of C rows, each at its own bucket.
 """
 
 from __future__ import annotations
@@ -88,21 +89,18 @@ class BucketedStep:
         plan = micro_plan(row_lengths(batch), c.num_updates, c.micro_batch_size, self._pad_to)
         per_update = batch.batch_size // c.num_updates
         tokens_BT = np.asarray(batch.tokens_BT, np.int32)
-        # Behaviour log-probs first, for every micro-batch: the updates below replace (donate) the
-        # current params, which are the behaviour policy of the newest version's samples.
-        behaviour = [[self._behaviour(jax.device_put(tokens_BT[rows, :T][None, None], self._rows_UMCT),
-                                      versions_B[rows], params_of)[0, 0] for rows, T in micros] for micros in plan]
+        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, row_lengths(batch), params_of)
         losses, norms, finites, stats, load, aux = [], [], [], None, None, []
         for u, micros in enumerate(plan):
             rows_u = np.arange(u * per_update, (u + 1) * per_update)
             weights_BT = np.zeros_like(mask_BT)
             weights_BT[rows_u] = np.asarray(self._weights(mask_BT[rows_u]))  # over the whole mini-batch
             grads, loss, update_aux = None, 0.0, 0.0
-            for m, (rows, T) in enumerate(micros):
+            for rows, T in micros:
                 micro = dict(
                     tokens=self._put(tokens_BT[rows, :T]), mask=self._put(mask_BT[rows, :T]),
                     inference=self._put(np.asarray(batch.inference_logps_BT, np.float32)[rows, :T]),
-                    behaviour=behaviour[u][m], adv=jax.device_put(adv_B[rows], self._rows_C),
+                    behaviour=self._put(behaviour_BT[rows, :T]), adv=jax.device_put(adv_B[rows], self._rows_C),
                 )
                 (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
                     state.params, micro, self._put(weights_BT[rows, :T]), ref_params, len(micros))
@@ -123,6 +121,24 @@ class BucketedStep:
             router_aux_loss=jnp.mean(jnp.stack(aux)),
         )
         return state, outputs
+
+    def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of) -> np.ndarray:
+        """[B, T] behaviour log-probs on the host, computed before any update (the updates donate
+        the current params, the behaviour policy of the newest samples). Rows are grouped by
+        version, then by length: one forward per C rows of one version, at that chunk's bucket."""
+        C = self._config.micro_batch_size
+        out = np.zeros(tokens_BT.shape, np.float32)
+        for version in np.unique(versions_B):
+            rows = np.flatnonzero(versions_B == version)
+            rows = rows[np.argsort(-lengths_B[rows], kind="stable")]
+            for start in range(0, rows.size, C):
+                part = rows[start : start + C]
+                T = bucket_length(int(lengths_B[part].max()), self._pad_to)
+                padded = np.concatenate([part, np.full(C - part.size, part[0])])
+                logps = self._behaviour(jax.device_put(tokens_BT[padded, :T][None, None], self._rows_UMCT),
+                                        versions_B[padded], params_of)
+                out[part, :T] = np.asarray(logps)[0, 0, : part.size]
+        return out
 
     def warmup(self, params, ref_params, version: int, max_length: int, rows_per_update: int, params_of) -> list[int]:
         """Compiles every bucket shape up to `max_length` (gradient and recompute) on dummy rows,
