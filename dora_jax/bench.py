@@ -3,9 +3,7 @@ write JSON (and PNGs); ratios are measured side by side in one process run."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 from absl import app, flags
 
