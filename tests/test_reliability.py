@@ -109,3 +109,34 @@ def test_fault_spec_errors_name_the_item():
     with pytest.raises(ValueError, match="DORA_FAULTS item 'kill=nowhere:1'"):
         faults.parse("kill=nowhere:1")
     assert faults.parse("kill=train_step:3,slice_error=1:2")["slice_error"] == [(1, 2)]
+
+
+def test_sigterm_checkpoints_at_a_step_boundary_and_the_rerun_finishes(tmp_path):
+    """A preemption notice: the run stops after the step in progress, saves, exits 75; rerun resumes."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    steps = 30
+    command = chaos.train_command(CONFIG, str(tmp_path), [*OVERRIDES, f"--config.num_steps={steps}",
+                                                           "--config.checkpoint.every_steps=0"])
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 75, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["preempted"] and summary["steps"] < steps
+    saved = RunCheckpointer(str(tmp_path / "checkpoints")).steps()
+    assert saved == [summary["steps"]]  # the only checkpoint: the step boundary where it stopped
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    final = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert final["resumed_from"] == summary["steps"] and final["audit_ok"]
+    assert len(final["violations"]) and not any(final["violations"].values())
+    assert sorted(json.loads(line)["step"] for line in metrics.read_text().splitlines()) == list(range(steps))
