@@ -24,113 +24,35 @@ weights 61 GB / 4 chips = 15 GB per chip; KV 48 layers x 4 KV heads x 128 x 2 (K
 98 KB/token, halved per chip by tensor 2: 128 slots x 9216 tokens = 58 GB per chip, of 95 GB.
 Trainer: 30.5B params x 16 bytes (fp32 params, AdamW moments, grads) = 488 GB over 16 chips =
 31 GB per chip; a micro-batch of 8 rows is 2 rows per FSDP shard. The router stays as trained
-(no auxiliary load-balancing loss), as RL fine-tuning recipes do.
+(no auxiliary load-balancing loss), as RL fine-tuning recipes do. Everything not set here (task,
+loss, optimizer, pod zone and types, K) is configs/qwen2_5_7b_dapo.py's.
 """
+
+import importlib.util
+import os
 
 import ml_collections
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
-    c = ml_collections.ConfigDict()
-    c.mode = "dora"  # sync | one_step_off | partial_rollout | dora
-    c.num_steps = 300  # training steps (= versions published)
-    c.seed = 0  # prompt order, sampling seeds
-
-    c.model = ml_collections.ConfigDict()
-    c.model.hf_path = "models/Qwen3-30B-A3B"  # HF checkpoint dir on every worker (relative: to ~/dora_jax)
-    # The fields below describe a fresh dense model; with hf_path set, config.json decides,
-    # including every MoE field (values shown are Qwen3-30B-A3B's attention and embedding sizes).
-    c.model.num_layers = 48  # decoder blocks (every one MoE)
-    c.model.hidden_size = 2048  # embed width
-    c.model.intermediate_size = 6144  # dense SwiGLU width (unused: every layer is MoE, 768 wide per expert)
-    c.model.num_heads = 32  # query heads
-    c.model.num_kv_heads = 4  # key/value heads (GQA)
-    c.model.head_dim = 128  # per-head width
-    c.model.dtype = "bfloat16"  # compute dtype
-    c.model.param_dtype = "float32"  # storage dtype of params (the trainer's master weights)
-
-    c.init = ml_collections.ConfigDict()
-    c.init.checkpoint = ""  # a HF checkpoint to start RL from instead of model.hf_path; "" = model.hf_path
-    c.init.sft_steps = 0  # no supervised cold start
-    c.init.sft_batch_size = 32  # (unused: sft_steps = 0)
-    c.init.sft_lr = 1e-5  # (unused: sft_steps = 0)
-
-    c.task = ml_collections.ConfigDict()
-    c.task.kind = "math"  # LaTeX / symbolic answers checked by math-verify
-    c.task.reward_workers = 32  # reward processes (a v5p host has 208 vCPUs)
-    c.task.reward_timeout_s = 10.0  # per-sample reward timeout
-    c.task.source = ml_collections.ConfigDict()
-    c.task.source.path = "gs://YOUR_BUCKET/data/dapo-math-17k.parquet"  # DAPO-Math-17k (Parquet)
-    c.task.source.format = "parquet"  # auto | jsonl | parquet | hf_disk
-    c.task.source.prompt_field = "prompt"  # a chat message list (its user turn carries the instructions)
-    c.task.source.answer_field = "reward_model.ground_truth"  # the reference answer
-    c.task.source.id_field = "extra_info.index"  # a stable row id for the ledger
-    c.task.source.chat_template = True  # render with the tokenizer's chat template
-    c.task.source.max_prompt_tokens = 1024  # longer prompts are skipped
-    c.task.source.shuffle = True  # a fresh seeded order every epoch
-    c.task.source.max_bad_fraction = 0.01  # more unusable rows than this is an error (a wrong field name)
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.fake_cpu_devices = 0  # TPU: no fake CPU devices
-    c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 4, "expert": 4})  # the 16 chips of the v5p-32
-    c.mesh.rollout = ml_collections.ConfigDict({"tensor": 2, "expert": 2})  # the 4 chips of a v5p-8
-    c.mesh.time_shared = False  # separate slices
-
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.num_slices = 4  # rollout slices (= rollout TPU VMs)
-    c.rollout.slots = 128  # concurrent decodes per slice
-    c.rollout.cache_length = 9216  # prompt + response tokens per slot
-    c.rollout.max_prefill_length = 1024  # largest prefill bucket (power of two) = task.source.max_prompt_tokens
-    c.rollout.temperature = 1.0  # sampling temperature
-    c.rollout.top_p = 1.0  # nucleus filter (1 = off)
-    c.rollout.top_k = 0  # top-k filter (0 = off)
-    c.rollout.max_new_tokens = 8192  # response cap
-
-    c.coordinator = ml_collections.ConfigDict()
-    c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer
-    c.coordinator.group_size = 16  # G samples per prompt
-    c.coordinator.train_batch_size = 256  # TBS samples per training step (16 prompts)
-    c.coordinator.rollout_batch_size = 512  # RBS samples in flight (= 4 x 128 slots)
-    c.coordinator.rebalance_period_s = 5.0  # periodic orchestrator trigger
-
-    c.trainer = ml_collections.ConfigDict()
-    c.trainer.lr = 1e-6  # AdamW learning rate
-    c.trainer.warmup_steps = 10  # linear warm-up updates
-    c.trainer.weight_decay = 0.1  # AdamW weight decay
-    c.trainer.clip_grad_norm = 1.0  # global-norm gradient clip
-    c.trainer.eps_low = 0.2  # PPO clip below
-    c.trainer.eps_high = 0.28  # PPO clip above (DAPO clip-higher)
-    c.trainer.dual_clip = 3.0  # dual-clip bound for negative advantages
-    c.trainer.tis_cap = 2.0  # truncated importance weight cap (0 = off); MoE routing makes it matter more
-    c.trainer.loss_norm = "token_mean"  # DAPO's token-level loss
-    c.trainer.kl_coef = 0.0  # no KL
-    c.trainer.advantage = "grpo"  # grpo | dr_grpo | rloo
-    c.trainer.dynamic_sampling = True  # DAPO: mask groups whose rewards are all equal
-    c.trainer.num_updates = 2  # optimizer updates per batch (mini-batches of 128)
-    c.trainer.micro_batch_size = 8  # rows per forward/backward (2 per FSDP shard)
-    c.trainer.pad_to = 512  # sequence lengths are padded to a multiple of this (bounded compiles)
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 25  # periodic checkpoints into the workdir (spot VMs get preempted)
-
-    c.log = ml_collections.ConfigDict()
-    c.log.tensorboard = True  # TensorBoard events under WORKDIR/tb
-
-    c.pod = ml_collections.ConfigDict()  # launch/tpu.py: where and how to run on Cloud TPU
-    c.pod.name = "dora-qwen3-30b-a3b"  # nodes: NAME-trainer, NAME-rollout-0 ... NAME-rollout-3
-    c.pod.project = "YOUR_GCP_PROJECT"  # GCP project id
-    c.pod.zone = "us-east5-a"  # a zone that offers v5p (launch/tpu_types.py)
-    c.pod.layout = "slices"  # single_host | slices | multislice
-    c.pod.trainer_type = "v5p-32"  # trainer slice: 16 chips, 4 hosts (= mesh.trainer)
-    c.pod.rollout_type = "v5p-8"  # each rollout slice: 4 chips, 1 host (= mesh.rollout)
-    c.pod.runtime_version = ""  # TPU software version; "" = the generation's default (v2-alpha-tpuv5)
-    c.pod.provisioning = "spot"  # on_demand | spot | preemptible (plain VMs) | reserved (queued)
-    c.pod.queued = True  # create through queued resources (one per node; waits for capacity)
-    c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen3_30b_a3b"  # shared run directory and param versions
-    c.pod.port = 8470  # coordinator port on worker 0 of the trainer slice
-    c.pod.python = "python3"  # the interpreter on the TPU VM image
-    c.pod.jax_tpu = "jax[tpu]==0.10.2"  # installed on every worker before the package
-    c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen3-30B-A3B"  # copied to model.hf_path at setup
+    spec = importlib.util.spec_from_file_location("dapo", os.path.join(os.path.dirname(__file__), "qwen2_5_7b_dapo.py"))
+    dapo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dapo)
+    c = dapo.get_config(arg)
+    with c.unlocked():
+        c.model.hf_path = "models/Qwen3-30B-A3B"  # HF checkpoint dir on every worker (relative: to ~/dora_jax)
+        c.model.num_layers = 48  # decoder blocks (every one MoE); the MoE fields come from config.json
+        c.model.hidden_size = 2048  # embed width
+        c.model.intermediate_size = 6144  # dense SwiGLU width (unused: every layer is MoE, 768 wide per expert)
+        c.model.num_heads = 32  # query heads
+        c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 4, "expert": 4})  # the 16 chips of the v5p-32
+        c.mesh.rollout = ml_collections.ConfigDict({"tensor": 2, "expert": 2})  # the 4 chips of a v5p-8
+        c.rollout.slots = 128  # concurrent decodes per slice
+        c.coordinator.train_batch_size = 256  # TBS samples per training step (16 prompts)
+        c.coordinator.rollout_batch_size = 512  # RBS samples in flight (= 4 x 128 slots)
+        c.trainer.micro_batch_size = 8  # rows per forward/backward (2 per FSDP shard)
+        c.pod.name = "dora-qwen3-30b-a3b"  # nodes: NAME-trainer, NAME-rollout-0 ... NAME-rollout-3
+        c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen3_30b_a3b"  # shared run directory and param versions
+        c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen3-30B-A3B"  # copied to model.hf_path at setup
     c.lock()
     return c
