@@ -89,6 +89,7 @@ class BucketedStep:
         plan = micro_plan(row_lengths(batch), c.num_updates, c.micro_batch_size, self._pad_to)
         per_update = batch.batch_size // c.num_updates
         tokens_BT = np.asarray(batch.tokens_BT, np.int32)
+        inference_BT = np.asarray(batch.inference_logps_BT, np.float32)
         behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, row_lengths(batch), params_of)
         losses, norms, finites, stats, load, aux = [], [], [], None, None, []
         for u, micros in enumerate(plan):
@@ -99,7 +100,7 @@ class BucketedStep:
             for rows, T in micros:
                 micro = dict(
                     tokens=self._put(tokens_BT[rows, :T]), mask=self._put(mask_BT[rows, :T]),
-                    inference=self._put(np.asarray(batch.inference_logps_BT, np.float32)[rows, :T]),
+                    inference=self._put(inference_BT[rows, :T]),
                     behaviour=self._put(behaviour_BT[rows, :T]), adv=jax.device_put(adv_B[rows], self._rows_C),
                 )
                 (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
