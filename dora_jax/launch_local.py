@@ -11,7 +11,14 @@ child is its own process group, killed whole, and dies with the launcher), audit
 and prints the summary. Logs: DIR/logs/<role>.log. Exit status: 0 when the trainer finished and
 the audit is clean.
 
-`--kill_slice=N --kill_after_s=T` kills rollout worker N with SIGKILL at the first moment, T
+`--hosts_per_slice=H` runs every rollout slice as H processes that form one multi-controller JAX
+job (`jax.distributed.initialize` over that slice's processes only, CPU collectives over gloo):
+`mesh.rollout` then spans H processes of size/H fake devices each, and process 0 of the slice
+alone talks to the coordinator, mirroring every engine call to the others. `--trainer_hosts=H`
+does the same for the trainer (every process takes the same batch and runs the same step).
+Logs of the extra processes: DIR/logs/<role>_h<i>.log.
+
+`--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at the first moment, T
 seconds or more after the coordinator starts dispatching, when the ledger shows it holding
 requests (fault injection: the run must finish, its requests re-dispatched, the audit clean).
 """
@@ -34,6 +41,10 @@ from dora_jax import cli
 
 PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
+HOSTS_PER_SLICE = flags.DEFINE_integer("hosts_per_slice", 1, "processes per rollout slice (> 1: each slice one "
+                                       "multi-controller JAX job over them); mesh.rollout's size must divide by it")
+TRAINER_HOSTS = flags.DEFINE_integer("trainer_hosts", 1, "processes of the trainer slice (> 1: one multi-controller "
+                                     "JAX job); mesh.trainer's size must divide by it")
 KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL this rollout worker mid-run")
 KILL_AFTER_S = flags.DEFINE_float("kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, "
                                   "as soon as it holds requests")
@@ -52,12 +63,12 @@ def main(argv):
                              "give a new --workdir")
     if config.mesh.time_shared:
         raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
+    trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
+    rollout = _per_host("hosts_per_slice", HOSTS_PER_SLICE.value, "mesh.rollout", dict(config.mesh.rollout))
     start = time.perf_counter()
-    outcome = launch(config, workdir, _config_flags(sys.argv[1:]),
-                     trainer_devices=sharding.mesh_size(dict(config.mesh.trainer)),
-                     rollout_devices=sharding.mesh_size(dict(config.mesh.rollout)))
+    outcome = launch(config, workdir, _config_flags(sys.argv[1:]), trainer=trainer, rollout=rollout)
     wall = time.perf_counter() - start
-    summary = {"workdir": workdir, "processes": 2 + config.rollout.num_slices, "wall_s": round(wall, 1),
+    summary = {"workdir": workdir, "processes": outcome["processes"], "wall_s": round(wall, 1),
                "trainer_exit": outcome["trainer_exit"], "killed": outcome["killed"]}
     ok = outcome["trainer_exit"] == 0
     if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
@@ -83,13 +94,31 @@ def _config_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(config, workdir: str, config_flags: list[str], *, trainer_devices: int, rollout_devices: int) -> dict:
+def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]:
+    """(hosts, devices per host) of a slice whose whole mesh is `shape`; a clear error otherwise."""
+    from dora_jax import sharding
+
+    size = sharding.mesh_size(shape)
+    if hosts < 1:
+        raise app.UsageError(f"--{flag}={hosts}; expected >= 1")
+    if size % hosts:
+        axis, length = next(iter(shape.items()), ("tensor", 1))
+        raise app.UsageError(f"--{flag}={hosts}: {field}={shape} has {size} devices, which do not split over "
+                             f"{hosts} processes; give the slice a multiple of {hosts} devices, e.g. "
+                             f"--config.{field}.{axis}={length * hosts}")
+    return hosts, size // hosts
+
+
+def launch(config, workdir: str, config_flags: list[str], *, trainer: tuple[int, int],
+           rollout: tuple[int, int]) -> dict:
+    """Starts every process, supervises them until the trainer ends, tears them down. `trainer` and
+    `rollout` are (hosts, devices per host) of the trainer slice and of each rollout slice."""
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
     port = PORT.value or _free_port()
     address = f"127.0.0.1:{port}"
     common = [*config_flags, f"--workdir={workdir}"]
     children: dict[str, subprocess.Popen] = {}
-    outcome = {"trainer_exit": None, "killed": None}
+    outcome = {"trainer_exit": None, "killed": None, "processes": 0}
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -98,11 +127,11 @@ def launch(config, workdir: str, config_flags: list[str], *, trainer_devices: in
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, workdir)
-        children["trainer"] = _spawn("trainer", "trainer_worker", [*common, f"--coordinator={address}"],
-                                     trainer_devices, workdir)
+        _spawn_slice(children, "trainer", "trainer_worker", [*common, f"--coordinator={address}"], trainer, workdir)
         for sid in range(config.rollout.num_slices):
-            children[f"rollout_{sid}"] = _spawn(f"rollout_{sid}", "rollout_worker", [
-                *common, f"--coordinator={address}", f"--slice_id={sid}"], rollout_devices, workdir)
+            _spawn_slice(children, f"rollout_{sid}", "rollout_worker",
+                         [*common, f"--coordinator={address}", f"--slice_id={sid}"], rollout, workdir)
+        outcome["processes"] = len(children)
         _print(f"started {len(children)} processes (coordinator at {address}); logs in {workdir}/logs")
         _supervise(children, workdir, outcome, stop, config.num_steps)
     finally:
@@ -137,8 +166,8 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
             if dispatch_t is None and follower.dispatched:
                 dispatch_t = time.monotonic()
             if dispatch_t is not None and time.monotonic() - dispatch_t > KILL_AFTER_S.value and holding:
-                victim = children[f"rollout_{KILL_SLICE.value}"]
-                os.killpg(victim.pid, signal.SIGKILL)
+                for victim in _slice_processes(children, f"rollout_{KILL_SLICE.value}"):
+                    os.killpg(victim.pid, signal.SIGKILL)
                 outcome["killed"] = (f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
                                      f"the first dispatch, holding {holding} requests by the ledger)")
                 _print(f"killed {outcome['killed']}")
@@ -150,6 +179,25 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
             _print(f"giving up after {TIMEOUT_S.value:.0f}s")
             return
         time.sleep(0.5)
+
+
+def _spawn_slice(children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int],
+                 workdir: str) -> None:
+    """One slice: a single process `name`, or `hosts` processes (`name`, `name`_h1, ...) joined into
+    one JAX job through their own jax.distributed coordinator (on process 0's free port)."""
+    hosts, devices = hosts_devices
+    if hosts == 1:
+        children[name] = _spawn(name, module, args, devices, workdir)
+        return
+    jax_coordinator = f"127.0.0.1:{_free_port()}"
+    for host in range(hosts):
+        host_name = name if host == 0 else f"{name}_h{host}"
+        children[host_name] = _spawn(host_name, module, [*args, f"--num_hosts={hosts}", f"--host_id={host}",
+                                                         f"--jax_coordinator={jax_coordinator}"], devices, workdir)
+
+
+def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
+    return [child for n, child in children.items() if n == name or n.startswith(f"{name}_h")]
 
 
 def _spawn(name: str, module: str, args: list[str], devices: int, workdir: str) -> subprocess.Popen:

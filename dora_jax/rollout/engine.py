@@ -219,7 +219,8 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
         jax.jit(_insert_step, donate_argnums=(1,), out_shardings=state_shardings),
         jax.jit(functools.partial(_generate_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,),
                 out_shardings=(state_shardings, result_shardings)),
-        jax.jit(_read_slot, static_argnames=("rows",)),
+        # Replicated: every process of a multi-host slice can fetch the slot to host.
+        jax.jit(_read_slot, static_argnames=("rows",), out_shardings=replicated),
     )
 
 
@@ -383,10 +384,12 @@ class RolloutEngine:
         """The slot's device state (KV rows 0..position-1 on host, position, pending token, RNG key)
         joined with the host-side record the caller keeps; checked against each other."""
         self._check_slot(slot)
-        position = int(np.asarray(decode_state.position_B)[slot])  # whole vector: no per-slot program
-        rows = self.config.rows_bucket(max(position, 1))
-        k, v, position_dev, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
+        # The rows to read come from the host record (the device vector may span other processes);
+        # the device's own position is checked against it below.
         expected = len(request.prompt_ids) + len(response_ids) - 1
+        rows = self.config.rows_bucket(max(expected, 1))
+        k, v, position, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
+        position = int(position)
         if not response_ids or int(token) != response_ids[-1] or position != expected:
             raise ValueError(f"slot {slot} holds position {position} / token {int(token)} but the record expects "
                              f"position {expected} / token {response_ids[-1] if response_ids else None}")

@@ -22,10 +22,12 @@ VERSIONS = flags.DEFINE_string("versions", "", "root of the ParamStore's tensors
 CONNECT_TIMEOUT_S = flags.DEFINE_float("connect_timeout_s", 300.0,
                                        "exit with an error once the coordinator has not answered for this long")
 CALL_TIMEOUT_S = flags.DEFINE_float("call_timeout_s", 30.0, "deadline of one call to the coordinator")
-NUM_HOSTS = flags.DEFINE_integer("num_hosts", 1, "hosts in this role's slice (> 1: jax.distributed.initialize)")
-HOST_ID = flags.DEFINE_integer("host_id", 0, "this host's index in its slice (0 talks to the coordinator)")
-JAX_COORDINATOR = flags.DEFINE_string("jax_coordinator", "", "HOST:PORT of the slice's host 0 for "
-                                      "jax.distributed.initialize; empty = auto-detect (Cloud TPU)")
+NUM_HOSTS = flags.DEFINE_integer("num_hosts", 1, "hosts in this role's slice (> 1: the slice is one multi-controller "
+                                 "JAX job, jax.distributed.initialize over its own hosts)")
+HOST_ID = flags.DEFINE_integer("host_id", None, "this host's index in its slice, 0..num_hosts-1 (host 0 alone talks "
+                               "to the coordinator); default: 0 on one host, auto-detected on Cloud TPU")
+JAX_COORDINATOR = flags.DEFINE_string("jax_coordinator", "", "HOST:PORT where host 0 of this slice serves "
+                                      "jax.distributed (each slice its own); empty = auto-detect (Cloud TPU only)")
 
 
 def quiet_library_logs() -> None:
@@ -57,29 +59,39 @@ def client_timing() -> ClientTiming:
     return ClientTiming(call_timeout_s=CALL_TIMEOUT_S.value, unreachable_after_s=CONNECT_TIMEOUT_S.value)
 
 
-def initialize_distributed(role: str) -> None:
-    """A slice spanning several hosts is one multi-controller JAX job: `jax.distributed.initialize`
-    inside the slice (never across slices; never on CPU). Call before any other JAX use.
+def initialize_distributed(role: str) -> int:
+    """Joins this process to its slice's multi-controller JAX job when the slice has more than one
+    host (`jax.distributed.initialize` over the slice's own hosts: never across slices); returns
+    this host's index in the slice. Call before any other JAX use.
 
-    Trainer: every host registers, takes the same batch (TakeBatch is idempotent per trainer
-    version) and reports the same publish; host 0 alone retires versions and writes metrics.
-    Rollout: a multi-host rollout slice would need host 0's command sequence mirrored to the
-    other hosts; that is not built, so it is refused.
+    On Cloud TPU the hosts and their indices are auto-detected; on CPU (tests, `launch_local
+    --hosts_per_slice`) `--jax_coordinator` and `--host_id` are required and collectives go over
+    gloo. Trainer: every host registers, takes the same batch (TakeBatch is idempotent per trainer
+    version), runs the same step and reports the same publish; host 0 alone retires versions and
+    writes metrics. Rollout: host 0 serves the coordinator and mirrors every engine call to the
+    other hosts (dora_jax/transport/host_mirror.py).
     """
+    del role  # both roles join the same way
     num_hosts, host_id = NUM_HOSTS.value, HOST_ID.value
-    if num_hosts < 1 or not 0 <= host_id < num_hosts:
-        raise SystemExit(f"--num_hosts={num_hosts} --host_id={host_id}; expected 0 <= host_id < num_hosts")
+    if num_hosts < 1:
+        raise SystemExit(f"--num_hosts={num_hosts}; expected >= 1")
+    if host_id is not None and not 0 <= host_id < num_hosts:
+        raise SystemExit(f"--host_id={host_id} is out of range for --num_hosts={num_hosts}; "
+                         f"expected 0..{num_hosts - 1}")
     if num_hosts == 1:
-        return
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        raise SystemExit(f"--num_hosts={num_hosts} on the CPU platform: multi-host slices are for accelerators")
-    if role == "rollout":
-        raise SystemExit(f"--num_hosts={num_hosts}: multi-host rollout slices are not supported yet; "
-                         "give each rollout slice one host (rollout.num_slices counts them)")
+        return 0
     import jax
 
-    jax.distributed.initialize(coordinator_address=JAX_COORDINATOR.value or None,
-                               num_processes=num_hosts, process_id=host_id)
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        if not JAX_COORDINATOR.value or host_id is None:
+            raise SystemExit(f"--num_hosts={num_hosts} on the CPU platform needs --jax_coordinator=HOST:PORT and "
+                             "--host_id (nothing to auto-detect them from off Cloud TPU)")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=JAX_COORDINATOR.value or None, num_processes=num_hosts,
+                               process_id=host_id)
+    if jax.process_count() != num_hosts:
+        raise SystemExit(f"--num_hosts={num_hosts} but the JAX job has {jax.process_count()} processes")
+    return jax.process_index()
 
 
 def fail(message: str, code: int = 1):
