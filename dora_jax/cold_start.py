@@ -5,6 +5,7 @@ sharded the same way as the RL trainer (TRAINER_RULES on the trainer slice). The
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -16,6 +17,7 @@ from flax import nnx
 
 from dora_jax import models, sharding
 from dora_jax.run_config import RunConfig
+from dora_jax.setup import task_config
 from dora_jax.tasks import running_sums
 from dora_jax.trainer.batching import bucket_length
 
@@ -46,6 +48,12 @@ def demonstration_batch(source, tokenizer, batch_size: int, pad_to: int) -> tupl
     return tokens, mask
 
 
+def demonstration_source(config: RunConfig, tokenizer) -> running_sums.RunningSumsSource:
+    """The RL run's task distribution (`task.*`), drawn with another seed: other prompts."""
+    task = dataclasses.replace(task_config(config).running_sums, seed=config.seed + 10_000)
+    return running_sums.RunningSumsSource(task, tokenizer)
+
+
 def sft_running_sums(model: models.Decoder, tokenizer, config: RunConfig, *, log_path: str | None = None) -> models.Decoder:
     """Trains `model` for `config.init.sft_steps` updates on running-sums demonstrations."""
     slices = sharding.split_devices(dict(config.mesh.trainer), dict(config.mesh.rollout), config.rollout.num_slices,
@@ -66,9 +74,7 @@ def sft_running_sums(model: models.Decoder, tokenizer, config: RunConfig, *, log
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    task = running_sums.RunningSumsConfig(median_k=config.task.median_k, sigma=config.task.sigma,
-                                          k_max=config.task.k_max, seed=config.seed + 10_000)
-    source = running_sums.RunningSumsSource(task, tokenizer)  # other prompts than the RL run's
+    source = demonstration_source(config, tokenizer)
     log = open(log_path, "a") if log_path else None
     start = time.perf_counter()
     for i in range(steps):
