@@ -7,10 +7,16 @@ version 0 to the ParamStore's tensorstore tier (W/versions unless --versions) an
 then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> publish ->
 ReportPublished, retiring the versions the coordinator no longer needs. Writes W/metrics.jsonl
 (and TensorBoard events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
+
+A trainer over H > 1 hosts (`--num_hosts`, see roles.py) is one multi-controller JAX job: host 0
+alone talks to the coordinator and sends every batch to the other hosts over a JAX collective;
+every host runs the same step and writes its shards of each published version; host 0 reports
+the publish, retires versions and writes the metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,13 +35,22 @@ def main(argv):
     del argv
     roles.quiet_library_logs()
     cli.prepare_devices(cli.CONFIG.value)
-    roles.initialize_distributed("trainer")
+    host_id = roles.initialize_distributed("trainer")
     workdir = roles.require(cli.WORKDIR, "workdir")
-    address = roles.require(roles.COORDINATOR, "coordinator")
     from dora_jax import run_config
-    from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused, SessionLost
 
     config = run_config.parse(cli.CONFIG.value)
+    if roles.NUM_HOSTS.value > 1 and config.trainer.length_bucket:
+        # The bucketed step reads per-row log-probs back to host from arrays that span every host.
+        raise SystemExit(f"trainer.length_bucket={config.trainer.length_bucket} with --num_hosts="
+                         f"{roles.NUM_HOSTS.value}: the bucketed trainer step is single-host only "
+                         "(dora_jax/trainer/bucketed.py); set --config.trainer.length_bucket=0")
+    if host_id > 0:
+        train(config, workdir, None)
+        return
+    address = roles.require(roles.COORDINATOR, "coordinator")
+    from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused, SessionLost
+
     client = Client(address, roles.client_timing())
     try:
         train(config, workdir, client)
@@ -46,42 +61,40 @@ def main(argv):
 
 
 def train(config, workdir: str, client) -> None:
+    """The training loop; `client` is None on hosts 1.. of a multi-host trainer, which take every
+    batch from host 0 (`_BatchSource`) and run the same step and publish."""
     import jax
 
     from dora_jax import sharding
     from dora_jax.metrics import MetricsWriter
-    from dora_jax.setup import build_setup
     from dora_jax.store import ParamStore, TensorStoreTier
     from dora_jax.trainer import Trainer, make_train_batch
     from dora_jax.transport import codec
     from dora_jax.transport import dora_pb2 as pb
 
-    host_id = roles.HOST_ID.value
-    client.register(pb.TRAINER, roles.identity_hash(), host_id=host_id)
-    _log(f"registered with the coordinator at {client.address}; building the setup")
+    leader = client is not None
+    channel = _host_channel() if jax.process_count() > 1 else None
+    if leader:
+        client.register(pb.TRAINER, roles.identity_hash(), host_id=0)
+        _log(f"registered with the coordinator at {client.address}; building the setup")
     os.makedirs(workdir, exist_ok=True)
-    # The SFT cold start (cached in WORKDIR/sft) carves its trainer mesh out of the embedded run's
-    # device split; this process holds only the trainer's devices, so the rollout slices may
-    # overlap them there (time_shared): the trainer mesh it gets is the same.
-    sft_view = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, time_shared=True))
-    setup = build_setup(sft_view, workdir)
+    setup, store = _setup_and_store(config, workdir, channel)
     try:
         mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
     except ValueError as err:
-        raise SystemExit(f"mesh.trainer={dict(config.mesh.trainer)}: {err}") from None
-    store = ParamStore(TensorStoreTier(roles.versions_root(workdir)))
-    store.rollback_to(-1)  # versions of an earlier run in this root would clash with ours
+        raise SystemExit(f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}") from None
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
     trainer.publish()
-    report = _reporter(client, store, retire=host_id == 0)
+    report = _reporter(client, store) if leader else (lambda version: None)
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
-    writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if host_id == 0 else None
+    batches = _BatchSource(client, channel)
+    writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if leader else None
     start, last = time.perf_counter(), {}
     try:
         for step in range(config.num_steps):
             t0 = time.perf_counter()
-            groups, stats = _take_batch(client, trainer.version)
+            groups, stats = batches.take(trainer.version)
             wait = time.perf_counter() - t0
             batch = make_train_batch([codec.group_from_proto(g) for g in groups], config.pad_to, setup.tokenizer.pad_id)
             metrics = trainer.train_step(batch)
@@ -93,6 +106,9 @@ def train(config, workdir: str, client) -> None:
                 writer.write(step, row, {"staleness": [k for k, v in metrics.staleness.items() for _ in range(v)]})
                 _log(f"step {step + 1}/{config.num_steps} reward {row['reward_mean']:.3f} "
                      f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}")
+    except BaseException:
+        batches.abort()
+        raise
     finally:
         if writer is not None:
             writer.close()
@@ -100,20 +116,100 @@ def train(config, workdir: str, client) -> None:
                       "wall_s": round(time.perf_counter() - start, 2)}), flush=True)
 
 
-def _reporter(client, store, *, retire: bool):
+def _host_channel():
+    import jax
+
+    import dora_jax
+    from dora_jax.transport.host_mirror import HostChannel, check_same_slice
+
+    check_same_slice({"config_hash": roles.identity_hash(), "package_version": dora_jax.__version__,
+                      "role": "trainer", "num_hosts": jax.process_count()})
+    return HostChannel()
+
+
+def _setup_and_store(config, workdir: str, channel):
+    """The run's setup and the ParamStore, emptied of an earlier run's versions.
+
+    Several hosts: host 0 builds the setup first (the SFT cold start, if any, runs on its own
+    devices and is cached in WORKDIR/sft, which the trainer's hosts must share) and clears the
+    versions root; then the other hosts build theirs (reading that cache) and open the root.
+    """
+    import jax
+
+    from dora_jax.setup import build_setup
+    from dora_jax.store import ParamStore, TensorStoreTier
+
+    # The SFT cold start carves its trainer mesh out of the embedded run's device split; this
+    # process holds only the trainer's devices, so the rollout slices may overlap them there
+    # (time_shared). On several hosts host 0 trains it alone, on its local devices (the first
+    # ones of jax.devices()), so that the others need not take part in it.
+    mesh = dataclasses.replace(config.mesh, time_shared=True)
+    if channel is not None:
+        mesh = dataclasses.replace(mesh, trainer=(("fsdp", jax.local_device_count()),))
+    sft_view = dataclasses.replace(config, mesh=mesh)
+    root = roles.versions_root(workdir)
+    if channel is None or channel.is_leader:
+        setup = build_setup(sft_view, workdir)
+        store = ParamStore(TensorStoreTier(root))
+        store.rollback_to(-1)  # versions of an earlier run in this root would clash with ours
+        if channel is not None:
+            channel.send(b"setup done")
+        return setup, store
+    channel.receive()
+    if _runs_cold_start(config) and not os.path.exists(os.path.join(workdir, "sft", "DONE")):
+        raise SystemExit(f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
+                         "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)")
+    return build_setup(sft_view, workdir), ParamStore(TensorStoreTier(root))
+
+
+def _runs_cold_start(config) -> bool:
+    """Whether build_setup trains (and caches) an SFT cold start, as dora_jax.setup.cold_start decides."""
+    fresh = not (config.init.checkpoint or config.model.hf_path)
+    return fresh and config.init.sft_steps > 0 and config.task.kind == "running_sums"
+
+
+class _BatchSource:
+    """Each step's batch: host 0 long-polls the coordinator and, on several hosts, sends the reply
+    to the others, so every host trains on the same batch (an empty message: host 0 stopped)."""
+
+    def __init__(self, client, channel):
+        self._client, self._channel = client, channel
+
+    def take(self, version: int):
+        from dora_jax.transport import dora_pb2 as pb
+
+        if self._client is not None:
+            reply = _take_batch(self._client, version)
+            if self._channel is not None:
+                self._channel.send(reply.SerializeToString())
+        else:
+            payload = self._channel.receive()
+            if not payload:
+                raise SystemExit("host 0 of the trainer stopped; stopping too")
+            reply = pb.TakeBatchReply.FromString(payload)
+        return reply.groups, json.loads(reply.stats_json)
+
+    def abort(self) -> None:
+        """Host 0 failed: releases the other hosts from their wait for the next batch."""
+        if self._client is not None and self._channel is not None:
+            with contextlib.suppress(Exception):
+                self._channel.send(b"")
+
+
+def _reporter(client, store):
+    """Host 0 reports each publish and retires the versions the coordinator no longer needs."""
     from dora_jax.transport import dora_pb2 as pb
 
     def report(version: int) -> None:
         request = pb.PublishedRequest(session=client.session, version=version)
         reply = client.call("ReportPublished", lambda t: client.stub.ReportPublished(request, timeout=t))
-        if retire:
-            store.retire_below(min(int(reply.oldest_needed), version))
+        store.retire_below(min(int(reply.oldest_needed), version))
 
     return report
 
 
 def _take_batch(client, version: int):
-    """Long-polls until the coordinator hands over the batch for `version`."""
+    """Long-polls until the coordinator hands over the batch for `version` (a TakeBatchReply)."""
     from dora_jax.transport import dora_pb2 as pb
 
     request = pb.TakeBatchRequest(session=client.session, trainer_version=version, wait_s=POLL_S.value)
@@ -121,7 +217,7 @@ def _take_batch(client, version: int):
         reply = client.call("TakeBatch", lambda t: client.stub.TakeBatch(request, timeout=t),
                             timeout_s=POLL_S.value + client.timing.call_timeout_s)
         if reply.ready:
-            return reply.groups, json.loads(reply.stats_json)
+            return reply
 
 
 def _row(step, batch, metrics, stats: dict, last: dict, start: float, wait_s: float) -> dict:
