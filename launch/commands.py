@@ -128,13 +128,20 @@ def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_
         Process(pod.trainer, "0", Role.COORDINATOR, "coordinator", env(Role.COORDINATOR),
                 argv(Role.COORDINATOR, f"--port={pod.port}")),
         Process(pod.trainer, "all", Role.TRAINER, "trainer", env(Role.TRAINER),
-                argv(Role.TRAINER, f"--coordinator={address}")),
+                argv(Role.TRAINER, f"--coordinator={address}", *_hosts(pod.trainer))),
     ]
     for node in pod.rollout_nodes:
         result.append(Process(node, "all", Role.ROLLOUT, f"rollout-{node.slice_id}",
                               env(Role.ROLLOUT, ("DORA_SLICE_ID", str(node.slice_id))),
-                              argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}")))
+                              argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}",
+                                   *_hosts(node))))
     return result
+
+
+def _hosts(node: Node) -> tuple[str, ...]:
+    """A node of several hosts is one multi-controller JAX job: `--num_hosts`; each worker's
+    --host_id and the job's jax.distributed coordinator are auto-detected from the TPU metadata."""
+    return (f"--num_hosts={node.tpu.hosts}",) if node.tpu.hosts > 1 else ()
 
 
 def start_script(process: Process) -> str:

@@ -78,9 +78,13 @@ def initialize_distributed(role: str) -> int:
     if host_id is not None and not 0 <= host_id < num_hosts:
         raise SystemExit(f"--host_id={host_id} is out of range for --num_hosts={num_hosts}; "
                          f"expected 0..{num_hosts - 1}")
-    if num_hosts == 1:
-        return 0
     import jax
+
+    if num_hosts == 1:
+        if jax.process_count() > 1:  # a multi-host TPU slice the runtime joined by itself
+            raise SystemExit(f"--num_hosts=1 but this JAX job has {jax.process_count()} processes: pass "
+                             f"--num_hosts={jax.process_count()} (host 0 talks to the coordinator, the others follow)")
+        return 0
 
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         if not JAX_COORDINATOR.value or host_id is None:

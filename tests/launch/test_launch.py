@@ -144,7 +144,8 @@ def test_v5p_slices_run_assigns_roles_per_slice():
         GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=0", *where, "--command=" + start_command(
             f"DORA_ROLE=coordinator {env}", "dora_jax.serve_coordinator", f"{common} --port=8470", "coordinator")],
         GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=all", *where, "--command=" + start_command(
-            f"DORA_ROLE=trainer {env}", "dora_jax.trainer_worker", f"{common} --coordinator={IP}:8470", "trainer")],
+            f"DORA_ROLE=trainer {env}", "dora_jax.trainer_worker", f"{common} --coordinator={IP}:8470 --num_hosts=4",
+            "trainer")],
     ]
     expected += [
         GCLOUD + ["tpu-vm", "ssh", f"dora-qwen7b-dapo-rollout-{i}", "--worker=all", *where, "--command=" + start_command(
@@ -181,6 +182,16 @@ def test_v5p_64_trainer_with_two_host_rollout_slices():
     assert [(cmd[5], cmd[6]) for cmd in run] == [
         ("dora-qwen7b-dapo-trainer", "--worker=0"), ("dora-qwen7b-dapo-trainer", "--worker=all"),
         ("dora-qwen7b-dapo-rollout-0", "--worker=all"), ("dora-qwen7b-dapo-rollout-1", "--worker=all")]
+    # Each node is one multi-controller JAX job over its own hosts (host ids auto-detected on TPU).
+    assert "--num_hosts" not in run[0][-1] and "--num_hosts=8" in run[1][-1]
+    assert all("--num_hosts=2" in cmd[-1] and "--host_id" not in cmd[-1] for cmd in run[2:])
+
+
+def test_a_multi_host_trainer_refuses_the_bucketed_step():
+    c = dapo_config()
+    with c.unlocked():
+        c.trainer["length_bucket"] = 16
+    _refuse(c, "trainer.length_bucket=16", "pod.trainer_type='v5p-32'", "4 hosts")
 
 
 # (3) a 2-slice multislice queued resource.
