@@ -2,12 +2,12 @@
 
     python -m tests.transport.multihost_job MODE PROCESS_ID PORT DIR
 
-MODE `rollout`: a rollout slice over both processes (mesh data=2 x tensor=2 over 2 x 2 fake
-devices): host 0 drives `drive()` through a MirroredWorker, host 1 follows; params come from the
-tensorstore tier under DIR/versions; host 0 writes the trajectories to DIR/rollout.pkl.
-MODE `trainer`: one Trainer step on mesh fsdp=4 over both processes, the same batch on each; host
-0 writes the gathered params to DIR/trainer.npz. MODE `identity`: each host claims another slice
-id; `check_same_slice` must fail on both.
+MODE `slices` (one job, to pay the start-up once): first a rollout slice over both processes (mesh
+data=2 x tensor=2 over 2 x 2 fake devices): host 0 drives `drive()` through a MirroredWorker, host
+1 follows; params come from the tensorstore tier under DIR/versions; host 0 writes the
+trajectories to DIR/rollout.pkl. Then one Trainer step on mesh fsdp=4 over both processes, the
+same batch on each; host 0 writes the gathered params to DIR/trainer.npz. MODE `identity`: each
+host claims another slice id; `check_same_slice` must fail on both.
 """
 
 from __future__ import annotations
@@ -92,9 +92,8 @@ def main(mode: str, process_id: int, port: int, workdir: str) -> None:
 
     if mode == "identity":
         host_mirror.check_same_slice({"config_hash": "c" * 8, "slice_id": process_id})
-    elif mode == "rollout":
+    elif mode == "slices":
         _rollout(workdir)
-    elif mode == "trainer":
         _trainer(workdir)
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -31,72 +31,98 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(mode: str, workdir, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Runs `multihost_job MODE` as 2 processes of one JAX job; their results, host 0 first."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.transport.multihost_job", mode, str(i), str(port),
-                               str(workdir)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(multihost_job.N_PROCESSES)]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
+class _Job:
+    """`multihost_job MODE` started as the 2 processes of one JAX job; `wait()` gives their results."""
+
+    def __init__(self, mode: str, workdir):
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        # Output to files, not pipes: nobody reads a pipe while the test computes its reference.
+        self._logs = [(workdir / f"host{i}.out", workdir / f"host{i}.err") for i in range(multihost_job.N_PROCESSES)]
+        self._procs = []
+        for i, (out, err) in enumerate(self._logs):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tests.transport.multihost_job", mode, str(i), str(port), str(workdir)],
+                    cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True))
+        self._results = None
+
+    def wait(self, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+        if self._results is None:
+            try:
+                for proc in self._procs:
+                    proc.wait(timeout=timeout)
+            finally:
+                self.kill()
+            self._results = [subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
+                             for p, (out, err) in zip(self._procs, self._logs)]
+        return self._results
+
+    def kill(self) -> None:
+        for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return results
+
+    def succeeded(self) -> list[subprocess.CompletedProcess]:
+        results = self.wait()
+        for i, proc in enumerate(results):
+            assert proc.returncode == 0, f"host {i}:\n{proc.stderr[-3000:]}"
+        return results
 
 
-def test_a_two_host_rollout_slice_generates_what_one_host_does(tmp_path):
-    store = ParamStore(TensorStoreTier(tmp_path / "versions"))
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """The `slices` job (rollout slice, then trainer step, over 2 processes), started at once: the
+    tests compute their one-process references while it runs."""
+    workdir = tmp_path_factory.mktemp("two_hosts")
+    store = ParamStore(TensorStoreTier(workdir / "versions"))
     store.publish(0, split(init_model(TINY, seed=3))[1])
-    results = _job("rollout", tmp_path)
-    for i, proc in enumerate(results):
-        assert proc.returncode == 0, f"host {i}:\n{proc.stderr[-3000:]}"
-    assert "follower: done" in results[1].stdout
-    with open(tmp_path / "rollout.pkl", "rb") as f:
-        two_hosts = pickle.load(f)
+    job = _Job("slices", workdir)
+    yield job, workdir, store
+    job.kill()
 
+
+def test_a_two_host_rollout_slice_generates_what_one_host_does(two_hosts):
+    job, workdir, store = two_hosts
     worker = RolloutWorker(multihost_job.rollout_engine(jax.devices()[:4]))
     one_host = multihost_job.drive(worker, fetch_from_store(store, worker.engine.param_shardings))
-    got = two_hosts["trajectories"]
+    results = job.succeeded()
+    assert "follower: done" in results[1].stdout
+    with open(workdir / "rollout.pkl", "rb") as f:
+        two = pickle.load(f)
+    got = two["trajectories"]
     assert sorted(got) == sorted(one_host) == [f"t{i}" for i in range(6)]
-    assert sum(t.num_migrations for t in got.values()) == 1
+    assert sum(t.num_migrations for t in got.values()) == 1  # one request left with its KV and came back
     for traj_id, want in one_host.items():
         assert got[traj_id].response_ids == want.response_ids, traj_id
         assert got[traj_id].finish_reason == want.finish_reason
         np.testing.assert_allclose(got[traj_id].logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
-    assert two_hosts["counters"] == worker.counters
+    assert two["counters"] == worker.counters
 
 
-def test_a_two_host_trainer_step_equals_the_one_host_step(tmp_path):
-    results = _job("trainer", tmp_path)
-    for i, proc in enumerate(results):
-        assert proc.returncode == 0, f"host {i}:\n{proc.stderr[-3000:]}"
-    two_hosts = np.load(tmp_path / "trainer.npz")
+def test_a_two_host_trainer_step_equals_the_one_host_step(two_hosts):
+    job, workdir, _ = two_hosts
     trainer, metrics = multihost_job.trainer_step(jax.devices()[:4])
     leaves = jax.tree.leaves(jax.device_get(trainer.params))
-    assert len(leaves) == len(two_hosts.files) - 2
-    np.testing.assert_allclose(two_hosts["loss"], metrics.loss, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(two_hosts["grad_norm"], metrics.grad_norm, rtol=1e-4, atol=1e-6)
+    job.succeeded()
+    two = np.load(workdir / "trainer.npz")
+    assert len(leaves) == len(two.files) - 2
+    np.testing.assert_allclose(two["loss"], metrics.loss, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(two["grad_norm"], metrics.grad_norm, rtol=1e-4, atol=1e-6)
     # As tests/trainer/test_trainer.py bounds sharded == single device: Adam divides by sqrt(v), so
     # where a gradient is near zero, reduction-order noise (here gloo's across processes) moves the
     # update by a few % of lr; a sharding bug moves whole tensors by O(lr): bound the max loosely
     # and the mean tightly.
     lr = 3e-3
     for i, want in enumerate(leaves):
-        got = two_hosts[f"arr_{i}"]
+        got = two[f"arr_{i}"]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=0.1 * lr)
         assert np.abs(got - want).mean() < 1e-7
 
 
 def test_hosts_of_one_slice_that_disagree_fail_naming_the_difference(tmp_path):
-    results = _job("identity", tmp_path, timeout=120)
-    for i, proc in enumerate(results):
+    for i, proc in enumerate(_Job("identity", tmp_path).wait(timeout=120)):
         assert proc.returncode == 1, f"host {i}:\n{proc.stderr[-3000:]}"
         assert "the hosts of one slice disagree (slice_id: host 0 has 0, host 1 has 1)" in proc.stderr
 
