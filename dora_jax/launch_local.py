@@ -18,9 +18,9 @@ alone talks to the coordinator, mirroring every engine call to the others. `--tr
 does the same for the trainer (every process takes the same batch and runs the same step).
 Logs of the extra processes: DIR/logs/<role>_h<i>.log.
 
-`--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at the first moment, T
-seconds or more after the coordinator starts dispatching, when the ledger shows it holding
-requests (fault injection: the run must finish, its requests re-dispatched, the audit clean).
+`--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at
+the first moment, T seconds or more after the coordinator starts dispatching, when the ledger shows
+it holding requests (fault injection: the run must finish, its requests re-dispatched, the audit clean).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv):
     workdir = cli.WORKDIR.value
     if not workdir:
         raise app.UsageError("--workdir is required")
-    from dora_jax import run_config, sharding
+    from dora_jax import run_config
 
     config = run_config.parse(cli.CONFIG.value)  # a bad config fails here, before anything starts
     if os.path.exists(os.path.join(workdir, "ledger.jsonl")):

@@ -67,7 +67,6 @@ def train(config, workdir: str, client) -> None:
 
     from dora_jax import sharding
     from dora_jax.metrics import MetricsWriter
-    from dora_jax.store import ParamStore, TensorStoreTier
     from dora_jax.trainer import Trainer, make_train_batch
     from dora_jax.transport import codec
     from dora_jax.transport import dora_pb2 as pb

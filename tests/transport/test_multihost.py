@@ -135,3 +135,14 @@ def test_a_host_id_out_of_range_is_refused_before_any_work(tmp_path):
                           timeout=120)
     assert proc.returncode == 1
     assert "--host_id=2 is out of range for --num_hosts=2; expected 0..1" in proc.stderr
+
+
+def test_launch_local_refuses_hosts_that_do_not_split_the_mesh(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "dora_jax.launch_local", "--config=configs/smoke.py",
+                           f"--workdir={tmp_path}", "--hosts_per_slice=2"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and not (tmp_path / "logs").exists()
+    assert ("--hosts_per_slice=2: mesh.rollout={'tensor': 1} has 1 devices, which do not split over 2 processes"
+            in proc.stderr), proc.stderr[-2000:]
+    assert "--config.mesh.rollout.tensor=2" in proc.stderr
