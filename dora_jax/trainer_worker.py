@@ -40,11 +40,6 @@ def main(argv):
     from dora_jax import run_config
 
     config = run_config.parse(cli.CONFIG.value)
-    if roles.NUM_HOSTS.value > 1 and config.trainer.length_bucket:
-        # The bucketed step reads per-row log-probs back to host from arrays that span every host.
-        raise SystemExit(f"trainer.length_bucket={config.trainer.length_bucket} with --num_hosts="
-                         f"{roles.NUM_HOSTS.value}: the bucketed trainer step is single-host only "
-                         "(dora_jax/trainer/bucketed.py); set --config.trainer.length_bucket=0")
     if host_id > 0:
         train(config, workdir, None)
         return

@@ -236,11 +236,6 @@ def _slices(c, p, layout: Layout, trainer_type: TpuType, num_slices: int, queued
     for name in names:
         if not _NAME.match(name):
             raise ValueError(f"pod.name={p.name!r} makes node name {name!r} too long; shorten pod.name")
-    length_bucket = c.trainer.get("length_bucket", 0)  # a config may leave it at TrainerConfig's default, 0
-    if trainer_type.hosts > 1 and length_bucket:
-        raise ValueError(f"trainer.length_bucket={length_bucket} but pod.trainer_type={trainer_type.name!r} "
-                         f"has {trainer_type.hosts} hosts: the bucketed trainer step is single-host only; set "
-                         "trainer.length_bucket=0 or a one-host trainer type")
     trainer = Node(names[0], trainer_type, Role.TRAINER, None, runtime(trainer_type))
     rollouts = tuple(Node(names[1 + i], rollout_type, Role.ROLLOUT, i, runtime(rollout_type))
                      for i in range(num_slices))

@@ -10,7 +10,8 @@ tests/trainer/test_bucketed.py checks the two give the same params.
 
 The host drives the loop: one jitted gradient function per bucket shape (a handful per run),
 one jitted update. Behaviour log-probs are recomputed first, per version in length-sorted chunks
-of C rows, each at its own bucket.
+of C rows, each at its own bucket, and read back to host (gathered from every process when the
+trainer mesh spans several hosts, which all run this loop on the same batch).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dora_jax.records import TrainBatch
@@ -138,7 +140,10 @@ class BucketedStep:
                 padded = np.concatenate([part, np.full(C - part.size, part[0])])
                 logps = self._behaviour(jax.device_put(tokens_BT[padded, :T][None, None], self._rows_UMCT),
                                         versions_B[padded], params_of)
-                out[part, :T] = np.asarray(logps)[0, 0, : part.size]
+                # The chunk's rows are sharded over the mesh, which may span several processes
+                # (a multi-host trainer): each host gathers the whole chunk (in one process, this
+                # is np.asarray).
+                out[part, :T] = multihost_utils.process_allgather(logps, tiled=True)[0, 0, : part.size]
         return out
 
     def warmup(self, params, ref_params, version: int, max_length: int, rows_per_update: int, params_of) -> list[int]:

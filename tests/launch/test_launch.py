@@ -187,11 +187,13 @@ def test_v5p_64_trainer_with_two_host_rollout_slices():
     assert all("--num_hosts=2" in cmd[-1] and "--host_id" not in cmd[-1] for cmd in run[2:])
 
 
-def test_a_multi_host_trainer_refuses_the_bucketed_step():
+def test_a_multi_host_trainer_takes_the_bucketed_step():
+    """The bucketed step gathers its recomputed rows from every host (tests/transport/test_multihost.py)."""
     c = dapo_config()
     with c.unlocked():
         c.trainer["length_bucket"] = 16
-    _refuse(c, "trainer.length_bucket=16", "pod.trainer_type='v5p-32'", "4 hosts")
+    trainer = pod_lib.from_config(c).nodes[0]
+    assert (trainer.role, trainer.tpu.name, trainer.tpu.hosts) == (Role.TRAINER, "v5p-32", 4)
 
 
 # (3) a 2-slice multislice queued resource.
