@@ -2,16 +2,24 @@
 
     python -m tests.transport.multihost_job MODE PROCESS_ID PORT DIR
 
-MODE `slices` (one job, to pay the start-up once): first a rollout slice over both processes (mesh
-data=2 x tensor=2 over 2 x 2 fake devices): host 0 drives `drive()` through a MirroredWorker, host
-1 follows; params come from the tensorstore tier under DIR/versions; host 0 writes the
-trajectories to DIR/rollout.pkl. Then one Trainer step on mesh fsdp=4 over both processes, the
-same batch on each; host 0 writes the gathered params to DIR/trainer.npz. MODE `identity`: each
-host claims another slice id; `check_same_slice` must fail on both.
+MODE `slices` (one job for every multi-host check, to pay the start-up once): first the slice
+identity check, with hosts that agree (must pass) then hosts that claim other slice ids (must fail
+on both with SystemExit; each host writes what it raised to DIR/identity{PROCESS_ID}.txt). Then a
+rollout slice over both processes (mesh data=2 x tensor=2 over 2 x 2 fake devices): host 0 drives
+`drive()` through a MirroredWorker, host 1 follows; params come from the tensorstore tier under
+DIR/versions; host 0 writes the trajectories to DIR/rollout.pkl, host 1 what `follow` returned to
+DIR/follower.txt. Then one Trainer step on mesh
+fsdp=4 over both processes, the same batch on each, with the fixed-shape step and with the
+length-bucketed one (`TRAINERS`); host 0 writes the gathered params of each to
+DIR/trainer_{name}.npz.
+
+Every process (and the test's one-process references, see `fast_compiles`) compiles with most XLA
+optimisations off: compiling, not running, is what these tiny programs cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -19,6 +27,28 @@ import sys
 N_PROCESSES, LOCAL_DEVICES = 2, 2
 ROLLOUT_MESH = {"data": 2, "tensor": 2}
 TRAINER_MESH = {"fsdp": 4}
+# name -> TrainerConfig overrides of tests/trainer/test_trainer.py's CONFIG. One update and no KL
+# term: a third of the compile time. The bucketed step runs make_batch's rows (12..32 positions) in
+# micro-batches of 4 padded to 16 or 32, and reads the recomputed chunks back to host from both
+# processes.
+TRAINERS = {
+    "fixed": dict(num_updates=1, micro_batch_size=8, kl_coef=0.0),
+    "bucketed": dict(num_updates=1, micro_batch_size=4, kl_coef=0.0, length_bucket=16),
+}
+
+
+@contextlib.contextmanager
+def fast_compiles():
+    """Most XLA optimisations off for what compiles inside (jax_disable_most_optimizations, read
+    at each compile), restored after."""
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 def drive(worker, fetch) -> dict:
@@ -53,17 +83,28 @@ def drive(worker, fetch) -> dict:
     raise AssertionError("the worker is still busy after 200 steps")
 
 
+def rollout_model():
+    """tests/rollout's TINY model with one layer (what is checked here is across hosts, not
+    across layers; one layer is about half the compile time)."""
+    import dataclasses
+
+    from tests.rollout.conftest import TINY
+
+    return dataclasses.replace(TINY, num_layers=1)
+
+
 def rollout_engine(devices):
     from dora_jax import sharding
     from dora_jax.rollout.engine import RolloutEngine
-    from tests.rollout.conftest import ENGINE, TINY
+    from tests.rollout.conftest import ENGINE
 
-    return RolloutEngine(TINY, ENGINE, sharding.make_mesh(devices, ROLLOUT_MESH))
+    return RolloutEngine(rollout_model(), ENGINE, sharding.make_mesh(devices, ROLLOUT_MESH))
 
 
-def trainer_step(devices):
-    """One step of tests/trainer/test_trainer.py's batch on TRAINER_MESH over `devices` (its config
-    with one update of two micro-batches and no KL term: a third of the compile time)."""
+def trainer_step(devices, name: str):
+    """One step of tests/trainer/test_trainer.py's batch on TRAINER_MESH over `devices`, with the
+    trainer config TRAINERS[name], on its model with one layer (as `rollout_model`). Returns
+    (trainer, metrics)."""
     import dataclasses
 
     from dora_jax import sharding
@@ -71,13 +112,18 @@ def trainer_step(devices):
     from dora_jax.trainer import Trainer
     from tests.trainer.test_trainer import CFG, CONFIG, FAST_COMPILE, make_batch
 
-    model = init_model(CFG, seed=0)
+    model = init_model(dataclasses.replace(CFG, num_layers=1), seed=0)
     graphdef, params = split(model)
-    config = dataclasses.replace(CONFIG, num_updates=1, micro_batch_size=8, kl_coef=0.0)
+    config = dataclasses.replace(CONFIG, **TRAINERS[name])
     trainer = Trainer(graphdef, params, logical_axes(model), sharding.make_mesh(devices, TRAINER_MESH), config,
                       compiler_options=FAST_COMPILE)
     metrics = trainer.train_step(make_batch(0, 0))
     return trainer, metrics
+
+
+def step_traces(trainer) -> list[int]:
+    """[fixed-shape step traces, bucketed gradient traces (one per bucket length)]."""
+    return [trainer.trace_counts["train_step"], trainer.trace_counts["bucketed"]]
 
 
 def main(mode: str, process_id: int, port: int, workdir: str) -> None:
@@ -88,15 +134,28 @@ def main(mode: str, process_id: int, port: int, workdir: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=N_PROCESSES,
                                process_id=process_id)
+    jax.config.update("jax_disable_most_optimizations", True)  # as fast_compiles(), for the whole job
+    if mode != "slices":
+        raise SystemExit(f"unknown mode {mode!r}")
+    _identity(workdir)
+    _rollout(workdir)
+    _trainer(workdir)
+
+
+def _identity(workdir: str) -> None:
+    import jax
+
     from dora_jax.transport import host_mirror
 
-    if mode == "identity":
-        host_mirror.check_same_slice({"config_hash": "c" * 8, "slice_id": process_id})
-    elif mode == "slices":
-        _rollout(workdir)
-        _trainer(workdir)
+    host_mirror.check_same_slice({"config_hash": "c" * 8, "slice_id": 0})  # the hosts agree: passes
+    try:
+        host_mirror.check_same_slice({"config_hash": "c" * 8, "slice_id": jax.process_index()})
+    except SystemExit as err:
+        raised = f"SystemExit: {err.code}"
     else:
-        raise SystemExit(f"unknown mode {mode!r}")
+        raised = "nothing"
+    with open(os.path.join(workdir, f"identity{jax.process_index()}.txt"), "w") as f:
+        f.write(raised)
 
 
 def _rollout(workdir: str) -> None:
@@ -112,15 +171,21 @@ def _rollout(workdir: str) -> None:
     fetch = fetch_from_store(store, worker.engine.param_shardings)
     channel = host_mirror.HostChannel()
     if not channel.is_leader:
-        print("follower:", host_mirror.follow(worker, channel, fetch), flush=True)
+        _write(os.path.join(workdir, "follower.txt"), str(host_mirror.follow(worker, channel, fetch)).encode())
         return
     mirror = host_mirror.MirroredWorker(worker, channel, fetch)
     try:
         done = drive(mirror, mirror.fetch)
     finally:
         mirror.stop("done")
-    with open(os.path.join(workdir, "rollout.pkl"), "wb") as f:
-        pickle.dump({"trajectories": done, "counters": worker.counters}, f)
+    _write(os.path.join(workdir, "rollout.pkl"), pickle.dumps({"trajectories": done, "counters": worker.counters}))
+
+
+def _write(path: str, data: bytes) -> None:
+    """Whole or not at all: the test reads the rollout results while the job goes on."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 def _trainer(workdir: str) -> None:
@@ -128,11 +193,12 @@ def _trainer(workdir: str) -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    trainer, metrics = trainer_step(jax.devices())
-    leaves = multihost_utils.process_allgather(jax.tree.leaves(trainer.params), tiled=True)
-    if jax.process_index() == 0:
-        np.savez(os.path.join(workdir, "trainer.npz"), *[np.asarray(x) for x in leaves], loss=metrics.loss,
-                 grad_norm=metrics.grad_norm)
+    for name in TRAINERS:
+        trainer, metrics = trainer_step(jax.devices(), name)
+        leaves = multihost_utils.process_allgather(jax.tree.leaves(trainer.params), tiled=True)
+        if jax.process_index() == 0:
+            np.savez(os.path.join(workdir, f"trainer_{name}.npz"), *[np.asarray(x) for x in leaves],
+                     loss=metrics.loss, grad_norm=metrics.grad_norm, traces=step_traces(trainer))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Multi-host slices as real multi-controller JAX jobs on CPU (2 processes x 2 fake devices, gloo):
 a rollout slice whose host 0 mirrors its calls to host 1 generates exactly what the same slice in
 one process does (an exported and re-imported KV slot state included); a trainer step over 2
-processes gives the single-process params; hosts that disagree, or a bad --host_id, fail clearly."""
+processes, fixed-shape and length-bucketed, gives the single-process params; hosts that disagree,
+or a bad --host_id, fail clearly. One 2-process job (tests/transport/multihost_job.py) runs every
+multi-host check while this process computes the one-process references."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -19,7 +22,6 @@ from dora_jax.models import init_model, split
 from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.store import ParamStore, TensorStoreTier
 from dora_jax.transport.rollout_agent import fetch_from_store
-from tests.rollout.conftest import TINY
 from tests.transport import multihost_job
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -35,7 +37,7 @@ class _Job:
     """`multihost_job MODE` started as the 2 processes of one JAX job; `wait()` gives their results."""
 
     def __init__(self, mode: str, workdir):
-        port = _free_port()
+        port, self._workdir = _free_port(), workdir
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
         # Output to files, not pipes: nobody reads a pipe while the test computes its reference.
         self._logs = [(workdir / f"host{i}.out", workdir / f"host{i}.err") for i in range(multihost_job.N_PROCESSES)]
@@ -58,6 +60,22 @@ class _Job:
                              for p, (out, err) in zip(self._procs, self._logs)]
         return self._results
 
+    def wait_for(self, *names: str, timeout: float = 300):
+        """The paths of the files `names` under the job's DIR once they all exist (its processes
+        write them whole), while the job goes on; the job's errors if it ends without them."""
+        paths = [self._workdir / name for name in names]
+        deadline = time.monotonic() + timeout
+        while not all(path.exists() for path in paths):
+            missing = [path.name for path in paths if not path.exists()]
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the job wrote no {missing} in {timeout} s")
+            if any(proc.poll() is not None for proc in self._procs):
+                self.succeeded()  # raises with a host's stderr if one failed
+                raise AssertionError(f"the job ended without writing {missing}")
+            time.sleep(0.2)
+        return paths
+
     def kill(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:
@@ -73,11 +91,11 @@ class _Job:
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
-    """The `slices` job (rollout slice, then trainer step, over 2 processes), started at once: the
-    tests compute their one-process references while it runs."""
+    """The `slices` job (identity check, rollout slice, trainer steps, over 2 processes), started at
+    once: the tests compute their one-process references while it runs."""
     workdir = tmp_path_factory.mktemp("two_hosts")
     store = ParamStore(TensorStoreTier(workdir / "versions"))
-    store.publish(0, split(init_model(TINY, seed=3))[1])
+    store.publish(0, split(init_model(multihost_job.rollout_model(), seed=3))[1])
     job = _Job("slices", workdir)
     yield job, workdir, store
     job.kill()
@@ -85,12 +103,12 @@ def two_hosts(tmp_path_factory):
 
 def test_a_two_host_rollout_slice_generates_what_one_host_does(two_hosts):
     job, workdir, store = two_hosts
-    worker = RolloutWorker(multihost_job.rollout_engine(jax.devices()[:4]))
-    one_host = multihost_job.drive(worker, fetch_from_store(store, worker.engine.param_shardings))
-    results = job.succeeded()
-    assert "follower: done" in results[1].stdout
-    with open(workdir / "rollout.pkl", "rb") as f:
-        two = pickle.load(f)
+    with multihost_job.fast_compiles():
+        worker = RolloutWorker(multihost_job.rollout_engine(jax.devices()[:4]))
+        one_host = multihost_job.drive(worker, fetch_from_store(store, worker.engine.param_shardings))
+    rollout, follower = job.wait_for("rollout.pkl", "follower.txt")  # the job goes on with the trainer
+    assert follower.read_text() == "done"
+    two = pickle.loads(rollout.read_bytes())
     got = two["trajectories"]
     assert sorted(got) == sorted(one_host) == [f"t{i}" for i in range(6)]
     assert sum(t.num_migrations for t in got.values()) == 1  # one request left with its KV and came back
@@ -101,13 +119,29 @@ def test_a_two_host_rollout_slice_generates_what_one_host_does(two_hosts):
     assert two["counters"] == worker.counters
 
 
-def test_a_two_host_trainer_step_equals_the_one_host_step(two_hosts):
+@pytest.fixture(scope="module")
+def one_host_trainers(two_hosts):
+    """{name: (params leaves, metrics, step traces)} of every TRAINERS step in this process, all
+    computed before a test waits for the job's."""
+    references = {}
+    with multihost_job.fast_compiles():
+        for name in multihost_job.TRAINERS:
+            trainer, metrics = multihost_job.trainer_step(jax.devices()[:4], name)
+            references[name] = (jax.tree.leaves(jax.device_get(trainer.params)), metrics,
+                                multihost_job.step_traces(trainer))
+    return references
+
+
+@pytest.mark.parametrize("name", list(multihost_job.TRAINERS))
+def test_a_two_host_trainer_step_equals_the_one_host_step(two_hosts, one_host_trainers, name):
     job, workdir, _ = two_hosts
-    trainer, metrics = multihost_job.trainer_step(jax.devices()[:4])
-    leaves = jax.tree.leaves(jax.device_get(trainer.params))
+    leaves, metrics, traces = one_host_trainers[name]
+    # The step it names ran: the fixed-shape one, or the bucketed one at two bucket lengths (16, 32).
+    assert traces == ([0, 2] if name == "bucketed" else [1, 0])
     job.succeeded()
-    two = np.load(workdir / "trainer.npz")
-    assert len(leaves) == len(two.files) - 2
+    two = np.load(workdir / f"trainer_{name}.npz")
+    assert len(leaves) == len(two.files) - 3
+    assert list(two["traces"]) == traces
     np.testing.assert_allclose(two["loss"], metrics.loss, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(two["grad_norm"], metrics.grad_norm, rtol=1e-4, atol=1e-6)
     # As tests/trainer/test_trainer.py bounds sharded == single device: Adam divides by sqrt(v), so
@@ -121,10 +155,14 @@ def test_a_two_host_trainer_step_equals_the_one_host_step(two_hosts):
         assert np.abs(got - want).mean() < 1e-7
 
 
-def test_hosts_of_one_slice_that_disagree_fail_naming_the_difference(tmp_path):
-    for i, proc in enumerate(_Job("identity", tmp_path).wait(timeout=120)):
-        assert proc.returncode == 1, f"host {i}:\n{proc.stderr[-3000:]}"
-        assert "the hosts of one slice disagree (slice_id: host 0 has 0, host 1 has 1)" in proc.stderr
+def test_hosts_of_one_slice_that_disagree_fail_naming_the_difference(two_hosts):
+    job, workdir, _ = two_hosts
+    job.succeeded()
+    for i in range(multihost_job.N_PROCESSES):
+        # SystemExit with a message: a process that does not catch it exits 1 printing the message.
+        raised = (workdir / f"identity{i}.txt").read_text()
+        assert raised.startswith("SystemExit: "), f"host {i}: {raised}"
+        assert "the hosts of one slice disagree (slice_id: host 0 has 0, host 1 has 1)" in raised, f"host {i}: {raised}"
 
 
 def test_a_host_id_out_of_range_is_refused_before_any_work(tmp_path):
