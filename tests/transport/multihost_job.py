@@ -8,10 +8,9 @@ on both with SystemExit; each host writes what it raised to DIR/identity{PROCESS
 rollout slice over both processes (mesh data=2 x tensor=2 over 2 x 2 fake devices): host 0 drives
 `drive()` through a MirroredWorker, host 1 follows; params come from the tensorstore tier under
 DIR/versions; host 0 writes the trajectories to DIR/rollout.pkl, host 1 what `follow` returned to
-DIR/follower.txt. Then one Trainer step on mesh
-fsdp=4 over both processes, the same batch on each, with the fixed-shape step and with the
-length-bucketed one (`TRAINERS`); host 0 writes the gathered params of each to
-DIR/trainer_{name}.npz.
+DIR/follower.txt. Then one Trainer step on mesh fsdp=4 over both processes, the same batch on
+each, with the fixed-shape step and with the length-bucketed one (`TRAINERS`); host 0 writes the
+gathered params of each to DIR/trainer_{name}.npz.
 
 Every process (and the test's one-process references, see `fast_compiles`) compiles with most XLA
 optimisations off: compiling, not running, is what these tiny programs cost.
@@ -84,8 +83,8 @@ def drive(worker, fetch) -> dict:
 
 
 def rollout_model():
-    """tests/rollout's TINY model with one layer (what is checked here is across hosts, not
-    across layers; one layer is about half the compile time)."""
+    """tests/rollout's TINY model with one layer: what is checked here is across hosts, not across
+    layers, and each layer is more to compile."""
     import dataclasses
 
     from tests.rollout.conftest import TINY
