@@ -97,7 +97,7 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             setup.task.source.restore(restored.meta["coordinator"]["extra"]["source"])
             prompts.update({k: _prompt_from_json(v) for k, v in restored.meta["prompts"].items()})
     trainer.publish()
-    trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size)
+    trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
     engine_config = EngineConfig(num_slots=config.rollout.slots, cache_length=config.rollout.cache_length,
                                  max_prefill_length=config.rollout.max_prefill_length)
     ledger = Ledger(ledger_path)

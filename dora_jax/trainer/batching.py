@@ -14,14 +14,16 @@ import numpy as np
 from dora_jax.records import Group, TrainBatch
 
 
-def bucket_length(longest: int, pad_to: int) -> int:
-    """The smallest `pad_to * 2^k` >= `longest`."""
+def bucket_length(longest: int, pad_to: int, cap: int | None = None) -> int:
+    """The smallest `pad_to * 2^k` >= `longest`, or `cap` (>= `longest`) where that is smaller."""
     if pad_to < 1:
         raise ValueError(f"pad_to={pad_to}; expected >= 1")
+    if cap is not None and cap < longest:
+        raise ValueError(f"cap={cap} is shorter than the row of {longest} positions it must hold")
     length = pad_to
     while length < longest:
         length *= 2
-    return length
+    return length if cap is None else min(length, cap)
 
 
 def make_train_batch(groups: list[Group], pad_to: int, pad_id: int, *, num_rows: int | None = None) -> TrainBatch:

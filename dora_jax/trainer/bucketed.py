@@ -17,6 +17,7 @@ trainer mesh spans several hosts, which all run this loop on the same batch).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,29 +38,72 @@ def row_lengths(batch: TrainBatch) -> np.ndarray:
     return np.where(mask.any(1), last, 1)
 
 
-def micro_plan(lengths_B: np.ndarray, num_updates: int, micro_batch_size: int, pad_to: int):
-    """[[(rows_C, T_m), ...] per update]: each update's rows sorted longest first, cut into
-    micro-batches of `micro_batch_size` rows, each with its own bucket length T_m."""
+class Micro(NamedTuple):
+    """One micro-batch: its batch rows (longest first), the positions it is padded to, and the
+    rows of its compiled shape (`size` >= len(rows); the rest are empty padding rows)."""
+
+    rows: np.ndarray
+    length: int
+    size: int
+
+
+def micro_rows(length: int, *, micro_batch_size: int, token_budget: int, shards: int, limit: int) -> int:
+    """Rows of a micro-batch padded to `length` positions: `micro_batch_size`; with a token budget,
+    the most rows within `token_budget` positions, `shards * 2^k` (at least one row per batch
+    shard) and at most `limit` (one update's rows). One row count per length: bounded compiles."""
+    if not token_budget:
+        return micro_batch_size
+    per_shard = max(1, token_budget // (length * shards))
+    rows = shards * (1 << (per_shard.bit_length() - 1))
+    return max(shards, min(rows, limit - limit % shards))
+
+
+def micro_plan(lengths_B: np.ndarray, num_updates: int, micro_batch_size: int, pad_to: int, *,
+               width: int | None = None, token_budget: int = 0, shards: int = 1,
+               max_rows: int | None = None) -> list[list[Micro]]:
+    """[[Micro, ...] per update]: each update's rows sorted longest first and cut into
+    micro-batches, each padded to the bucket of its longest row (`pad_to * 2^k`, at most the
+    batch's `width`). Without a token budget every micro-batch has `micro_batch_size` rows; with
+    one, long rows share a micro-batch with few others and short rows with many (`micro_rows`), up
+    to `max_rows` (default: the whole update)."""
     B = lengths_B.shape[0]
     per_update = B // num_updates
     plan = []
     for u in range(num_updates):
         rows = np.arange(u * per_update, (u + 1) * per_update)
         rows = rows[np.argsort(-lengths_B[rows], kind="stable")]
-        micros = []
-        for start in range(0, per_update, micro_batch_size):
-            part = rows[start : start + micro_batch_size]
-            micros.append((part, bucket_length(int(lengths_B[part].max()), pad_to)))
+        micros, start = [], 0
+        while start < per_update:
+            length = bucket_length(int(lengths_B[rows[start]]), pad_to, width)
+            size = micro_rows(length, micro_batch_size=micro_batch_size, token_budget=token_budget, shards=shards,
+                              limit=max_rows or per_update)
+            micros.append(Micro(rows[start : start + size], length, size))
+            start += size
         plan.append(micros)
     return plan
+
+
+def bucket_lengths(max_length: int, pad_to: int, widths=(None,)) -> list[int]:
+    """Every micro-batch length a row of up to `max_length` positions can get, in a batch of any of
+    `widths` positions (None: uncapped)."""
+    lengths = set()
+    for width in widths:
+        longest = max_length if width is None else min(width, max_length)
+        length = pad_to
+        while True:
+            lengths.add(length if width is None else min(length, width))
+            if length >= longest:
+                break
+            length *= 2
+    return sorted(lengths)
 
 
 class BucketedStep:
     """Runs one batch as `step.train_step` would, micro-batch by micro-batch at their own lengths."""
 
     def __init__(self, graphdef, tx, config, mesh, batch_axes, param_shardings, state_shardings, replicated,
-                 behaviour, *, pad_to: int, compiler_options=None, on_trace=lambda: None):
-        self._config, self._pad_to, self._behaviour = config, pad_to, behaviour
+                 behaviour, *, pad_to: int, shards: int = 1, compiler_options=None, on_trace=lambda: None):
+        self._config, self._pad_to, self._behaviour, self._shards = config, pad_to, behaviour, shards
         self._rows_CT = NamedSharding(mesh, PartitionSpec(batch_axes, None))
         self._rows_C = NamedSharding(mesh, PartitionSpec(batch_axes))
         self._rows_UMCT = NamedSharding(mesh, PartitionSpec(None, None, batch_axes, None))
@@ -72,7 +116,8 @@ class BucketedStep:
                                    router_aux_coef=config.router_aux_coef, micro_batches=micro_batches)
             return jax.value_and_grad(fn, has_aux=True)(params, micro, weights_CT, ref_params)
 
-        self._grad = jax.jit(grad, static_argnums=(4,), out_shardings=((replicated, replicated), param_shardings),
+        # `micro_batches` is traced: with a token budget the count varies from update to update.
+        self._grad = jax.jit(grad, out_shardings=((replicated, replicated), param_shardings),
                              compiler_options=compiler_options)
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self._apply = jax.jit(functools.partial(apply_grads, tx=tx), donate_argnums=(0,),
@@ -81,6 +126,11 @@ class BucketedStep:
                                                      dynamic_sampling=config.dynamic_sampling))
         self._weights = jax.jit(functools.partial(token_weights, loss_norm=loss_config.loss_norm, t_max=loss_config.t_max))
 
+    def plan(self, lengths_B: np.ndarray, width: int, num_updates: int, max_rows: int | None = None) -> list[list[Micro]]:
+        c = self._config
+        return micro_plan(lengths_B, num_updates, c.micro_batch_size, self._pad_to, width=width,
+                          token_budget=c.micro_batch_tokens, shards=self._shards, max_rows=max_rows)
+
     def __call__(self, state, batch: TrainBatch, ref_params, params_of):
         c = self._config
         versions_B = np.asarray(batch.versions_B, np.int64)
@@ -88,25 +138,29 @@ class BucketedStep:
             np.asarray(batch.rewards_B, np.float32), np.asarray(batch.group_ids_B, np.int32),
             np.asarray(batch.valid_B, np.float32)))
         mask_BT = np.asarray(batch.loss_mask_BT, np.float32) * valid_B[:, None]
-        plan = micro_plan(row_lengths(batch), c.num_updates, c.micro_batch_size, self._pad_to)
+        lengths_B = row_lengths(batch)
+        width = mask_BT.shape[1]
+        plan = self.plan(lengths_B, width, c.num_updates)
         per_update = batch.batch_size // c.num_updates
         tokens_BT = np.asarray(batch.tokens_BT, np.int32)
         inference_BT = np.asarray(batch.inference_logps_BT, np.float32)
-        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, row_lengths(batch), params_of)
+        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of)
         losses, norms, finites, stats, load, aux = [], [], [], None, None, []
         for u, micros in enumerate(plan):
             rows_u = np.arange(u * per_update, (u + 1) * per_update)
             weights_BT = np.zeros_like(mask_BT)
             weights_BT[rows_u] = np.asarray(self._weights(mask_BT[rows_u]))  # over the whole mini-batch
             grads, loss, update_aux = None, 0.0, 0.0
-            for rows, T in micros:
+            count = np.float32(len(micros))
+            for m in micros:
+                rows_of = functools.partial(_padded_rows, m)  # padding rows: empty (zero mask and weight)
                 micro = dict(
-                    tokens=self._put(tokens_BT[rows, :T]), mask=self._put(mask_BT[rows, :T]),
-                    inference=self._put(inference_BT[rows, :T]),
-                    behaviour=self._put(behaviour_BT[rows, :T]), adv=jax.device_put(adv_B[rows], self._rows_C),
+                    tokens=self._put(rows_of(tokens_BT)), mask=self._put(rows_of(mask_BT)),
+                    inference=self._put(rows_of(inference_BT)), behaviour=self._put(rows_of(behaviour_BT)),
+                    adv=jax.device_put(rows_of(adv_B), self._rows_C),
                 )
                 (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
-                    state.params, micro, self._put(weights_BT[rows, :T]), ref_params, len(micros))
+                    state.params, micro, self._put(rows_of(weights_BT)), ref_params, count)
                 grads = micro_grads if grads is None else self._add(grads, micro_grads)
                 loss = loss + micro_loss
                 update_aux = update_aux + micro_aux
@@ -128,42 +182,56 @@ class BucketedStep:
     def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of) -> np.ndarray:
         """[B, T] behaviour log-probs on the host, computed before any update (the updates donate
         the current params, the behaviour policy of the newest samples). Rows are grouped by
-        version, then by length: one forward per C rows of one version, at that chunk's bucket."""
-        C = self._config.micro_batch_size
+        version and cut as the micro-batches are, at most `micro_batch_size` rows a chunk (one
+        forward per chunk, at its own length): a version may hold only a few rows."""
         out = np.zeros(tokens_BT.shape, np.float32)
         for version in np.unique(versions_B):
             rows = np.flatnonzero(versions_B == version)
-            rows = rows[np.argsort(-lengths_B[rows], kind="stable")]
-            for start in range(0, rows.size, C):
-                part = rows[start : start + C]
-                T = bucket_length(int(lengths_B[part].max()), self._pad_to)
-                padded = np.concatenate([part, np.full(C - part.size, part[0])])
-                logps = self._behaviour(jax.device_put(tokens_BT[padded, :T][None, None], self._rows_UMCT),
-                                        versions_B[padded], params_of)
+            for chunk in self.plan(lengths_B[rows], tokens_BT.shape[1], 1, self._config.micro_batch_size)[0]:
+                part = rows[chunk.rows]
+                padded = np.concatenate([part, np.full(chunk.size - part.size, part[0])])
+                logps = self._behaviour(jax.device_put(tokens_BT[padded, : chunk.length][None, None], self._rows_UMCT),
+                                        versions_B[padded], params_of, chunk=chunk.size)
                 # The chunk's rows are sharded over the mesh, which may span several processes
                 # (a multi-host trainer): each host gathers the whole chunk (in one process, this
                 # is np.asarray).
-                out[part, :T] = multihost_utils.process_allgather(logps, tiled=True)[0, 0, : part.size]
+                out[part, : chunk.length] = multihost_utils.process_allgather(logps, tiled=True)[0, 0, : part.size]
         return out
 
-    def warmup(self, params, ref_params, version: int, max_length: int, rows_per_update: int, params_of) -> list[int]:
-        """Compiles every bucket shape up to `max_length` (gradient and recompute) on dummy rows,
-        so that a long sample arriving mid-run costs no compile. Params are not changed."""
-        C = self._config.micro_batch_size
-        lengths, T = [], self._pad_to
-        while True:
-            lengths.append(T)
-            if T >= max_length:
-                break
-            T *= 2
-        zeros = lambda T, dtype: self._put(np.zeros((C, T), dtype))  # noqa: E731
+    def warmup(self, state, ref_params, version: int, max_length: int, rows_per_update: int, params_of,
+               widths=(None,)) -> list[int]:
+        """Compiles every micro-batch shape a row of up to `max_length` positions can get in a batch
+        of any of `widths` positions (gradient and recompute) on dummy rows, so that a long sample
+        arriving mid-run costs no compile. Params are not changed. Returns the lengths."""
+        c, params = self._config, state.params
+        lengths = bucket_lengths(max_length, self._pad_to, widths)
         for T in lengths:
-            tokens = np.zeros((C, T), np.int32)
-            self._behaviour(jax.device_put(tokens[None, None], self._rows_UMCT), np.full(C, version), params_of)
-            micro = dict(tokens=zeros(T, np.int32), mask=zeros(T, np.float32), inference=zeros(T, np.float32),
-                         behaviour=zeros(T, np.float32), adv=jax.device_put(np.zeros(C, np.float32), self._rows_C))
-            jax.block_until_ready(self._grad(params, micro, zeros(T, np.float32), ref_params, rows_per_update // C))
+            rows = functools.partial(micro_rows, T, micro_batch_size=c.micro_batch_size,
+                                     token_budget=c.micro_batch_tokens, shards=self._shards)
+            R, chunk = rows(limit=rows_per_update), rows(limit=c.micro_batch_size)  # gradient, recompute
+            tokens = np.zeros((chunk, T), np.int32)
+            self._behaviour(jax.device_put(tokens[None, None], self._rows_UMCT), np.full(chunk, version), params_of,
+                            chunk=chunk)
+            zeros = lambda dtype: self._put(np.zeros((R, T), dtype))  # noqa: E731
+            micro = dict(tokens=zeros(np.int32), mask=zeros(np.float32), inference=zeros(np.float32),
+                         behaviour=zeros(np.float32), adv=jax.device_put(np.zeros(R, np.float32), self._rows_C))
+            (loss, _), grads = self._grad(params, micro, zeros(np.float32), ref_params, np.float32(1))
+            jax.block_until_ready(grads)
+        # The per-update programs: compiled ahead (not run: the update would donate the state).
+        self._add.lower(grads, grads).compile()
+        self._apply.lower(state, grads, loss).compile()
+        B = rows_per_update * c.num_updates
+        self._advantages(np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.float32))
         return lengths
 
     def _put(self, x_CT: np.ndarray) -> jax.Array:
         return jax.device_put(x_CT, self._rows_CT)
+
+
+def _padded_rows(micro: Micro, x_B: np.ndarray) -> np.ndarray:
+    """The micro-batch's rows of a [B] or [B, T] host array, cut to its length and padded with
+    zero rows to its compiled size."""
+    x = x_B[micro.rows] if x_B.ndim == 1 else x_B[micro.rows, : micro.length]
+    if micro.rows.size == micro.size:
+        return x
+    return np.concatenate([x, np.zeros((micro.size - micro.rows.size,) + x.shape[1:], x.dtype)])

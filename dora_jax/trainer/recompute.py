@@ -80,12 +80,14 @@ class BehaviourLogps:
             compiler_options=compiler_options,
         )
 
-    def __call__(self, tokens_UMCT: jax.Array, versions_B: np.ndarray, params_of: Callable[[int], Any]) -> jax.Array:
-        """logps_UMCT on device; `params_of(version)` returns that version in the trainer's shardings."""
+    def __call__(self, tokens_UMCT: jax.Array, versions_B: np.ndarray, params_of: Callable[[int], Any],
+                 chunk: int | None = None) -> jax.Array:
+        """logps_UMCT on device; `params_of(version)` returns that version in the trainer's shardings.
+        `chunk` overrides the rows per forward (one compile per chunk and length)."""
         lead = tokens_UMCT.shape[:3]
         out_UMCT = jnp.zeros(tokens_UMCT.shape, jnp.float32, device=self._rows_sharding)
         current, params = None, None
-        for version, src_C, dst_C in chunk_plan(versions_B, self._chunk):
+        for version, src_C, dst_C in chunk_plan(versions_B, chunk or self._chunk):
             if version != current:
                 current, params = version, params_of(version)
             out_UMCT = self._fill(params, out_UMCT, tokens_UMCT, _unravel(src_C, lead), _unravel(dst_C, lead))

@@ -124,9 +124,10 @@ def sequence_logps(graphdef, params, tokens_BT):
 
 
 def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config: LossConfig,
-                router_aux_coef: float = 0.0, micro_batches: int = 1):
+                router_aux_coef: float = 0.0, micro_batches: int | jax.Array = 1):
     """Loss and (LossStats, (router_load_LX, router_aux_loss)) of one micro-batch (a dict of
-    [C, ...] arrays) under `params`; the aux loss enters with weight router_aux_coef / micro_batches."""
+    [C, ...] arrays) under `params`; the aux loss enters with weight router_aux_coef / micro_batches
+    (a Python int, or a traced count where the number of micro-batches varies per update)."""
     logits_CTV, routing = nnx.merge(graphdef, params)(micro["tokens"], return_routing=True)
     logps_CT, entropy_CT = token_logps(logits_CTV, micro["tokens"])
     ref_CT = None

@@ -23,6 +23,7 @@ from dora_jax.records import TrainBatch
 from dora_jax.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
 from dora_jax.store import ParamStore
 from dora_jax.trainer.advantages import ESTIMATORS
+from dora_jax.trainer.batching import bucket_length
 from dora_jax.trainer.bucketed import BucketedStep
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
@@ -61,6 +62,8 @@ class TrainerConfig:
     micro_batch_size: int = 8  # rows per forward/backward (and per recompute chunk)
     length_bucket: int = 0  # 0: every row padded to the batch's length; N: rows sorted by length and
     #                         each micro-batch padded to its own N * 2^k (dora_jax.trainer.bucketed)
+    micro_batch_tokens: int = 0  # with length_bucket: 0 = micro_batch_size rows per micro-batch; N = as many
+    #                              rows as fit N positions at the micro-batch's length (long rows few, short many)
     max_nonfinite_in_a_row: int = 3  # raise after this many skipped updates in a row
 
     def __post_init__(self):
@@ -72,6 +75,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
         if self.length_bucket < 0:
             raise ValueError(f"trainer.length_bucket={self.length_bucket}; expected 0 (off) or a pad multiple >= 1")
+        if self.micro_batch_tokens < 0 or (self.micro_batch_tokens and not self.length_bucket):
+            raise ValueError(
+                f"trainer.micro_batch_tokens={self.micro_batch_tokens}; expected 0 (off), or a token budget >= 1 "
+                f"together with trainer.length_bucket > 0 (it sizes the length-bucketed micro-batches)"
+            )
         for name in ("num_updates", "micro_batch_size", "max_nonfinite_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)}; expected >= 1")
@@ -183,7 +191,7 @@ class Trainer:
         if config.length_bucket:
             self._bucketed = BucketedStep(
                 graphdef, self._tx, config, mesh, batch_axes, self.param_shardings, self.state_shardings,
-                self._replicated, self._behaviour, pad_to=config.length_bucket,
+                self._replicated, self._behaviour, pad_to=config.length_bucket, shards=shards,
                 compiler_options=self._compiler_options, on_trace=lambda: self.trace_counts.update(["bucketed"]),
             )
 
@@ -230,13 +238,19 @@ class Trainer:
         self._version = int(version)
         self._nonfinite_in_a_row = 0
 
-    def warmup(self, max_length: int, batch_size: int) -> list[int]:
-        """With `length_bucket`, compiles the step of `batch_size`-row batches for every bucket up
-        to `max_length` positions (returns them); without, nothing to do. Params are not changed."""
+    def warmup(self, max_length: int, batch_size: int, pad_to: int | None = None) -> list[int]:
+        """With `length_bucket`, compiles the step of `batch_size`-row batches for every micro-batch
+        length a row of up to `max_length` positions can get (returns them); without, nothing to do.
+        `pad_to`: the batches' own padding (`make_train_batch`), which caps a micro-batch's length;
+        None: batches at least as wide as every bucket. Params are not changed."""
         if self._bucketed is None:
             return []
-        return self._bucketed.warmup(self._state.params, self._ref_params, self._version, max_length,
-                                     batch_size // self.config.num_updates, self._params_of)
+        widths: tuple = (None,)
+        if pad_to is not None:  # a batch is pad_to * 2^k wide, up to the bucket of the longest row
+            top = bucket_length(max_length, pad_to)
+            widths = tuple(pad_to << k for k in range(top.bit_length()) if pad_to << k <= top)
+        return self._bucketed.warmup(self._state, self._ref_params, self._version, max_length,
+                                     batch_size // self.config.num_updates, self._params_of, widths)
 
     def publish(self) -> int:
         """Stores the current params under `version` in the ParamStore; returns the version."""
