@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from dora_jax import run_config, runner
+from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.setup import build_setup
 
 MODES = ("sync", "one_step_off", "partial_rollout", "dora")
@@ -65,6 +66,38 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
     return total
 
 
+def take_profile(events) -> dict:
+    """What the version window holds each time the trainer takes a batch (means over steps): samples
+    still decoding, finished samples whose group is not (a sibling still decodes: the group
+    cannot be trained yet), and finished samples of complete groups. Shows whether the trainer
+    waits on long-tail stragglers holding their groups back."""
+    in_flight: set[str] = set()
+    finished: dict[str, set[str]] = {}  # group -> finished samples not yet consumed
+    members: dict[str, int] = {}  # group -> samples dispatched
+    snapshots, step = [], None
+    for event in events:
+        kind = event.get("ev")
+        if kind == "dispatch" and not event.get("redispatch"):
+            in_flight.add(event["traj"])
+            members[event["group"]] = members.get(event["group"], 0) + 1
+        elif kind == "finish":
+            in_flight.discard(event["traj"])
+            finished.setdefault(event["traj"].rsplit("/", 1)[0], set()).add(event["traj"])
+        elif kind == "consume":
+            if event["step"] != step:
+                step = event["step"]
+                waiting = sum(len(done) for group, done in finished.items() if len(done) < members[group])
+                complete = sum(len(done) for group, done in finished.items() if len(done) == members[group])
+                snapshots.append((len(in_flight), waiting, complete))
+            group = event["traj"].rsplit("/", 1)[0]
+            finished.get(group, set()).discard(event["traj"])
+    if not snapshots:
+        return {}
+    mean = np.mean(np.asarray(snapshots, np.float64), axis=0)
+    return {"decoding": float(mean[0]), "finished_in_incomplete_groups": float(mean[1]),
+            "finished_in_complete_groups": float(mean[2])}
+
+
 def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
     rollout = busy_union([i for slice_timeline in result.timelines["slices"] for i in slice_timeline])
     train = busy_union(result.timelines["trainer"])
@@ -91,6 +124,7 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
         "migrations_kv": report.migrations_kv,
         "max_versions_in_flight": report.max_versions_in_flight,
         "generated_tokens": generated,
+        "at_take": take_profile(read_ledger(os.path.join(result.workdir, "ledger.jsonl"))),
     }
 
 

@@ -1,0 +1,51 @@
+"""`bench modes` bookkeeping: forced lengths, busy-time unions, the window profile at each take,
+ratios and the bound (the runs themselves are what `python -m dora_jax.bench modes` measures)."""
+
+import numpy as np
+import pytest
+
+from dora_jax.bench_modes import LengthDistribution, bound, busy_union, overlap, ratios, take_profile
+
+
+def test_forced_lengths_are_keyed_by_prompt_and_sample_and_follow_the_log_normal():
+    lengths = LengthDistribution(median=20.0, sigma=1.1, max_len=320)
+    draws = np.array([lengths.draw(f"p{i}", s, seed=0) for i in range(2000) for s in range(4)])
+    again = np.array([lengths.draw(f"p{i}", s, seed=0) for i in range(2000) for s in range(4)])
+    assert (draws == again).all()  # every mode decodes the same work
+    reseeded = np.array([lengths.draw(f"p{i}", s, seed=1) for i in range(2000) for s in range(4)])
+    assert (reseeded != draws).mean() > 0.8  # the seed, prompt and sample key each draw
+    assert draws.min() >= 1 and draws.max() <= 320 and (draws == 320).any()  # capped, and the cap is reached
+    assert abs(np.median(draws) - 20) <= 2
+    assert 0.08 < (draws > 60).mean() < 0.20  # P(log-normal > 3x median) = P(z > ln3 / 1.1) = 0.16
+
+
+def test_busy_union_merges_overlaps_and_overlap_sums_shared_time():
+    rollout = busy_union([(0.0, 1.0, 0, 1.0), (0.5, 2.0, 1, 0.5), (3.0, 4.0, 1, 1.0)])
+    assert rollout == [(0.0, 2.0), (3.0, 4.0)]
+    assert overlap(rollout, [(1.5, 3.5)]) == pytest.approx(1.0)
+
+
+def test_take_profile_counts_what_the_window_holds_when_the_trainer_takes():
+    events = [{"ev": "dispatch", "traj": f"g{g}/{i}", "group": f"g{g}"} for g in range(3) for i in range(2)]
+    events += [{"ev": "finish", "traj": t} for t in ("g0/0", "g0/1", "g1/0")]  # g1/1 and both of g2 decode
+    events += [{"ev": "consume", "traj": t, "step": 0} for t in ("g0/0", "g0/1")]
+    events += [{"ev": "finish", "traj": t} for t in ("g1/1", "g2/0", "g2/1")]
+    events += [{"ev": "consume", "traj": t, "step": 1} for t in ("g1/0", "g1/1")]
+    profile = take_profile(events)
+    # step 0: 3 decoding, g1/0 waits on its sibling, g0 complete; step 1: nothing decoding, g1 and g2 complete
+    assert profile == {"decoding": 1.5, "finished_in_incomplete_groups": 0.5, "finished_in_complete_groups": 3.0}
+    assert take_profile([]) == {}
+
+
+def test_ratios_and_the_bound_use_dora_s_own_work():
+    modes = {
+        "sync": {"tokens_per_s": 100.0, "rollout_only_s_per_step": 2.0},
+        "one_step_off": {"tokens_per_s": 150.0, "rollout_only_s_per_step": 1.0},
+        "dora": {"tokens_per_s": 250.0, "rollout_only_s_per_step": 0.5, "generated_tokens": 1000,
+                 "train_tokens": 500, "train_busy_s": 1.0},
+    }
+    out = ratios(modes)
+    assert out["dora_vs_sync"] == 2.5 and out["dora_vs_one_step_off"] == pytest.approx(5 / 3)
+    assert out["dora_vs_partial_rollout"] is None and out["rollout_speedup_vs_sync"] == 4.0
+    b = bound(modes, slot_rate=1000.0, train_rate=0.0)  # 1 s of decode + dora's 1 s of training, summed
+    assert b["rollout_s"] == 1.0 and b["train_s"] == 1.0 and b["tokens_per_s"] == 250.0
