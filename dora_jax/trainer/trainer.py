@@ -23,8 +23,7 @@ from dora_jax.records import TrainBatch
 from dora_jax.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
 from dora_jax.store import ParamStore
 from dora_jax.trainer.advantages import ESTIMATORS
-from dora_jax.trainer.batching import bucket_length
-from dora_jax.trainer.bucketed import BucketedStep
+from dora_jax.trainer.bucketed import BucketedStep, bucket_lengths
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
 from dora_jax.trainer.step import (
@@ -245,10 +244,8 @@ class Trainer:
         None: batches at least as wide as every bucket. Params are not changed."""
         if self._bucketed is None:
             return []
-        widths: tuple = (None,)
-        if pad_to is not None:  # a batch is pad_to * 2^k wide, up to the bucket of the longest row
-            top = bucket_length(max_length, pad_to)
-            widths = tuple(pad_to << k for k in range(top.bit_length()) if pad_to << k <= top)
+        # A batch is pad_to * 2^k wide, up to the bucket of the longest row: every uncapped bucket.
+        widths = (None,) if pad_to is None else tuple(bucket_lengths(max_length, pad_to))
         return self._bucketed.warmup(self._state, self._ref_params, self._version, max_length,
                                      batch_size // self.config.num_updates, self._params_of, widths)
 
