@@ -3,9 +3,10 @@
     python -m dora_jax.bench modes --config=configs/bench_longtail.py --out=/tmp/bench_modes
     python -m dora_jax.bench engine --config=configs/bench_longtail.py --out=/tmp/bench_engine
 
-Response lengths: log-normal, the paper's median 2.4K / max 30K tokens scaled down ~100x to
-median 20 / cap 320, with sigma 1.1 so that one 32-sample batch's longest response is ~5-10x its
-mean (what makes sync's bubbles 74-88% in the paper), and a tiny model decodes them in minutes.
+Response lengths: log-normal, the paper's median 2.4K / max 30K tokens scaled down 100x to
+median 24 / cap 300 (the paper's 12.5x max/median), with sigma 1.1 so that one 32-sample batch's
+longest response is ~5-10x its mean (what makes sync's bubbles 74-88% in the paper), and a tiny
+model decodes them in minutes.
 The model and slot count sit in the flat regime of the CPU decode step (a step costs about the
 same with 1 or all slots busy, as on an accelerator): check with `bench engine`.
 """
@@ -28,21 +29,21 @@ def get_config(arg=None):
         c.task.k_max = 8  # short prompts: the work is in decoding
         c.rollout.num_slices = 2
         c.rollout.slots = 16
-        c.rollout.cache_length = 384  # prompt (<= 18) + response (<= 320)
+        c.rollout.cache_length = 320  # prompt (<= 18) + response (<= 300)
         c.rollout.max_prefill_length = 32
-        c.rollout.max_new_tokens = 320
+        c.rollout.max_new_tokens = 300
         c.coordinator.group_size = 4
         c.coordinator.train_batch_size = 32
         c.coordinator.rollout_batch_size = 96  # = k_max * TBS: the version window, not RBS, bounds what is in flight
         c.coordinator.k_max = 3
         c.trainer.micro_batch_size = 8
-        c.trainer.pad_to = 344  # the batch-wide shape when length_bucket = 0 (prompt <= 18 + response <= 320)
+        c.trainer.pad_to = 320  # the batch-wide shape when length_bucket = 0 (prompt <= 18 + response <= 300)
         c.trainer.length_bucket = 16  # each micro-batch padded to its own 16 * 2^k: short rows cost short forwards
         c.trainer.micro_batch_tokens = 1024  # long rows 2 to a micro-batch, short ones up to 32 (fewer padded positions)
         # One fake device for the trainer: fake devices share the same 2 cores, so fsdp=2 adds collectives
         # (~16 ms per micro-batch gradient here) and no compute.
         c.mesh.trainer = {"fsdp": 1}
         c.log.tensorboard = False
-        c.bench = {"median_len": 20.0, "sigma": 1.1, "max_len": 320}  # forced response lengths (tokens)
+        c.bench = {"median_len": 24.0, "sigma": 1.1, "max_len": 300}  # forced response lengths (tokens)
     c.lock()
     return c

@@ -37,9 +37,9 @@ def test_take_profile_counts_what_the_window_holds_when_the_trainer_takes():
     assert take_profile([]) == {}
 
 
-def test_ratios_and_the_bound_use_dora_s_own_work():
+def test_ratios_and_the_bound_time_each_role_alone():
     modes = {
-        "sync": {"tokens_per_s": 100.0, "rollout_only_s_per_step": 2.0},
+        "sync": {"tokens_per_s": 100.0, "rollout_only_s_per_step": 2.0, "train_tokens": 400, "train_busy_s": 0.5},
         "one_step_off": {"tokens_per_s": 150.0, "rollout_only_s_per_step": 1.0},
         "dora": {"tokens_per_s": 250.0, "rollout_only_s_per_step": 0.5, "generated_tokens": 1000,
                  "train_tokens": 500, "train_busy_s": 1.0},
@@ -47,5 +47,12 @@ def test_ratios_and_the_bound_use_dora_s_own_work():
     out = ratios(modes)
     assert out["dora_vs_sync"] == 2.5 and out["dora_vs_one_step_off"] == pytest.approx(5 / 3)
     assert out["dora_vs_partial_rollout"] is None and out["rollout_speedup_vs_sync"] == 4.0
-    b = bound(modes, slot_rate=1000.0, train_rate=0.0)  # 1 s of decode + dora's 1 s of training, summed
-    assert b["rollout_s"] == 1.0 and b["train_s"] == 1.0 and b["tokens_per_s"] == 250.0
+    # 1 s of decode at the full-occupancy rate + dora's 500 train tokens at sync's 800 tokens/s, summed;
+    # dora's own (contended) 1 s of training does not enter
+    b = bound(modes, slot_rate=1000.0)
+    assert b["rollout_s"] == 1.0 and b["train_s"] == 0.625 and b["tokens_per_s"] == pytest.approx(500 / 1.625)
+    assert "sync's train rate" in b["how"]
+    # without a sync run, dora's own train-busy time is what is left
+    del modes["sync"]
+    b = bound(modes, slot_rate=1000.0)
+    assert b["train_s"] == 1.0 and b["tokens_per_s"] == 250.0 and "generous" in b["how"]
