@@ -39,6 +39,11 @@ class EngineBenchConfig:
     num_kv_heads: int = 2
     head_dim: int = 16
     vocab_size: int = 256
+    num_experts: int = 0  # > 0: a Qwen3-MoE, every layer sparse (as `configs/smoke_moe.py`)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_dispatch: str = "grouped"
     slots: int = 32  # decode slots of the engine under test
     cache_length: int = 256  # rows per slot
     max_prefill_length: int = 128  # largest prefill bucket
@@ -51,9 +56,12 @@ class EngineBenchConfig:
 
 
 def _model_config(config: EngineBenchConfig) -> ModelConfig:
+    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=config.num_experts,
+               num_experts_per_tok=config.num_experts_per_tok, moe_intermediate_size=config.moe_intermediate_size,
+               norm_topk_prob=config.norm_topk_prob, moe_dispatch=config.moe_dispatch) if config.num_experts else {}
     return ModelConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                        intermediate_size=config.intermediate_size, num_layers=config.num_layers,
-                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, **moe)
 
 
 def _engine(config: EngineBenchConfig, slots: int, mesh) -> RolloutEngine:
@@ -181,7 +189,7 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-_FLAG_TYPES = {"int": int, "bool": lambda text: text.lower() in ("1", "true", "yes")}
+_FLAG_TYPES = {"int": int, "str": str, "bool": lambda text: text.lower() in ("1", "true", "yes")}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

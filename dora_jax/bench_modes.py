@@ -232,6 +232,8 @@ def engine_bench_config(cfg_dict):
     return EngineBenchConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=len(ALPHABET) + 3,
+        num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob, moe_dispatch=m.moe_dispatch,
         slots=r.slots, cache_length=r.cache_length, max_prefill_length=r.max_prefill_length,
         tensor_parallel=int(dict(cfg_dict.mesh.rollout).get("tensor", 1)))
 

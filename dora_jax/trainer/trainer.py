@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.records import TrainBatch
@@ -261,7 +262,8 @@ class Trainer:
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
         logps_UMCT = self._behaviour(self._rows(batch.tokens_BT, np.int32), versions_B, self._params_of)
-        return np.asarray(logps_UMCT).reshape(np.shape(batch.tokens_BT))
+        # Rows are sharded over the mesh, which may span processes: every host gathers them all.
+        return multihost_utils.process_allgather(logps_UMCT, tiled=True).reshape(np.shape(batch.tokens_BT))
 
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         versions_B = np.asarray(batch.versions_B, np.int64)
