@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
+from flax import nnx
+
 from dora_jax.bench_engine import EngineBenchConfig, format_table, run_engine_bench
 
 
@@ -23,27 +26,25 @@ def test_engine_bench_writes_the_documented_json(tmp_path):
     assert "compiles after warm-up: 0" in format_table(results)
 
 
-def test_engine_bench_of_a_moe_config_measures_the_moe_model(tmp_path):
+def test_engine_bench_of_a_moe_config_builds_the_moe_model():
+    """The engine under test is `_model_config(config)`: for configs/smoke_moe.py, the Qwen3-MoE."""
     import importlib.util
     import os
 
+    from dora_jax.bench_engine import _model_config
     from dora_jax.bench_modes import engine_bench_config
+    from dora_jax.models import init_model
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "smoke_moe.py")
     spec = importlib.util.spec_from_file_location("smoke_moe", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = module.get_config()
-    config = engine_bench_config(cfg)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 128)
-    config = dataclasses.replace(config, slots=2, cache_length=32, max_prefill_length=16, prompt_length=4,
-                                 decode_steps=2, prefill_repeats=1, batch_curve=False, tensor_parallel=1)
-    results = run_engine_bench(config, str(tmp_path))
-    dense = dataclasses.replace(config, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
-    assert results["model"]["num_experts"] == 8 and results["compiles_after_warmup"] == 0
-    # the measured model has the experts: per layer, 8 SwiGLU experts and a router instead of the dense
-    # MLP, and Qwen3's q/k norms
+    config = engine_bench_config(module.get_config())
+    moe = _model_config(config)
+    assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == ("qwen3_moe", 8, 2, 128)
+    assert moe.norm_topk_prob and moe.moe_dispatch == "dense"
+    dense = _model_config(dataclasses.replace(config, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0))
+    count = lambda c: sum(x.size for x in jax.tree.leaves(nnx.state(init_model(c, seed=0), nnx.Param)))  # noqa: E731
+    # per layer: 8 SwiGLU experts of width 128 and a router instead of the dense MLP, and Qwen3's q/k norms
     H, I, M, E, D = config.hidden_size, config.intermediate_size, 128, 8, config.head_dim
-    per_layer = E * 3 * H * M + H * E - 3 * H * I + 2 * D
-    dense_params = run_engine_bench(dense, None)["model"]["params"]
-    assert results["model"]["params"] == dense_params + config.num_layers * per_layer
+    assert count(moe) == count(dense) + config.num_layers * (E * 3 * H * M + H * E - 3 * H * I + 2 * D)
