@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
 
 import jax
 from flax import nnx
 
-from dora_jax.bench_engine import EngineBenchConfig, format_table, run_engine_bench
+from dora_jax.bench_engine import EngineBenchConfig, _model_config, format_table, run_engine_bench
+from dora_jax.bench_modes import engine_bench_config
+from dora_jax.models import init_model
 
 
 def test_engine_bench_writes_the_documented_json(tmp_path):
@@ -28,13 +32,6 @@ def test_engine_bench_writes_the_documented_json(tmp_path):
 
 def test_engine_bench_of_a_moe_config_builds_the_moe_model():
     """The engine under test is `_model_config(config)`: for configs/smoke_moe.py, the Qwen3-MoE."""
-    import importlib.util
-    import os
-
-    from dora_jax.bench_engine import _model_config
-    from dora_jax.bench_modes import engine_bench_config
-    from dora_jax.models import init_model
-
     path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "smoke_moe.py")
     spec = importlib.util.spec_from_file_location("smoke_moe", path)
     module = importlib.util.module_from_spec(spec)
