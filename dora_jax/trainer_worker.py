@@ -82,9 +82,6 @@ def train(config, workdir: str, client) -> None:
     report = _reporter(client, store) if leader else (lambda version: None)
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
-    # Every micro-batch shape now, while the rollout slices start on version 0: a long sample
-    # arriving mid-run then costs no compile (as in the one-process runner).
-    trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
     batches = _BatchSource(client, channel)
     writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if leader else None
     start, last = time.perf_counter(), {}
