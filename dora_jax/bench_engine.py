@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from dora_jax import sharding
-from dora_jax.models import ModelConfig, init_model, split
+from dora_jax.models import ModelConfig, init_model, moe_fields, split
 from dora_jax.records import Request, SamplingParams
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
@@ -56,12 +56,11 @@ class EngineBenchConfig:
 
 
 def _model_config(config: EngineBenchConfig) -> ModelConfig:
-    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=config.num_experts,
-               num_experts_per_tok=config.num_experts_per_tok, moe_intermediate_size=config.moe_intermediate_size,
-               norm_topk_prob=config.norm_topk_prob, moe_dispatch=config.moe_dispatch) if config.num_experts else {}
+    moe = moe_fields(config)  # a Qwen3-MoE (with Qwen3's q/k norms) when num_experts > 0
     return ModelConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                        intermediate_size=config.intermediate_size, num_layers=config.num_layers,
-                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, **moe)
+                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                       qk_norm=bool(moe), **moe)
 
 
 def _engine(config: EngineBenchConfig, slots: int, mesh) -> RolloutEngine:

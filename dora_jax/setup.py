@@ -52,9 +52,7 @@ def make_tokenizer(config: RunConfig):
 def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.ModelConfig:
     """A Qwen3 (dense), or a Qwen3-MoE with every layer sparse when model.num_experts > 0."""
     m = config.model
-    moe = dict(model_type="qwen3_moe", num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-               moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
-               moe_dispatch=m.moe_dispatch) if m.num_experts else dict(model_type="qwen3")
+    moe = models.moe_fields(m) or dict(model_type="qwen3")
     return models.ModelConfig(
         **moe, qk_norm=True, vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from dora_jax.models.config import ModelConfig, RopeConfig, dtype_from_name
+from dora_jax.models.config import ModelConfig, RopeConfig, dtype_from_name, moe_fields
 from dora_jax.models.decoder import KV_CACHE_AXES, Decoder, KVCache, init_model
 from dora_jax.models.hf_io import load_hf, read_config, save_hf
 from dora_jax.models.moe import Routing, expert_load, load_balancing_loss
@@ -45,6 +45,7 @@ __all__ = [
     "load_balancing_loss",
     "load_hf",
     "logical_axes",
+    "moe_fields",
     "read_config",
     "save_hf",
     "split",

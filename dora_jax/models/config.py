@@ -220,6 +220,16 @@ class ModelConfig:
         return hf
 
 
+def moe_fields(m) -> dict:
+    """The ModelConfig fields of a Qwen3-MoE with every layer sparse, read from any config that
+    names them the same (the run config's `model`, `EngineBenchConfig`); {} when num_experts = 0."""
+    if not m.num_experts:
+        return {}
+    return dict(model_type="qwen3_moe", num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                moe_dispatch=m.moe_dispatch)
+
+
 def _as_eos(value):
     if value is None or isinstance(value, int):
         return value

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 
 import jax
 from flax import nnx
@@ -13,6 +11,7 @@ from flax import nnx
 from dora_jax.bench_engine import EngineBenchConfig, _model_config, format_table, run_engine_bench
 from dora_jax.bench_modes import engine_bench_config
 from dora_jax.models import init_model
+from tests.launch.configs import load
 
 
 def test_engine_bench_writes_the_documented_json(tmp_path):
@@ -32,11 +31,7 @@ def test_engine_bench_writes_the_documented_json(tmp_path):
 
 def test_engine_bench_of_a_moe_config_builds_the_moe_model():
     """The engine under test is `_model_config(config)`: for configs/smoke_moe.py, the Qwen3-MoE."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "smoke_moe.py")
-    spec = importlib.util.spec_from_file_location("smoke_moe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = engine_bench_config(module.get_config())
+    config = engine_bench_config(load("smoke_moe.py"))
     moe = _model_config(config)
     assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == ("qwen3_moe", 8, 2, 128)
     assert moe.norm_topk_prob and moe.moe_dispatch == "dense"
