@@ -98,6 +98,25 @@ def take_profile(events) -> dict:
             "finished_in_complete_groups": float(mean[2])}
 
 
+def straggler_latency(events) -> float:
+    """Mean over training batches of the batch's slowest sample: seconds from its first dispatch to
+    its finish. A batch cannot be taken before its straggler finishes, and C3 makes the trainer take
+    a sample within K steps of its version, so when this exceeds K of the trainer's own (busy) step
+    times the window binds and the trainer waits (in the paper K steps outlast the longest
+    generation)."""
+    dispatched, finished, slowest = {}, {}, {}
+    for event in events:
+        kind = event.get("ev")
+        if kind == "dispatch":
+            dispatched.setdefault(event["traj"], event["t"])
+        elif kind == "finish":
+            finished[event["traj"]] = event["t"]
+        elif kind == "consume":
+            latency = finished[event["traj"]] - dispatched[event["traj"]]
+            slowest[event["step"]] = max(slowest.get(event["step"], 0.0), latency)
+    return float(np.mean(list(slowest.values()))) if slowest else 0.0
+
+
 def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
     rollout = busy_union([i for slice_timeline in result.timelines["slices"] for i in slice_timeline])
     train = busy_union(result.timelines["trainer"])
@@ -107,6 +126,8 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
     train_tokens = sum(r["loss_tokens"] for r in result.metrics)
     report = result.audit
     slot_steps, idle_slot_steps = result.timelines["slot_totals"]
+    events = list(read_ledger(os.path.join(result.workdir, "ledger.jsonl")))
+    straggler_s = straggler_latency(events)
     return {
         "wall_s": result.wall_s,
         "steps": result.steps,
@@ -124,34 +145,58 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
         "migrations_kv": report.migrations_kv,
         "max_versions_in_flight": report.max_versions_in_flight,
         "generated_tokens": generated,
-        "at_take": take_profile(read_ledger(os.path.join(result.workdir, "ledger.jsonl"))),
+        "straggler_s": straggler_s,
+        "straggler_train_steps": straggler_s * result.steps / result.train_busy_s if result.train_busy_s else None,
+        "at_take": take_profile(events),
     }
 
 
-def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution | None = None) -> dict:
+def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution | None = None, rounds: int = 1) -> dict:
+    """Runs every mode `rounds` times, the modes interleaved within each round (a shared machine's
+    slow spells then hit all modes alike), after one warm-up pass that compiles every program."""
     os.makedirs(out_dir, exist_ok=True)
     lengths = lengths or LengthDistribution(cfg_dict.bench.median_len, cfg_dict.bench.sigma, cfg_dict.bench.max_len)
     seed = int(cfg_dict.seed)
-    results, timelines = {}, {}
-    for mode in ("warmup",) + tuple(modes):  # the warm-up pass compiles every program first
-        measure = mode != "warmup"
-        mode = mode if measure else "dora"
+    per_round, timelines = [{} for _ in range(rounds)], {}
+    for mode, rnd in [("dora", None)] + [(mode, r) for r in range(rounds) for mode in modes]:
         with cfg_dict.unlocked():
             cfg_dict.mode = mode
         config = run_config.parse(cfg_dict)
-        if not measure:
+        if rnd is None:
             config = dataclasses.replace(config, num_steps=min(config.num_steps, 3))
-        workdir = os.path.join(out_dir, mode if measure else "warmup")
+        workdir = os.path.join(out_dir, "warmup" if rnd is None else mode if rounds == 1 else f"{mode}_r{rnd}")
         setup = build_setup(config, workdir)
         result = runner.run(config, workdir, setup=setup, scorer=ConstantScorer(), progress=False,
                             forced_length=lambda prompt_id, i: lengths.draw(prompt_id, i, seed))
-        if not measure:
+        if rnd is None:
             continue
-        results[mode] = mode_result(result, config)
-        timelines[mode] = result.timelines
-        print(f"{mode:16s} wall {result.wall_s:7.1f}s  tokens/s {results[mode]['tokens_per_s']:8.1f}  "
-              f"bubbles {results[mode]['bubble_ratio']:.2f}  audit {'ok' if result.audit.ok else 'VIOLATIONS'}", flush=True)
-    return {"modes": results, "timelines": timelines, "lengths": dataclasses.asdict(lengths)}
+        row = per_round[rnd][mode] = mode_result(result, config)
+        timelines[mode] = result.timelines  # the last round's
+        print(f"round {rnd} {mode:16s} wall {result.wall_s:7.1f}s  tokens/s {row['tokens_per_s']:8.1f}  "
+              f"bubbles {row['bubble_ratio']:.2f}  audit {'ok' if result.audit.ok else 'VIOLATIONS'}", flush=True)
+    return {"rounds": per_round, "timelines": timelines, "lengths": dataclasses.asdict(lengths)}
+
+
+_WORST_OF_ROUNDS = ("max_staleness", "c1_violations", "max_versions_in_flight")
+
+
+def median_of_rounds(rows: list[dict]) -> dict:
+    """Field-wise median over rounds; a flag (audit ok) must hold in every round, and the staleness
+    and violation counts are the worst round's."""
+    out = {}
+    for key, first in rows[0].items():
+        values = [row[key] for row in rows]
+        if isinstance(first, bool):
+            out[key] = all(values)
+        elif isinstance(first, dict):
+            out[key] = median_of_rounds(values)
+        elif key in _WORST_OF_ROUNDS:
+            out[key] = max(values)
+        elif isinstance(first, str) or any(v is None for v in values) or all(v == first for v in values):
+            out[key] = first if all(v == first for v in values) else None
+        else:
+            out[key] = float(np.median(values))
+    return out
 
 
 def ratios(modes: dict) -> dict:
@@ -240,11 +285,13 @@ def engine_bench_config(cfg_dict):
 
 def format_table(results: dict) -> str:
     keys = ("wall_s", "steps", "tokens_per_s", "step_time_s", "rollout_only_share", "bubble_ratio",
-            "trainer_wait_s", "max_staleness", "audit_ok")
+            "trainer_wait_s", "straggler_train_steps", "max_staleness", "audit_ok")
     lines = ["mode             " + " ".join(f"{k:>18s}" for k in keys)]
     for mode, row in results["modes"].items():
         lines.append(f"{mode:16s} " + " ".join(f"{_fmt(row[k]):>18s}" for k in keys))
-    lines.append("ratios: " + json.dumps({k: _fmt(v) for k, v in results["ratios"].items()}))
+    for i, r in enumerate(results.get("rounds", [])):
+        lines.append(f"round {i} ratios: " + json.dumps({k: _fmt(v) for k, v in r["ratios"].items()}))
+    lines.append("ratios (median of rounds): " + json.dumps({k: _fmt(v) for k, v in results["ratios"].items()}))
     lines.append("bound:  " + json.dumps({k: _fmt(v) for k, v in results["bound"].items() if k != "how"}))
     return "\n".join(lines)
 
@@ -255,15 +302,22 @@ def _fmt(v):
 
 def main(cfg_dict, out_dir: str) -> dict:
     start = time.perf_counter()
-    measured = run_modes(cfg_dict, out_dir)
-    modes = measured["modes"]
+    measured = run_modes(cfg_dict, out_dir, rounds=int(cfg_dict.bench.get("rounds", 1)))
     from dora_jax.bench_engine import run_engine_bench
 
     engine = run_engine_bench(engine_bench_config(cfg_dict), None)
     full = max(engine["decode"], key=lambda d: d["active_slots"])
     slot_rate = full["tokens_per_s"]  # one slice alone at full occupancy: what the shared cores decode
-    results = {"modes": modes, "bound": bound(modes, slot_rate), "ratios": ratios(modes),
-               "lengths": measured["lengths"], "engine_full_occupancy": full, "bench_wall_s": time.perf_counter() - start}
+    rounds = []
+    for modes in measured["rounds"]:
+        b = bound(modes, slot_rate)
+        rounds.append({"ratios": {**ratios(modes), "bound_vs_dora": b["tokens_per_s"] / modes["dora"]["tokens_per_s"]},
+                       "bound": b, "tokens_per_s": {mode: row["tokens_per_s"] for mode, row in modes.items()}})
+    results = {"modes": {mode: median_of_rounds([r[mode] for r in measured["rounds"]]) for mode in measured["rounds"][0]},
+               "bound": median_of_rounds([r["bound"] for r in rounds]),
+               "ratios": median_of_rounds([r["ratios"] for r in rounds]),
+               "rounds": rounds, "lengths": measured["lengths"], "engine_full_occupancy": full,
+               "bench_wall_s": time.perf_counter() - start}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     write_timeline(measured["timelines"], os.path.join(out_dir, "timeline.png"))

@@ -4,7 +4,8 @@ ratios and the bound (the runs themselves are what `python -m dora_jax.bench mod
 import numpy as np
 import pytest
 
-from dora_jax.bench_modes import LengthDistribution, bound, busy_union, overlap, ratios, take_profile
+from dora_jax.bench_modes import (LengthDistribution, bound, busy_union, median_of_rounds, overlap, ratios,
+                                  straggler_latency, take_profile)
 
 
 def test_forced_lengths_are_keyed_by_prompt_and_sample_and_follow_the_log_normal():
@@ -56,3 +57,27 @@ def test_ratios_and_the_bound_time_each_role_alone():
     del modes["sync"]
     b = bound(modes, slot_rate=1000.0)
     assert b["train_s"] == 1.0 and b["tokens_per_s"] == 250.0 and "generous" in b["how"]
+
+
+def test_straggler_latency_is_each_batchs_slowest_sample_from_first_dispatch_to_finish():
+    events = [{"ev": "dispatch", "traj": t, "t": 0.0} for t in ("a", "b", "c")]
+    events += [{"ev": "finish", "traj": "a", "t": 1.0}, {"ev": "finish", "traj": "b", "t": 4.0}]
+    events += [{"ev": "consume", "traj": t, "step": 0} for t in ("a", "b")]  # batch 0: b took 4 s
+    events += [{"ev": "dispatch", "traj": "c", "t": 2.0}]  # a re-dispatch does not restart the clock
+    events += [{"ev": "dispatch", "traj": "d", "t": 5.0}, {"ev": "finish", "traj": "d", "t": 5.5},
+               {"ev": "finish", "traj": "c", "t": 6.0}]
+    events += [{"ev": "consume", "traj": t, "step": 1} for t in ("c", "d")]  # batch 1: c took 6 s
+    assert straggler_latency(events) == 5.0
+    assert straggler_latency([]) == 0.0
+
+
+def test_rounds_combine_by_median_with_every_audit_and_the_worst_staleness():
+    rows = [{"tokens_per_s": 100.0, "steps": 24, "audit_ok": True, "max_staleness": 2, "how": "x",
+             "ratio": None, "at_take": {"decoding": 1.0}},
+            {"tokens_per_s": 300.0, "steps": 24, "audit_ok": False, "max_staleness": 3, "how": "x",
+             "ratio": 1.0, "at_take": {"decoding": 3.0}},
+            {"tokens_per_s": 120.0, "steps": 24, "audit_ok": True, "max_staleness": 1, "how": "x",
+             "ratio": 2.0, "at_take": {"decoding": 2.0}}]
+    assert median_of_rounds(rows) == {"tokens_per_s": 120.0, "steps": 24, "audit_ok": False, "max_staleness": 3,
+                                      "how": "x", "ratio": None, "at_take": {"decoding": 2.0}}
+    assert median_of_rounds(rows[:1]) == rows[0]
