@@ -34,7 +34,7 @@ def get_config(arg=None):
         c.rollout.max_new_tokens = 300
         c.coordinator.group_size = 4
         c.coordinator.train_batch_size = 32
-        c.coordinator.rollout_batch_size = 96  # = k_max * TBS: the version window, not RBS, bounds what is in flight
+        c.coordinator.rollout_batch_size = 96  # decoding at once; the version window (<= (K + 1) x TBS unconsumed) binds first
         c.coordinator.k_max = 3
         c.trainer.micro_batch_size = 8
         c.trainer.pad_to = 320  # the batch-wide shape when length_bucket = 0 (prompt <= 18 + response <= 300)

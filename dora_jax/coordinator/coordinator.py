@@ -30,7 +30,7 @@ from dora_jax.records import FinishReason, Group, Request, SamplingParams, Score
 class CoordinatorConfig:
     mode: str = "dora"
     k_max: int = 2
-    rollout_batch_size: int = 32  # RBS: samples kept in flight in streaming modes (<= k_max * TBS)
+    rollout_batch_size: int = 32  # RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)
     train_batch_size: int = 16  # TBS: samples per training step
     group_size: int = 4  # G samples per prompt
     max_new_tokens: int = 64
@@ -62,11 +62,11 @@ class CoordinatorConfig:
                     f"coordinator.rollout_batch_size={self.rollout_batch_size} < train_batch_size="
                     f"{self.train_batch_size}; mode {self.mode} keeps at least one batch in flight"
                 )
-            if self.rollout_batch_size > self.k_max * self.train_batch_size:
+            if self.rollout_batch_size > (self.k_max + 1) * self.train_batch_size:
                 raise ValueError(
-                    f"coordinator.rollout_batch_size={self.rollout_batch_size} exceeds k_max * "
-                    f"train_batch_size={self.k_max * self.train_batch_size}: the version window never lets "
-                    "more samples than K steps can train on be unconsumed, so it could never be reached"
+                    f"coordinator.rollout_batch_size={self.rollout_batch_size} exceeds (k_max + 1) * "
+                    f"train_batch_size={(self.k_max + 1) * self.train_batch_size}: the version window never lets "
+                    "more samples than K + 1 steps can train on be unconsumed, so it could never be reached"
                 )
         if num_slices < 1:
             raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
@@ -128,6 +128,7 @@ class Coordinator:
         self.ledger = ledger
         self._forced_length = forced_length
         self.latest = initial_version  # newest published version
+        self._taken_at = initial_version - 1  # trainer version of the last take
         self.slice_version: dict[int, Optional[int]] = {sid: None for sid in self.ports}
         self.slice_trajs: dict[int, list[str]] = {sid: [] for sid in self.ports}
         self.requests: dict[str, Request] = {}  # in flight (dispatched, not finished)
@@ -244,14 +245,20 @@ class Coordinator:
             want = cfg.train_batch_size if (initial or after_publish) and unconsumed == 0 else 0
         elif supply == Supply.ONE_AHEAD:  # one_step_off: the next batch as the trainer takes one
             want = cfg.train_batch_size if (initial or after_take) and unconsumed == 0 else 0
-        else:  # streaming: RBS in flight, and never more unconsumed than K steps can train on
+        else:  # streaming: RBS in flight, and never more unconsumed than the takes that may still train on it
             in_flight = len(self.requests) + len(self.backlog)
-            want = min(cfg.rollout_batch_size - in_flight, cfg.window * cfg.train_batch_size - unconsumed)
+            want = min(cfg.rollout_batch_size - in_flight, self._takes_for_newest() * cfg.train_batch_size - unconsumed)
         new = []
         for _ in range(max(want, 0) // cfg.group_size):
             new += self._new_group()
         self.backlog += new
         return new
+
+    def _takes_for_newest(self) -> int:
+        """How many trainer takes may still consume a sample of the newest version (C3: trainer
+        versions latest .. latest + K): K + 1 until the trainer has taken at `latest`, K after.
+        Everything unconsumed is at most that new, so it must fit in these takes."""
+        return self.config.window + (self._taken_at < self.latest)
 
     def _new_group(self) -> list[Request]:
         cfg = self.config
@@ -609,6 +616,7 @@ class Coordinator:
                                   unconsumed_groups=0, prefix_tokens=0)
                 return
             self.latest = int(state["latest"])
+            self._taken_at = self.latest  # not known: assume taken, the smaller window (never more than C3 allows)
             self._next_group = int(state["next_group"])
             for gid, g in state["groups"].items():
                 scored = [records.scored_from_json(x) for x in g["scored"]]
@@ -650,6 +658,7 @@ class Coordinator:
             if not window_allows(rest, trainer_version, self.config.window, self.config.train_batch_size):
                 return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
+            self._taken_at = trainer_version
             for group in batch:
                 for sample in group.samples:
                     self.ledger.write("consume", traj=sample.trajectory.traj_id, step=trainer_version,

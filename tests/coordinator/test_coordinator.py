@@ -25,7 +25,8 @@ def longtail(seed, median=6, cap=80):
     return length_of
 
 
-def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, fail_every=0):
+def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, fail_every=0, observe=None):
+    """Drives the coordinator to `steps` takes; `observe(phase, coord)` runs after each take and publish."""
     ref = [None]
     length_of = longtail(seed)
     workers = {i: FakeWorker(i, slots, ref, length_of) for i in range(slices)}
@@ -51,9 +52,13 @@ def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0
             continue
         assert sum(len(grp.samples) for grp in batch) == tbs
         assert all(len({s.trajectory.version for s in grp.samples}) == 1 for grp in batch)  # groups never mix versions
+        if observe:
+            observe("take", coord)
         version += 1
         coord.post_published(version)
         coord.process()
+        if observe:
+            observe("publish", coord)
     return coord, workers, audit(ledger.memory), waits_with_work
 
 
@@ -83,6 +88,19 @@ def test_modes_keep_their_promises(mode):
         assert set(report.staleness_histogram) == {0}
     if mode == "one_step_off":
         assert set(report.staleness_histogram) <= {0, 1} and report.staleness_histogram.get(1, 0) > 0
+
+
+def test_streaming_keeps_one_more_batch_unconsumed_between_a_publish_and_the_next_take():
+    """C3 lets version t's samples train at trainer versions t..t+K: K + 1 takes until the trainer
+    takes at t, K after. So up to (K + 1) x TBS unconsumed after a publish, K x TBS after a take."""
+    peaks = {"take": 0, "publish": 0}
+
+    def observe(phase, coord):
+        peaks[phase] = max(peaks[phase], coord._unconsumed())
+
+    _, _, report, waits = run("dora", steps=10, slices=3, slots=8, k_max=2, tbs=8, rbs=24, observe=observe)
+    assert report.ok and report.max_staleness == 2 and waits == 0
+    assert peaks == {"take": 2 * 8, "publish": 3 * 8}
 
 
 def test_dora_runs_versions_concurrently_and_migrates_with_kv():
@@ -118,7 +136,8 @@ def test_reward_failures_are_masked_not_dropped():
 @given(seed=st.integers(0, 10**6), slices=st.integers(1, 4), slots=st.integers(1, 6), k_max=st.integers(1, 3),
        mode=st.sampled_from(["sync", "one_step_off", "dora", "partial_rollout"]))
 def test_invariants_under_random_scheduling(seed, slices, slots, k_max, mode):
-    coord, _, report, waits = run(mode, steps=4, slices=slices, slots=slots, k_max=k_max, tbs=8, rbs=8 * k_max, g=4, seed=seed)
+    coord, _, report, waits = run(mode, steps=4, slices=slices, slots=slots, k_max=k_max, tbs=8, rbs=8 * (k_max + 1), g=4,
+                                  seed=seed)
     assert report.ok, report.summary()
     assert report.consumed == 4 * 8
     assert waits == 0
