@@ -24,7 +24,7 @@ def main(cfg_dict, out_dir: str) -> dict:
             cfg_dict.mode = mode
             cfg_dict.coordinator.k_max = k_max
             cfg_dict.coordinator.rollout_batch_size = min(cfg_dict.coordinator.rollout_batch_size,
-                                                          k_max * cfg_dict.coordinator.train_batch_size)
+                                                          (k_max + 1) * cfg_dict.coordinator.train_batch_size)
             cfg_dict.init.checkpoint = checkpoint
         config = run_config.parse(cfg_dict)
         result = runner.run(config, os.path.join(out_dir, name), progress=False)
