@@ -30,7 +30,7 @@ def get_config(arg=None):
         c.rollout.num_slices = 2
         c.rollout.slots = 16
         c.rollout.cache_length = 320  # prompt (<= 18) + response (<= 300)
-        c.rollout.max_prefill_length = 32
+        c.rollout.max_prefill_length = 256  # partial rollout re-prefills prompt + response so far: <= 2 chunks
         c.rollout.max_new_tokens = 300
         c.coordinator.group_size = 4
         c.coordinator.train_batch_size = 32

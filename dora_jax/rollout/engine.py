@@ -69,6 +69,22 @@ class EngineConfig:
             size *= 2
         return tuple(sizes)
 
+    def prefill_chunks(self, length: int) -> tuple[int, ...]:
+        """How `prefill` takes `length` tokens: chunks of `max_prefill_length`, each appended to the
+        last one's prefix (`existing_prefix`); the final chunk is padded to its bucket, and that must
+        fit the cache. ValueError naming the numbers if it does not."""
+        if length < 1:
+            raise ValueError(f"{length} tokens to prefill; expected >= 1")
+        whole, last = divmod(length, self.max_prefill_length)
+        chunks = (self.max_prefill_length,) * whole + ((last,) if last else ())
+        start = length - chunks[-1]
+        bucket = next(b for b in self.prefill_buckets if b >= chunks[-1])
+        if start + bucket > self.cache_length:
+            raise ValueError(f"{length} tokens prefill in chunks of max_prefill_length={self.max_prefill_length}; "
+                             f"the last ({chunks[-1]} tokens, padded to {bucket}) after {start} overflows "
+                             f"cache_length={self.cache_length}")
+        return chunks
+
     def rows_bucket(self, rows: int) -> int:
         """Rows of a prefix holding `rows` valid rows: a power of two, capped at the cache length."""
         size = self.min_prefill_bucket
@@ -359,9 +375,9 @@ class RolloutEngine:
         prior, start = None, 0
         if existing_prefix is not None:
             prior, start = (existing_prefix.k_LRKD, existing_prefix.v_LRKD), int(existing_prefix.length)
-            if existing_prefix.k_LRKD.shape[1] + bucket > self.config.cache_length:
-                raise ValueError(f"existing_prefix ({existing_prefix.k_LRKD.shape[1]} rows) + {bucket} tokens exceed "
-                                 f"cache_length={self.config.cache_length}")
+            if start + bucket > self.config.cache_length:  # the prefix's rows past `start` are padding
+                raise ValueError(f"existing_prefix ({start} tokens) + {bucket} (the bucket of {true_length} tokens) "
+                                 f"exceed cache_length={self.config.cache_length}")
         return self._prefill_jit(
             params, padded, prior, np.int32(start), np.int32(true_length), self._key_data(rng, sampling_params),
             np.float32(sampling_params.temperature), np.float32(sampling_params.top_p), np.int32(sampling_params.top_k),

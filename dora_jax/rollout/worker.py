@@ -177,9 +177,6 @@ class RolloutWorker:
             (request.forced_length is not None and not 1 <= request.forced_length <= request.max_new_tokens,
              f"forced_length={request.forced_length}; expected 1..max_new_tokens={request.max_new_tokens}"),
             (not request.prompt_ids, "prompt_ids is empty"),
-            (prefill and len(request.prompt_ids) + len(prefix) > cfg.max_prefill_length,
-             f"prompt_ids has {len(request.prompt_ids)} tokens (+{len(prefix)} prefix_response_ids), more than "
-             f"the largest prefill bucket max_prefill_length={cfg.max_prefill_length}"),
             (len(request.prompt_ids) + request.max_new_tokens > cfg.cache_length,
              f"max_new_tokens={request.max_new_tokens} with {len(request.prompt_ids)} prompt tokens exceeds "
              f"cache_length={cfg.cache_length}"),
@@ -191,6 +188,11 @@ class RolloutWorker:
         for failed, message in checks:
             if failed:
                 return message
+        if prefill:
+            try:
+                cfg.prefill_chunks(len(request.prompt_ids) + len(prefix))
+            except ValueError as err:
+                return f"prompt_ids has {len(request.prompt_ids)} tokens (+{len(prefix)} prefix_response_ids): {err}"
         for field in ("prompt_ids", "prefix_response_ids"):
             bad = [t for t in getattr(request, field) if not 0 <= t < vocab]
             if bad:
@@ -217,8 +219,12 @@ class RolloutWorker:
             request, dispatch_t = self._queue.popleft()
             ids = np.asarray(request.prompt_ids + request.prefix_response_ids, np.int32)
             sample_first = not request.prefix_response_ids
-            prefix, first = self._engine.prefill(params=self._params, padded_tokens=ids, true_length=len(ids),
-                                                 sampling=request.sampling, sample_first=sample_first)
+            prefix, begin = None, 0
+            for chunk in self._engine.config.prefill_chunks(len(ids)):  # one chunk unless a long prompt or prefix
+                begin += chunk
+                prefix, first = self._engine.prefill(
+                    params=self._params, existing_prefix=prefix, padded_tokens=ids[begin - chunk:begin],
+                    true_length=chunk, sampling=request.sampling, sample_first=sample_first or begin < len(ids))
             self._state = self._engine.insert(prefix, self._state, slot)
             self._slots[slot] = _Active(request, list(request.prefix_response_ids), list(request.prefix_logprobs),
                                         list(request.prefix_versions), dispatch_t)

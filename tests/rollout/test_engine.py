@@ -90,3 +90,29 @@ def test_existing_prefix_continues_the_text(warm_engine, tiny_params):
     np.testing.assert_allclose(joined_first.log_prob, first.log_prob, atol=1e-5)
     rows = len(tokens)
     np.testing.assert_allclose(np.asarray(joined.k_LRKD)[:, :rows], np.asarray(whole.k_LRKD)[:, :rows], atol=1e-5)
+
+
+def test_chunked_prefill_past_the_largest_bucket(warm_engine, tiny_params):
+    """49 tokens (> max_prefill_length=32) as 32 + 17 and as 32 + 1 + 16: the same KV rows and first
+    token. The second chain's prefix has 64 rows (a padded bucket) but only 33 tokens: rows past the
+    prefix's length are padding, so 33 + 16 fits the 64-row cache."""
+    params = warm_engine.load_params(tiny_params)
+    tokens = np.arange(1, 50, dtype=np.int32) % 90 + 3
+    assert warm_engine.config.prefill_chunks(49) == (32, 17)
+
+    def chain(sizes):
+        prefix, first, begin = None, None, 0
+        for size in sizes:
+            prefix, first = warm_engine.prefill(params=params, existing_prefix=prefix,
+                                                padded_tokens=tokens[begin:begin + size], true_length=size)
+            begin += size
+        return prefix, first
+
+    two, first_two = chain((32, 17))
+    three, first_three = chain((32, 1, 16))
+    assert int(two.length) == int(three.length) == 49 and three.k_LRKD.shape[1] == 64
+    assert int(first_two.data[0, 0]) == int(first_three.data[0, 0])
+    np.testing.assert_allclose(first_two.log_prob, first_three.log_prob, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(two.k_LRKD)[:, :49], np.asarray(three.k_LRKD)[:, :49], atol=1e-5)
+    with pytest.raises(ValueError, match="exceed cache_length=64"):
+        warm_engine.prefill(params=params, existing_prefix=three, padded_tokens=tokens[:16], true_length=16)

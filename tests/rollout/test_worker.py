@@ -64,7 +64,6 @@ def test_bad_requests_are_rejected_and_the_loop_goes_on(warm_engine, tiny_params
     worker = RolloutWorker(warm_engine, eos_ids=())
     worker.load_version(0, tiny_params)
     bad = {
-        "long": (_request("long", prompt=range(1, 34)), "prompt_ids has 33 tokens"),
         "cache": (_request("cache", max_new=61), "max_new_tokens=61 with 4 prompt tokens exceeds cache_length=64"),
         "vocab": (_request("vocab", prompt=(1, 96)), "prompt_ids holds token id 96"),
         "temp": (_request("temp", sampling=SamplingParams(temperature=-1.0)), "sampling.temperature=-1.0"),
@@ -73,11 +72,13 @@ def test_bad_requests_are_rejected_and_the_loop_goes_on(warm_engine, tiny_params
         "empty": (_request("empty", prompt=()), "prompt_ids is empty"),
     }
     worker.submit(_request("good", max_new=5))
+    worker.submit(_request("long", prompt=range(1, 41), max_new=5))  # 40 > max_prefill_length=32: two chunks
     for request, _ in bad.values():
         worker.submit(request)
-    assert worker.num_queued == 1
+    assert worker.num_queued == 2
     done = run_to_end(worker)
-    assert done["good"].finish_reason == FinishReason.LENGTH and len(done["good"].response_ids) == 5
+    for good in ("good", "long"):
+        assert done[good].finish_reason == FinishReason.LENGTH and len(done[good].response_ids) == 5
     for traj_id, (_, message) in bad.items():
         assert done[traj_id].finish_reason == FinishReason.REJECTED
         assert message in done[traj_id].error, done[traj_id].error
@@ -107,21 +108,22 @@ def test_stop_ids_eos_and_forced_length(warm_engine, tiny_params):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=5)])
-def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_params, sampling):
+@pytest.mark.parametrize("steps", [8, 30])  # re-prefill on prompt + 9 tokens; on 4 + 31 > max_prefill_length, in chunks
+def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_params, sampling, steps):
     worker = RolloutWorker(warm_engine, eos_ids=())
     worker.load_version(0, tiny_params)
-    worker.submit(_request("a", max_new=20, sampling=sampling))
-    for _ in range(8):
+    worker.submit(_request("a", max_new=40, sampling=sampling))
+    for _ in range(steps):
         worker.step()
     (state,) = worker.export_requests()
-    worker.submit(as_redispatch(state))  # re-prefill on prompt + 9 tokens, on the same version
+    worker.submit(as_redispatch(state))  # on the same version
     resumed = run_to_end(worker)["a"]
-    worker.submit(_request("b", max_new=20, sampling=sampling))
+    worker.submit(_request("b", max_new=40, sampling=sampling))
     straight = run_to_end(worker)["b"]
     assert resumed.response_ids == straight.response_ids
-    assert resumed.logprobs[:9] == straight.logprobs[:9]  # the prefix keeps its own log-probs
+    assert resumed.logprobs[:steps + 1] == straight.logprobs[:steps + 1]  # the prefix keeps its own log-probs
     assert max(abs(a - b) for a, b in zip(resumed.logprobs, straight.logprobs)) < 1e-5
-    assert worker.counters.prefills == 3
+    assert worker.counters.prefills == 3 and worker.counters.prefill_tokens == 4 + (4 + steps + 1) + 4
 
 
 def test_prefix_tokens_keep_their_versions_and_queue_can_be_taken(warm_engine, tiny_params):
