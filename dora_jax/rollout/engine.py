@@ -442,12 +442,19 @@ class RolloutEngine:
             ("read_slot", self._read_jit))}
 
     def warmup(self, params, *, migration: bool = True) -> None:
-        """Compiles generate and every prefill bucket; with `migration`, also the insert and slot
-        read of every row bucket (so that imports and exports compile nothing later)."""
+        """Compiles generate, every prefill bucket and the second chunk of a two-chunk prefill (a
+        re-prefill up to 2 x max_prefill_length); with `migration`, also the insert and slot read of
+        every row bucket (so that imports and exports compile nothing later)."""
         state = self.init_decode_state()
         for bucket in self.config.prefill_buckets:
             prefix, _ = self.prefill(params=params, padded_tokens=np.zeros((bucket,), np.int32), true_length=bucket)
             state = self.insert(prefix, state, 0)
+        first = prefix  # the largest bucket's: a full first chunk
+        for bucket in self.config.prefill_buckets:
+            if self.config.max_prefill_length + bucket <= self.config.cache_length:
+                prefix, _ = self.prefill(params=params, existing_prefix=first, padded_tokens=np.zeros((bucket,), np.int32),
+                                         true_length=bucket)
+                state = self.insert(prefix, state, 0)
         state, result = self.generate(params, state)
         rows = sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}) if migration else []
         for size in rows:

@@ -50,6 +50,8 @@ def test_no_recompiles_after_warmup(warm_engine, tiny_params):
     for i, length in enumerate([1, 2, 15, 16, 17, 31, 32, 7]):  # every prefill bucket, edges included
         prompt = [(3 * i + j) % TINY.vocab_size for j in range(length)]
         worker.submit(_request(i, prompt, 6 + i, SamplingParams(temperature=1.0, top_p=0.8, seed=i)))
+    for i, length in enumerate([33, 48, 49], start=8):  # two chunks: 32 + 1, 32 + 16, 32 + 17
+        worker.submit(_request(i, [(5 * i + j) % TINY.vocab_size for j in range(length)], 4, SamplingParams(seed=i)))
     for _ in range(3):
         worker.step()
     states = worker.export_requests()
