@@ -192,8 +192,10 @@ def median_of_rounds(rows: list[dict]) -> dict:
             out[key] = median_of_rounds(values)
         elif key in _WORST_OF_ROUNDS:
             out[key] = max(values)
-        elif isinstance(first, str) or any(v is None for v in values) or all(v == first for v in values):
-            out[key] = first if all(v == first for v in values) else None
+        elif all(v == first for v in values):
+            out[key] = first
+        elif isinstance(first, str) or any(v is None for v in values):
+            out[key] = None
         else:
             out[key] = float(np.median(values))
     return out

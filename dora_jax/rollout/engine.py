@@ -374,7 +374,9 @@ class RolloutEngine:
         padded[:true_length] = tokens[:true_length]
         prior, start = None, 0
         if existing_prefix is not None:
-            prior, start = (existing_prefix.k_LRKD, existing_prefix.v_LRKD), int(existing_prefix.length)
+            length = existing_prefix.length  # replicated: read this host's copy (a slice may span hosts)
+            start = int(length.addressable_data(0) if isinstance(length, jax.Array) else length)
+            prior = (existing_prefix.k_LRKD, existing_prefix.v_LRKD)
             if start + bucket > self.config.cache_length:  # the prefix's rows past `start` are padding
                 raise ValueError(f"existing_prefix ({start} tokens) + {bucket} (the bucket of {true_length} tokens) "
                                  f"exceed cache_length={self.config.cache_length}")
