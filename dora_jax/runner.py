@@ -36,7 +36,6 @@ from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
 from dora_jax.metrics import MetricsWriter
-from dora_jax.modes import Switch, policy_for
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.reward_scorer import RewardPoolScorer
@@ -118,7 +117,7 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     for slice_id, mesh in enumerate(slices.rollout):
         engine = RolloutEngine(setup.model_config, engine_config, mesh, tokenizer=setup.tokenizer)
         shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
-        engine.warmup(store.get(trainer.version, shardings), chunked=policy_for(config.mode).switch == Switch.INTERRUPT)
+        engine.warmup(store.get(trainer.version, shardings))
         slice_parts.append((lambda e=engine, sid=slice_id: RolloutWorker(e, slice_id=sid, eos_ids=setup.eos_ids),
                             lambda v, sh=shardings: store.get(v, sh)))
         threads[slice_id] = _start_slice(slice_parts[slice_id], holder, config)

@@ -443,18 +443,16 @@ class RolloutEngine:
             ("prefill", self._prefill_jit), ("insert", self._insert_jit), ("generate", self._generate_jit),
             ("read_slot", self._read_jit))}
 
-    def warmup(self, params, *, migration: bool = True, chunked: bool = False) -> None:
-        """Compiles generate and every prefill bucket; with `migration`, also the insert and slot
-        read of every row bucket (so that imports and exports compile nothing later); with
-        `chunked`, also the second chunk of a two-chunk prefill (re-prefills up to 2 x
-        max_prefill_length: partial rollout does them at every publish; elsewhere they are rare
-        and compile on first use)."""
+    def warmup(self, params, *, migration: bool = True) -> None:
+        """Compiles generate, every prefill bucket and the second chunk of a two-chunk prefill (a
+        re-prefill up to 2 x max_prefill_length); with `migration`, also the insert and slot read of
+        every row bucket (so that imports and exports compile nothing later)."""
         state = self.init_decode_state()
         for bucket in self.config.prefill_buckets:
             prefix, _ = self.prefill(params=params, padded_tokens=np.zeros((bucket,), np.int32), true_length=bucket)
             state = self.insert(prefix, state, 0)
         first = prefix  # the largest bucket's: a full first chunk
-        for bucket in self.config.prefill_buckets if chunked else ():
+        for bucket in self.config.prefill_buckets:
             if self.config.max_prefill_length + bucket <= self.config.cache_length:
                 prefix, _ = self.prefill(params=params, existing_prefix=first, padded_tokens=np.zeros((bucket,), np.int32),
                                          true_length=bucket)

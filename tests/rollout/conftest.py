@@ -44,8 +44,8 @@ def engine_b(slices):
 
 @pytest.fixture(scope="session")
 def warm_engine(engine, tiny_params):
-    """`engine` with every program compiled (prefill buckets, two-chunk prefills, row buckets, generate)."""
-    engine.warmup(engine.load_params(tiny_params), chunked=True)
+    """`engine` with every program compiled (prefill buckets, row buckets, generate)."""
+    engine.warmup(engine.load_params(tiny_params))
     return engine
 
 
