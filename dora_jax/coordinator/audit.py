@@ -1,13 +1,21 @@
-"""The invariant auditor: reads a ledger and reports C1, C2, C3 and exactly-once.
+"""The invariant auditor: reads a ledger and reports C1, C2, C3, exactly-once and the weights.
 
 It trusts nothing the run says about itself except the events: versions_seen comes from the
-workers' per-token versions, staleness from consume vs dispatch versions.
+workers' per-token versions, staleness from consume vs dispatch versions, a slice's version from
+its last `load_version`.
 
-  C1 every finished trajectory's versions_seen == [its dispatch version]; every migration lands
-     on a slice serving that version.
-  C2 nothing sampled is dropped: every finished trajectory is consumed, or still queued at the end.
-  C3 every consume has trainer_version - version <= k_max (0 for sync, 1 for one_step_off).
+  C1 every finished trajectory's versions_seen == [its dispatch version]; a re-dispatch keeps the
+     version; every dispatch and every migration lands on a slice whose last `load_version` is the
+     request's version (a failed, joined or resumed slice has none until it loads again).
+  C2 nothing sampled is dropped: no `drop` event, and no unconsumed sample is stranded: once the
+     trainer has consumed at version T, a sample of version v can only be trained at T+1 or later,
+     so v + bound < T + 1 means it can never be trained legally.
+  C3 every consume has trainer_version - version <= bound (k_max; 0 for sync, 1 for
+     one_step_off), with version the sample's dispatch version, and every consumed group is of
+     one version (the one its consume events state).
   exactly once: no trajectory is consumed twice, none consumed without a dispatch and a finish.
+  weights: every `load_version` and every `behaviour` record (the params the trainer used to
+     recompute behaviour log-probs) of one version carry the same params digest.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ class AuditReport:
     c2_violations: list = dataclasses.field(default_factory=list)
     c3_violations: list = dataclasses.field(default_factory=list)
     exactly_once_violations: list = dataclasses.field(default_factory=list)
+    weights_violations: list = dataclasses.field(default_factory=list)
+    stranded: int = 0  # unconsumed samples that can no longer be trained (counted in C2)
 
     @property
     def max_staleness(self) -> int:
@@ -51,6 +61,7 @@ class AuditReport:
             "C2": len(self.c2_violations),
             "C3": len(self.c3_violations),
             "exactly_once": len(self.exactly_once_violations),
+            "weights": len(self.weights_violations),
         }
         if self.mode == "?" or policy_for(self.mode).keeps_c1:
             out["C1"] = len(self.c1_violations)
@@ -62,7 +73,8 @@ class AuditReport:
 
     def summary(self) -> dict:
         data = dataclasses.asdict(self)
-        for key in ("c1_violations", "c2_violations", "c3_violations", "exactly_once_violations"):
+        for key in ("c1_violations", "c2_violations", "c3_violations", "exactly_once_violations",
+                    "weights_violations"):
             data[key] = {"count": len(data[key]), "first": data[key][:3]}
         data["staleness_histogram"] = {str(k): v for k, v in sorted(self.staleness_histogram.items())}
         data["max_staleness"] = self.max_staleness
@@ -97,71 +109,136 @@ def audit(events: Iterable[dict], *, mode: str | None = None, k_max: int | None 
             report.mode, report.k_max = event["mode"], int(event["k_max"])
     report.mode = mode or report.mode
     report.k_max = report.k_max if k_max is None else k_max
-    bound = _staleness_bound(report)
-
-    version_of: dict[str, int] = {}
-    slice_version: dict[int, int] = {}
-    in_flight: dict[str, int] = {}
-    finished: set[str] = set()
-    consumed: set[str] = set()
-    staleness = collections.Counter()
+    walk = _Walk(report, _staleness_bound(report))
     for event in events:
-        ev = event["ev"]
-        if ev == "resume":
-            report.resumes += 1
-        elif ev == "load_version":
-            slice_version[event["slice"]] = event["version"]
-        elif ev == "dispatch":
-            traj = event["traj"]
-            if traj in version_of:
-                report.redispatched += 1
-                if version_of[traj] != event["version"]:
-                    report.c1_violations.append(f"{traj}: re-dispatched under version {event['version']}, first {version_of[traj]}")
-            else:
-                report.dispatched += 1
-            version_of[traj] = event["version"]
-            if traj not in finished:
-                in_flight[traj] = event["version"]
-            report.max_versions_in_flight = max(report.max_versions_in_flight, len(set(in_flight.values())))
-        elif ev == "migrate":
-            report.migrations_kv += bool(event["kv"])
-            report.migrations_no_kv += not event["kv"]
-            dest_version = slice_version.get(event["to"])
-            if dest_version is not None and dest_version != event["version"]:
-                report.c1_violations.append(f"{event['traj']}: migrated to slice {event['to']} serving v{dest_version}")
-        elif ev == "finish":
-            traj = event["traj"]
-            if traj not in version_of:
-                report.exactly_once_violations.append(f"{traj}: finished but never dispatched")
-                continue
-            if traj in finished:
-                report.exactly_once_violations.append(f"{traj}: finished twice")
-            finished.add(traj)
-            in_flight.pop(traj, None)
-            report.finished += 1
-            seen = sorted(set(event["versions_seen"]))
-            if seen and seen != [version_of[traj]]:
-                report.c1_violations.append(f"{traj}: dispatched as v{version_of[traj]} but sampled by {seen}")
-        elif ev == "consume":
-            traj = event["traj"]
-            if traj in consumed:
-                report.exactly_once_violations.append(f"{traj}: consumed twice")
-            elif traj not in finished:
-                report.exactly_once_violations.append(f"{traj}: consumed before it finished")
-            consumed.add(traj)
-            report.consumed += 1
-            lag = int(event["trainer_version"]) - version_of.get(traj, event["trainer_version"])
-            staleness[lag] += 1
-            if lag < 0 or (bound is not None and lag > bound):
-                report.c3_violations.append(f"{traj}: staleness {lag} > {bound} at step {event['step']}")
-        elif ev == "publish":
-            report.publishes += 1
-        elif ev == "drop":
-            report.c2_violations.append(f"{event['traj']}: dropped ({event.get('reason', '?')})")
-    report.in_flight_at_end = len(in_flight)
-    report.unconsumed_finished_at_end = len(finished - consumed)
-    report.staleness_histogram = dict(staleness)
+        handler = getattr(walk, "on_" + event["ev"], None)
+        if handler is not None:
+            handler(event)
+    walk.finish()
     return report
+
+
+class _Walk:
+    """The auditor's state while it reads the ledger in order; one handler per event kind."""
+
+    def __init__(self, report: AuditReport, bound: int | None):
+        self.report, self.bound = report, bound
+        self.version_of: dict[str, int] = {}  # dispatch version per trajectory
+        self.slice_version: dict[int, int] = {}  # last load_version per live slice
+        self.in_flight: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.consumed: set[str] = set()
+        self.group_version: dict[str, int] = {}  # version of each consumed group
+        self.digests: dict[int, dict[str, str]] = collections.defaultdict(dict)  # version -> digest -> first seen
+        self.trained_at = -1  # newest trainer version that consumed
+        self.staleness = collections.Counter()
+
+    def on_resume(self, event: dict) -> None:
+        self.report.resumes += 1
+        self.slice_version.clear()  # slices start over with nothing loaded
+
+    def on_load_version(self, event: dict) -> None:
+        self.slice_version[event["slice"]] = event["version"]
+        if "digest" in event:
+            self._digest(event["version"], event["digest"], f"slice {event['slice']} loaded")
+
+    def on_slice_failed(self, event: dict) -> None:
+        self.slice_version.pop(event["slice"], None)
+
+    on_slice_joined = on_slice_failed
+
+    def on_behaviour(self, event: dict) -> None:
+        for version, digest in event["digests"].items():
+            self._digest(int(version), digest, f"trainer at step {event['step']} recomputed with")
+
+    def _digest(self, version: int, digest: str, who: str) -> None:
+        seen = self.digests[version]
+        if seen and digest not in seen:
+            first, first_who = next(iter(seen.items()))
+            self.report.weights_violations.append(
+                f"version {version}: {who} params {digest}, but {first_who} params {first}")
+        seen.setdefault(digest, who)
+
+    def on_dispatch(self, event: dict) -> None:
+        report, traj, version = self.report, event["traj"], event["version"]
+        if traj in self.version_of:
+            report.redispatched += 1
+            if self.version_of[traj] != version:
+                report.c1_violations.append(f"{traj}: re-dispatched under version {version}, first {self.version_of[traj]}")
+        else:
+            report.dispatched += 1
+            self.version_of[traj] = version
+        self._lands(traj, version, event["slice"], "dispatched")
+        if traj not in self.finished:
+            self.in_flight[traj] = version
+        report.max_versions_in_flight = max(report.max_versions_in_flight, len(set(self.in_flight.values())))
+
+    def _lands(self, traj: str, version: int, slice_id: int, how: str) -> None:
+        serving = self.slice_version.get(slice_id)
+        if serving != version:
+            serves = "nothing loaded" if serving is None else f"v{serving}"
+            self.report.c1_violations.append(f"{traj} (v{version}): {how} to slice {slice_id} serving {serves}")
+
+    def on_migrate(self, event: dict) -> None:
+        self.report.migrations_kv += bool(event["kv"])
+        self.report.migrations_no_kv += not event["kv"]
+        self._lands(event["traj"], event["version"], event["to"], "migrated")
+
+    def on_finish(self, event: dict) -> None:
+        report, traj = self.report, event["traj"]
+        if traj not in self.version_of:
+            report.exactly_once_violations.append(f"{traj}: finished but never dispatched")
+            return
+        if traj in self.finished:
+            report.exactly_once_violations.append(f"{traj}: finished twice")
+        self.finished.add(traj)
+        self.in_flight.pop(traj, None)
+        report.finished += 1
+        seen = sorted(set(event["versions_seen"]))
+        if seen and seen != [self.version_of[traj]]:
+            report.c1_violations.append(f"{traj}: dispatched as v{self.version_of[traj]} but sampled by {seen}")
+
+    def on_consume(self, event: dict) -> None:
+        report, traj, trainer_version = self.report, event["traj"], int(event["trainer_version"])
+        if traj in self.consumed:
+            report.exactly_once_violations.append(f"{traj}: consumed twice")
+        elif traj not in self.finished:
+            report.exactly_once_violations.append(f"{traj}: consumed before it finished")
+        self.consumed.add(traj)
+        self.in_flight.pop(traj, None)
+        report.consumed += 1
+        self.trained_at = max(self.trained_at, trainer_version)
+        version = self.version_of.get(traj, trainer_version)
+        lag = trainer_version - version
+        self.staleness[lag] += 1
+        if lag < 0 or (self.bound is not None and lag > self.bound):
+            report.c3_violations.append(f"{traj}: staleness {lag} > {self.bound} at step {event['step']}")
+        if "version" in event and int(event["version"]) != version:
+            report.c3_violations.append(f"{traj}: consumed as v{event['version']} but dispatched as v{version}")
+        if "group" in event:
+            group_version = self.group_version.setdefault(event["group"], version)
+            if group_version != version:
+                report.c3_violations.append(f"{traj}: group {event['group']} mixes v{group_version} and v{version}")
+
+    def on_publish(self, event: dict) -> None:
+        self.report.publishes += 1
+
+    def on_drop(self, event: dict) -> None:
+        self.report.c2_violations.append(f"{event['traj']}: dropped ({event.get('reason', '?')})")
+
+    def finish(self) -> None:
+        report = self.report
+        report.in_flight_at_end = len(self.in_flight)
+        report.unconsumed_finished_at_end = len(self.finished - self.consumed)
+        report.staleness_histogram = dict(self.staleness)
+        if self.bound is None or self.trained_at < 0:
+            return
+        for traj, version in self.version_of.items():
+            if traj not in self.consumed and version + self.bound < self.trained_at + 1:
+                report.stranded += 1
+                report.c2_violations.append(
+                    f"{traj} (v{version}): never consumed, and after the take at trainer version "
+                    f"{self.trained_at} it can no longer be trained within staleness {self.bound}")
 
 
 def _staleness_bound(report: AuditReport) -> int | None:

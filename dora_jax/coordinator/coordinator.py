@@ -2,9 +2,14 @@
 mode's switching policy (DORA's orchestrator, idle switching, or partial-rollout interrupts).
 
 Plain Python over records and ports: it imports no JAX. Everything that happens is written to
-the ledger. Thread model: worker threads and reward callbacks only `post` events into the inbox;
-one thread (the runner's coordinator loop, or a test) calls `process()`, which applies them and
-runs the rebalancing triggers; the trainer thread calls `take_batch`, which waits on a condition.
+the ledger. Thread model: worker threads, reward callbacks, the transport and the trainer only
+`post` typed events (dora_jax.coordinator.events) into the inbox; one thread (the runner's
+coordinator loop, or a test) calls `process()`, which applies them and runs the rebalancing
+triggers. The trainer thread calls `take_batch`, which takes from the TransferQueue under the lock
+and posts a `Taken` event: what follows a take runs on the loop, so the trainer thread never calls
+a port. Port calls (submit, export, import, load, progress) are made with the lock released, so a
+slow or hung slice never holds up the trainer's take; only the loop thread changes the slices'
+state, so what it planned under the lock still holds when the call returns.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import zlib
 from concurrent.futures import Future
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from dora_jax.coordinator import orchestrator
+from dora_jax.coordinator import events, orchestrator
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
 from dora_jax.coordinator.transfer_queue import TransferQueue
@@ -118,7 +123,13 @@ class Coordinator:
         *,
         forced_length: Optional[Callable[[str, int], Optional[int]]] = None,
         initial_version: int = 0,
+        on_slice_dropped: Optional[Callable[[int, str], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """`on_slice_dropped(slice_id, reason)` is told of every slice the coordinator drops, whoever
+        found it dead (a failed port call, or a `post_slice_failed`), so that the runner stops its
+        worker and restarts it; it runs on the loop thread and must not call back in. `clock`
+        times the periodic rebalance (a simulator passes its virtual clock)."""
         config.validate(len(ports))
         self.config = config
         self.policy = policy_for(config.mode)
@@ -127,6 +138,8 @@ class Coordinator:
         self._scorer = scorer
         self.ledger = ledger
         self._forced_length = forced_length
+        self._on_slice_dropped = on_slice_dropped
+        self._clock = clock
         self.latest = initial_version  # newest published version
         self._taken_at = initial_version - 1  # trainer version of the last take
         self.slice_version: dict[int, Optional[int]] = {sid: None for sid in self.ports}
@@ -142,28 +155,42 @@ class Coordinator:
         self.dead: set[int] = set()  # failed slices (their port is gone from self.ports)
         self.draining: dict[int, int] = {}  # slice -> old version it loads once empty (re-dispatches)
         self._redispatch: set[str] = set()  # backlog ids that were dispatched before
+        self._unsent: set[str] = set()  # groups none of whose requests was ever sent: only these may be re-tagged
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
-        self._inbox: "queue.Queue[tuple]" = queue.Queue()
-        self._cond = threading.Condition()
+        self._inbox: "queue.Queue[events.Event]" = queue.Queue()
+        # A plain lock: `_port_call` releases it around each call, which a re-entrant lock held
+        # twice would not do.
+        self._cond = threading.Condition(threading.Lock())
         self._next_group = 0
         self._last_rebalance = 0.0
         self.closed = False
 
     # ------------------------------------------------------------------ events in
     def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None:
-        self._inbox.put(("finished", slice_id, tuple(trajectories)))
+        self._inbox.put(events.Finished(slice_id, tuple(trajectories)))
 
     def post_published(self, version: int) -> None:
-        self._inbox.put(("published", version))
+        self._inbox.put(events.Published(int(version)))
 
     def post_slice_failed(self, slice_id: int, reason: str) -> None:
         """A slice died (raised, missed heartbeats, process gone): its requests are re-dispatched
         under their own version to slices serving it."""
-        self._inbox.put(("slice_failed", slice_id, reason))
+        self._inbox.put(events.SliceFailed(slice_id, reason))
 
     def post_slice_joined(self, port: RolloutPort) -> None:
         """A (re)started slice joins with nothing loaded; the next rebalance gives it work."""
-        self._inbox.put(("slice_joined", port))
+        self._inbox.put(events.SliceJoined(port))
+
+    def request_snapshot(self, extra: Optional[Callable[[], dict]] = None) -> "Future[dict]":
+        """`snapshot()` taken by the loop thread (it calls the ports); for other threads."""
+        future: Future = Future()
+        self._inbox.put(events.SnapshotRequested(extra, future))
+        return future
+
+    def record_behaviour(self, step: int, digests: Mapping[int, str]) -> None:
+        """Ledger: the params (by digest) the trainer used at `step` to recompute behaviour
+        log-probs, per version, so the audit can match them with what the slices loaded."""
+        self.ledger.write("behaviour", step=int(step), digests={str(v): d for v, d in sorted(digests.items())})
 
     def start(self) -> None:
         """Writes the run's header to the ledger and dispatches at the initial version."""
@@ -191,28 +218,40 @@ class Coordinator:
                     event = self._inbox.get_nowait()
                 except queue.Empty:
                     event = None
-            if self.policy.switch == Switch.ORCHESTRATE and time.monotonic() - self._last_rebalance > self.config.rebalance_period_s:
+            if handled and self._supply():  # top up whenever the window allows, not only on a take
+                self._apply_switching()
+            if self.policy.switch == Switch.ORCHESTRATE and self._clock() - self._last_rebalance > self.config.rebalance_period_s:
                 self._apply_switching()  # periodic trigger
             self._cond.notify_all()
         return handled
 
-    def _handle(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "finished":
-            for traj in event[2]:
-                self._on_finished(event[1], traj)
-            if self.policy.switch == Switch.ORCHESTRATE and self._pressure():
-                self._apply_switching()  # pressure trigger
-            elif self.policy.switch != Switch.ORCHESTRATE:
-                self._apply_switching()  # idle slices may now switch and take the backlog
-        elif kind == "scored":
-            self._on_scored(*event[1:])
-        elif kind == "published":
-            self._on_published(event[1])
-        elif kind == "slice_failed":
-            self._on_slice_failed(event[1], event[2])
-        elif kind == "slice_joined":
-            self._on_slice_joined(event[1])
+    def _handle(self, event: events.Event) -> None:
+        """The one place events are dispatched (with the lock held, on the loop thread)."""
+        match event:
+            case events.Finished(slice_id, trajectories):
+                for traj in trajectories:
+                    self._on_finished(slice_id, traj)
+                self._supply()
+                if self.policy.switch != Switch.ORCHESTRATE or self._pressure():
+                    self._apply_switching()  # pressure trigger; idle slices may switch and take the backlog
+            case events.Scored(traj, reward, error):
+                self._on_scored(traj, reward, error)
+            case events.Published(version):
+                self._on_published(version)
+            case events.Taken():
+                self._supply(after_take=True)
+                self._apply_switching()
+            case events.SliceFailed(slice_id, reason):
+                self._on_slice_failed(slice_id, reason)
+            case events.SliceJoined(port):
+                self._on_slice_joined(port)
+            case events.SnapshotRequested(extra, result):
+                try:
+                    result.set_result(self._snapshot(extra))
+                except Exception as err:  # the asking thread gets the error, the loop goes on
+                    result.set_exception(err)
+            case _:
+                raise TypeError(f"unknown coordinator event {event!r}")
 
     # ------------------------------------------------------------------ dispatch
     def _unconsumed(self) -> int:
@@ -228,11 +267,11 @@ class Coordinator:
                 event = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if event[0] == "finished":
-                for traj in event[2]:
-                    self._on_finished(event[1], traj)
-            elif event[0] == "scored":
-                self._on_scored(*event[1:])
+            if isinstance(event, events.Finished):
+                for traj in event.trajectories:
+                    self._on_finished(event.slice_id, traj)
+            elif isinstance(event, events.Scored):
+                self._on_scored(event.trajectory, event.reward, event.error)
             else:
                 deferred.append(event)
         for event in deferred:
@@ -266,6 +305,7 @@ class Coordinator:
         self._next_group += 1
         prompt_id, prompt_ids = self._next_prompt()
         self.groups[group_id] = _GroupState(self.latest, cfg.group_size)
+        self._unsent.add(group_id)
         requests = []
         for i in range(cfg.group_size):
             traj_id = f"{group_id}/{i}"
@@ -285,6 +325,7 @@ class Coordinator:
             self.slice_trajs[slice_id].append(request.traj_id)
             again = request.traj_id in self._redispatch
             self._redispatch.discard(request.traj_id)
+            self._unsent.discard(request.group_id)
             self.ledger.write("dispatch", traj=request.traj_id, group=request.group_id, prompt=request.prompt_id,
                               version=request.version, slice=slice_id, **({"redispatch": True} if again else {}),
                               **({"prefix_tokens": len(request.prefix_response_ids)} if request.prefix_response_ids else {}))
@@ -299,15 +340,16 @@ class Coordinator:
 
     def versions_needed(self) -> set[int]:
         """Every version something may still read: in-flight or unconsumed samples (for the
-        trainer's behaviour recompute) and the versions slices serve."""
+        trainer's behaviour recompute), the versions slices serve and those draining slices will
+        load."""
         with self._cond:
             needed = self.versions_in_flight() | set(self.queue.versions())
-            needed |= {g.version for g in self.groups.values()}
+            needed |= {g.version for g in self.groups.values()} | set(self.draining.values())
             return needed | {v for v in self.slice_version.values() if v is not None}
 
     # ------------------------------------------------------------------ switching policies
     def _apply_switching(self) -> None:
-        self._last_rebalance = time.monotonic()
+        self._last_rebalance = self._clock()
         while True:
             self._place_old_versions()
             if self.policy.switch == Switch.ORCHESTRATE:
@@ -406,13 +448,17 @@ class Coordinator:
         self.backlog = remaining
 
     def _load(self, slice_id: int, version: int) -> bool:
+        if slice_id in self._failing:
+            return False
         if self.slice_trajs[slice_id]:
             raise RuntimeError(f"slice {slice_id} still holds {self.slice_trajs[slice_id][:3]}; cannot switch")
-        if not self._port_call(slice_id, "load_version", version):
+        digest = self._port_call(slice_id, "load_version", version)
+        if not digest:
             return False
         self.slice_version[slice_id] = version
         self.stats.switches += 1
-        self.ledger.write("load_version", slice=slice_id, version=version)
+        self.ledger.write("load_version", slice=slice_id, version=version,
+                          **({"digest": digest} if isinstance(digest, str) else {}))
         return True
 
     def _port_call(self, slice_id: int, method: str, *args, default=None):
@@ -421,11 +467,15 @@ class Coordinator:
         slice is never a crash of the run. Returns the result (True for None), or `default`."""
         if slice_id in self._failing:
             return default
+        port = self.ports[slice_id]
+        self._cond.release()  # never hold the lock across I/O (the trainer's take waits on it)
         try:
-            result = getattr(self.ports[slice_id], method)(*args)
+            result = getattr(port, method)(*args)
         except Exception as err:
             self._failing[slice_id] = f"{method} failed: {type(err).__name__}: {err}"
             return default
+        finally:
+            self._cond.acquire()
         return True if result is None else result
 
     def _on_slice_failed(self, slice_id: int, reason: str) -> None:
@@ -450,6 +500,8 @@ class Coordinator:
             self.origin.pop(traj_id, None)
             self.backlog.append(request)
             self._redispatch.add(traj_id)
+        if self._on_slice_dropped is not None:
+            self._on_slice_dropped(slice_id, reason)
         if not self.ports:
             raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
 
@@ -507,6 +559,8 @@ class Coordinator:
         for sid in list(self.ports):
             items = self._port_call(sid, "export", list(self.slice_trajs[sid]), default=[])
             self._absorb()
+            if sid in self._failing:
+                continue  # dropped at the end of the cycle: what it holds is re-dispatched
             for item in items:
                 self.slice_trajs[sid].remove(item.request.traj_id if isinstance(item, SlotState) else item.traj_id)
             requests = [_as_request(item) for item in items]
@@ -541,10 +595,10 @@ class Coordinator:
     def _score(self, traj: Trajectory) -> None:
         self.unscored[traj.traj_id] = traj
         if traj.finish_reason == FinishReason.REJECTED:
-            self._inbox.put(("scored", traj, 0.0, f"rejected: {traj.error}"))
+            self._inbox.put(events.Scored(traj, 0.0, f"rejected: {traj.error}"))
             return
         future = self._scorer.submit(traj)
-        future.add_done_callback(lambda f, t=traj: self._inbox.put(("scored", t, *_result(f))))
+        future.add_done_callback(lambda f, t=traj: self._inbox.put(events.Scored(t, *_result(f))))
 
     def _on_scored(self, traj: Trajectory, reward: float, error: Optional[str]) -> None:
         if self.unscored.pop(traj.traj_id, None) is None:
@@ -564,11 +618,13 @@ class Coordinator:
             raise ValueError(f"published version {version} is not newer than {self.latest}")
         self.latest = version
         self.ledger.write("publish", version=version, step=version)
-        # Backlog requests were never sent (no dispatch line yet) and hold whole groups: they are
-        # re-tagged to the newest version, which is where new work belongs.
-        self.backlog = [dataclasses.replace(r, version=version) for r in self.backlog]
-        for request in self.backlog:
-            self.groups[request.group_id].version = version
+        # Whole groups that were never sent (no dispatch line yet) move to the newest version,
+        # where new work belongs. The rest of the backlog keeps its version (C1): requests put back
+        # from a dead slice or restored from a checkpoint, and groups partly sent already.
+        self.backlog = [dataclasses.replace(r, version=version) if r.group_id in self._unsent else r
+                        for r in self.backlog]
+        for group_id in self._unsent:
+            self.groups[group_id].version = version
         if self.policy.switch == Switch.INTERRUPT:
             self._interrupt_all()
         self._supply(after_publish=True)
@@ -579,31 +635,37 @@ class Coordinator:
         """The coordinator's state as JSON, consistent with the ledger's first `ledger_offset`
         lines. In-flight requests carry their tokens so far (the ports' `progress`) as a prefix;
         finished groups, partly scored groups and trajectories awaiting a reward are kept whole.
-        `extra()` runs under the same lock (the prompt source's position: it advances only here)."""
+        `extra()` runs under the same lock (the prompt source's position: it advances only here).
+        It calls the ports: only the thread that runs `process()` may call it; any other thread
+        uses `request_snapshot()`."""
         with self._cond:
-            self._absorb()
-            extra_state = extra() if extra else {}
-            progress: dict[str, Request] = {}
-            for sid in list(self.ports):
-                if hasattr(self.ports[sid], "progress"):
-                    progress.update(self._port_call(sid, "progress", default={}) or {})
-            dispatched = [progress.get(t, r) if progress.get(t, r).version == r.version else r
-                          for t, r in self.requests.items()]
-            return {
-                "latest": self.latest,
-                "next_group": self._next_group,
-                "dispatched": [records.request_to_json(r) for r in dispatched],
-                "backlog": [records.request_to_json(r) for r in self.backlog],
-                "redispatch": sorted(self._redispatch),
-                "groups": {gid: {"version": g.version, "size": g.size,
-                                 "scored": [records.scored_to_json(x) for x in g.scored.values()]}
-                           for gid, g in self.groups.items()},
-                "unscored": [records.trajectory_to_json(t) for t in self.unscored.values()],
-                "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
-                "stats": dataclasses.asdict(self.stats),
-                "ledger_offset": self.ledger.lines_written,
-                "extra": extra_state,
-            }
+            return self._snapshot(extra)
+
+    def _snapshot(self, extra: Optional[Callable[[], dict]]) -> dict:
+        self._absorb()
+        progress: dict[str, Request] = {}
+        for sid in list(self.ports):
+            if hasattr(self.ports[sid], "progress"):
+                progress.update(self._port_call(sid, "progress", default={}) or {})
+        # Nothing below releases the lock: the state and the ledger offset are read together.
+        extra_state = extra() if extra else {}
+        dispatched = [progress.get(t, r) if progress.get(t, r).version == r.version else r
+                      for t, r in self.requests.items()]
+        return {
+            "latest": self.latest,
+            "next_group": self._next_group,
+            "dispatched": [records.request_to_json(r) for r in dispatched],
+            "backlog": [records.request_to_json(r) for r in self.backlog],
+            "redispatch": sorted(self._redispatch),
+            "groups": {gid: {"version": g.version, "size": g.size,
+                             "scored": [records.scored_to_json(x) for x in g.scored.values()]}
+                       for gid, g in self.groups.items()},
+            "unscored": [records.trajectory_to_json(t) for t in self.unscored.values()],
+            "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
+            "stats": dataclasses.asdict(self.stats),
+            "ledger_offset": self.ledger.lines_written,
+            "extra": extra_state,
+        }
 
     def restore(self, state: Optional[dict]) -> None:
         """Continues from `snapshot()`, before `start()` and with nothing loaded on the slices:
@@ -661,11 +723,11 @@ class Coordinator:
             self._taken_at = trainer_version
             for group in batch:
                 for sample in group.samples:
-                    self.ledger.write("consume", traj=sample.trajectory.traj_id, step=trainer_version,
+                    self.ledger.write("consume", traj=sample.trajectory.traj_id, group=group.group_id,
+                                      version=sample.trajectory.version, step=trainer_version,
                                       trainer_version=trainer_version)
                     self.stats.consumed += 1
-            self._supply(after_take=True)
-            self._apply_switching()
+            self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
             return batch
 
     def take_batch(self, trainer_version: int, timeout: float | None = None,
