@@ -7,6 +7,9 @@ here does anything:
                             (points: rollout, train_step, checkpoint_save)
   slice_error=<slice>:<step> after training step <step>, rollout slice <slice> raises
   slice_hang=<slice>:<step>  after training step <step>, rollout slice <slice> stops responding
+  slice_load_error=<slice>:<step>
+                            after training step <step>, rollout slice <slice>'s next read of a
+                            version from the store fails (the coordinator drops the slice)
   checkpoint_error=<n>      the n-th checkpoint save fails as a full disk would (ENOSPC)
 
 The faults are real: a real SIGKILL, a real exception on the worker thread, a real OSError in the
@@ -28,7 +31,7 @@ POINTS = ("rollout", "train_step", "checkpoint_save")
 
 def parse(spec: str) -> dict:
     """'kill=train_step:3,slice_error=1:2' -> {'kill': ('train_step', 3), 'slice_error': [(1, 2)], ...}."""
-    out: dict = {"kill": None, "slice_error": [], "slice_hang": [], "checkpoint_error": None}
+    out: dict = {"kill": None, "slice_error": [], "slice_hang": [], "slice_load_error": [], "checkpoint_error": None}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, value = item.partition("=")
         try:
@@ -37,7 +40,7 @@ def parse(spec: str) -> dict:
                 if point not in POINTS:
                     raise ValueError(f"unknown point {point!r}; expected one of {POINTS}")
                 out["kill"] = (point, int(count))
-            elif name in ("slice_error", "slice_hang"):
+            elif name in ("slice_error", "slice_hang", "slice_load_error"):
                 slice_id, step = value.split(":")
                 out[name].append((int(slice_id), int(step)))
             elif name == "checkpoint_error":
@@ -47,6 +50,13 @@ def parse(spec: str) -> dict:
         except ValueError as err:
             raise ValueError(f"DORA_FAULTS item {item!r}: {err}; see dora_jax/faults.py") from None
     return out
+
+
+def reset() -> None:
+    """Forgets the parsed spec and the counts: the next call re-reads DORA_FAULTS (tests)."""
+    global _parsed
+    _parsed = None
+    _hits.clear()
 
 
 def _faults() -> dict:
@@ -67,9 +77,10 @@ def reached(point: str) -> None:
 
 
 def slices_to_fail(step: int) -> list[tuple[int, str]]:
-    """(slice, 'error' | 'hang') faults due after training step `step`."""
+    """(slice, 'error' | 'hang' | 'load_error') faults due after training step `step`."""
     f = _faults()
-    return [(s, "error") for s, at in f["slice_error"] if at == step] + [(s, "hang") for s, at in f["slice_hang"] if at == step]
+    kinds = (("slice_error", "error"), ("slice_hang", "hang"), ("slice_load_error", "load_error"))
+    return [(s, kind) for name, kind in kinds for s, at in f[name] if at == step]
 
 
 def before_checkpoint_save() -> None:

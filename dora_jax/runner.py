@@ -21,6 +21,7 @@ stays intact.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -41,7 +42,8 @@ from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.reward_scorer import RewardPoolScorer
 from dora_jax.run_config import RunConfig
 from dora_jax.setup import Setup, build_setup
-from dora_jax.store import InProcessTier, ParamStore
+from dora_jax.store import InProcessTier, ParamStore, StoreError
+from dora_jax.supervisor import SliceSupervisor
 from dora_jax.tasks.prompt import Prompt
 from dora_jax.trainer import Trainer, make_train_batch
 from dora_jax.worker_thread import WorkerThread
@@ -114,16 +116,23 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     holder: list[Coordinator] = []
     slice_parts = []  # (worker factory, fetch) per slice, to restart a failed one
     threads: dict[int, WorkerThread] = {}
+    load_faults: set[int] = set()  # slices whose next version fetch fails (DORA_FAULTS slice_load_error)
     for slice_id, mesh in enumerate(slices.rollout):
         engine = RolloutEngine(setup.model_config, engine_config, mesh, tokenizer=setup.tokenizer)
         shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
         engine.warmup(store.get(trainer.version, shardings))
         slice_parts.append((lambda e=engine, sid=slice_id: RolloutWorker(e, slice_id=sid, eos_ids=setup.eos_ids),
-                            lambda v, sh=shardings: store.get(v, sh)))
+                            lambda v, sh=shardings, sid=slice_id: _fetch(store, v, sh, sid, load_faults)))
         threads[slice_id] = _start_slice(slice_parts[slice_id], holder, config)
+    supervisor_ref: list[SliceSupervisor] = []
     coord = Coordinator(config.coordinator, dict(threads), next_prompt, scorer, ledger,
-                        forced_length=forced_length, initial_version=trainer.version)
+                        forced_length=forced_length, initial_version=trainer.version,
+                        on_slice_dropped=lambda sid, why: supervisor_ref[0].dropped(sid, why))
     holder.append(coord)
+    supervisor = SliceSupervisor(coord, threads, lambda sid: _start_slice(slice_parts[sid], holder, config),
+                                 heartbeat_timeout_s=config.rollout.heartbeat_timeout_s,
+                                 max_rejoins=config.rollout.max_rejoins)
+    supervisor_ref.append(supervisor)
     if resuming:
         coord.restore(restored.meta["coordinator"] if restored else None)
     start_step = trainer.version
@@ -131,35 +140,14 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     metrics_writer = MetricsWriter(workdir, tensorboard=config.tensorboard)
     stop = threading.Event()
     loop_error: list[BaseException] = []
-    all_threads = list(threads.values())
+    all_threads = supervisor.all_threads  # grows as slices restart
 
     def coordinator_loop():
-        reported: set[int] = set()
-        restart_at: dict[int, float] = {}
-        rejoins: dict[int, int] = {}
         try:
             while not stop.is_set():
                 if coord.process(timeout=0.005):
                     faults.reached("rollout")
-                now = time.monotonic()
-                for sid, t in list(threads.items()):
-                    hung = t.error is None and now - t.last_beat > config.rollout.heartbeat_timeout_s
-                    if sid in reported or (t.error is None and not hung):
-                        continue
-                    if hung:
-                        t.abandon()  # it still holds its engine: it does not come back
-                    elif rejoins.get(sid, 0) < config.rollout.max_rejoins:
-                        restart_at[sid] = now + 1.0
-                    reported.add(sid)
-                    coord.post_slice_failed(sid, f"{type(t.error).__name__}: {t.error}")
-                for sid, when in list(restart_at.items()):
-                    if now >= when:  # a fresh worker on the slice's engine rejoins with nothing loaded
-                        del restart_at[sid]
-                        rejoins[sid] = rejoins.get(sid, 0) + 1
-                        threads[sid] = _start_slice(slice_parts[sid], holder, config)
-                        all_threads.append(threads[sid])
-                        reported.discard(sid)
-                        coord.post_slice_joined(threads[sid])
+                supervisor.check()
         except BaseException as err:
             loop_error.append(err)
             coord.closed = True
@@ -176,7 +164,8 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     def save_checkpoint() -> None:
         t0 = time.perf_counter()
         try:
-            _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fingerprint(config, setup))
+            _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fingerprint(config, setup),
+                             loop.is_alive)
         except (CheckpointError, OSError) as err:  # e.g. disk full: keep running on the previous one
             log.warning("%s; the previous checkpoint stays in use", err)
             checkpoint_errors.append(str(err))
@@ -198,10 +187,14 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             t1 = time.perf_counter()
             train_busy += t1 - t0
             train_timeline.append((t0, t1, metrics.version - 1))
+            coord.record_behaviour(step, metrics.behaviour_digests)
             coord.post_published(trainer.version)
             _retire(store, coord, trainer.version)
             for sid, kind in faults.slices_to_fail(step):
-                threads[sid].inject_failure("hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}"))
+                if kind == "load_error":
+                    load_faults.add(sid)
+                else:
+                    threads[sid].inject_failure("hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}"))
             totals = _slot_totals(all_threads)
             row = _step_row(step, batch, metrics, coord, totals, last, start)
             last = totals
@@ -237,10 +230,21 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     report = audit(read_ledger(ledger_path))
     timelines = {"start": start, "slices": [t.timeline for t in all_threads], "trainer": train_timeline,
                  "slot_totals": _slot_totals(all_threads)[:2]}
-    return RunResult(workdir, wall, len(rows), rows, report, dataclasses.asdict(coord.stats),
+    stats = dataclasses.asdict(coord.stats)
+    stats["slice_drops"] = [f"slice {sid}: {why}" for sid, why in supervisor.drops]
+    stats["slice_restarts"] = dict(supervisor.rejoins)
+    return RunResult(workdir, wall, len(rows), rows, report, stats,
                      [t.busy_s for t in all_threads], train_busy, timelines,
                      resumed_from=(restored.step if restored else 0) if resuming else None, preempted=preempted,
                      checkpoint_errors=checkpoint_errors, checkpoint_s=checkpoint_s)
+
+
+def _fetch(store: ParamStore, version: int, shardings, slice_id: int, load_faults: set[int]):
+    """A slice's read of a version; fails once where DORA_FAULTS armed a load error."""
+    if slice_id in load_faults:
+        load_faults.discard(slice_id)
+        raise StoreError(f"version {version} could not be read for slice {slice_id} (injected by DORA_FAULTS)")
+    return store.get(version, shardings)
 
 
 def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
@@ -273,9 +277,15 @@ def check_resumable(saved: dict, current: dict) -> None:
         raise ValueError("cannot resume this workdir with this config; differences:\n  " + "\n  ".join(problems))
 
 
-def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp) -> None:
+def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, loop_alive) -> None:
     coord.wait_for_version(trainer.version)
-    state = coord.snapshot(extra=lambda: {"source": setup.task.source.state()})
+    # The loop thread takes the snapshot (it calls the ports); the trainer thread only waits.
+    future = coord.request_snapshot(extra=lambda: {"source": setup.task.source.state()})
+    while not future.done():
+        if not loop_alive():
+            raise CheckpointError("the coordinator's loop has stopped: no snapshot for this checkpoint")
+        concurrent.futures.wait([future], timeout=0.1)
+    state = future.result()
     requests = state["dispatched"] + state["backlog"]
     needed = {r["version"] for r in requests} | {g["version"] for g in state["queue"]}
     needed |= {g["version"] for g in state["groups"].values()} | {t["version"] for t in state["unscored"]}

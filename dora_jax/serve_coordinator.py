@@ -80,7 +80,7 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
         if ports is None:
             return 0
         coord = Coordinator(config.coordinator, ports, next_prompt, RewardPoolScorer(pool, prompts, tokenizer.decode),
-                            ledger, initial_version=version)
+                            ledger, initial_version=version, on_slice_dropped=service.slice_dropped)
         service.attach(coord, list(ports.values()))
         _log(f"all roles joined; dispatching from version {version}")
         coord.start()

@@ -79,7 +79,7 @@ def train(config, workdir: str, client) -> None:
         raise SystemExit(f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}") from None
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
     trainer.publish()
-    report = _reporter(client, store) if leader else (lambda version: None)
+    report = _reporter(client, store) if leader else (lambda version, digests=None: None)
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
     batches = _BatchSource(client, channel)
@@ -93,7 +93,7 @@ def train(config, workdir: str, client) -> None:
             batch = make_train_batch([codec.group_from_proto(g) for g in groups], config.pad_to, setup.tokenizer.pad_id)
             metrics = trainer.train_step(batch)
             trainer.publish()
-            report(trainer.version)
+            report(trainer.version, metrics.behaviour_digests)
             if writer is not None:
                 row = _row(step, batch, metrics, stats, last, start, wait)
                 last = stats
@@ -194,8 +194,9 @@ def _reporter(client, store):
     """Host 0 reports each publish and retires the versions the coordinator no longer needs."""
     from dora_jax.transport import dora_pb2 as pb
 
-    def report(version: int) -> None:
-        request = pb.PublishedRequest(session=client.session, version=version)
+    def report(version: int, behaviour_digests=None) -> None:
+        request = pb.PublishedRequest(session=client.session, version=version,
+                                      behaviour_digests=behaviour_digests or {})
         reply = client.call("ReportPublished", lambda t: client.stub.ReportPublished(request, timeout=t))
         store.retire_below(min(int(reply.oldest_needed), version))
 

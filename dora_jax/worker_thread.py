@@ -52,9 +52,10 @@ class WorkerThread:
     def submit(self, requests: Sequence[Request]) -> None:
         self._call(lambda: [self.worker.submit(r) for r in requests])
 
-    def load_version(self, version: int) -> None:
+    def load_version(self, version: int) -> str:
+        """Returns the loaded params' digest."""
         params = self._fetch_params(version)  # outside the worker thread: decoding goes on meanwhile
-        self._call(lambda: self.worker.load_version(version, params))
+        return self._call(lambda: self.worker.load_version(version, params))
 
     def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
         def run():
@@ -146,9 +147,15 @@ class WorkerThread:
         or, for "hang", stops answering and beating as a hung one would."""
         self._fault = error
 
-    def abandon(self) -> None:
-        """Gives up on a hung worker: pending and later commands fail; it posts nothing more."""
-        self.error = self.error or TimeoutError(f"slice {self.slice_id} missed its heartbeat")
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (a worker hung inside a step holds its engine)."""
+        return self._thread.is_alive()
+
+    def abandon(self, reason: str = "missed its heartbeat") -> None:
+        """Gives up on this worker (hung, or dropped by the coordinator): pending and later
+        commands fail, it decodes and posts nothing more, and its thread exits at its next turn."""
+        self.error = self.error or TimeoutError(f"slice {self.slice_id} {reason}")
         self._post_finished = lambda *_: None
         self._stop.set()
         self._fail_pending(self.error)

@@ -41,16 +41,14 @@ def test_sigkill_during_save_train_step_and_rollout_then_resume_loses_nothing(tm
 def fault_env(monkeypatch):
     def set_faults(spec):
         monkeypatch.setenv("DORA_FAULTS", spec)
-        faults._parsed = None
-        faults._hits.clear()
+        faults.reset()
 
     yield set_faults
-    faults._parsed = None
-    faults._hits.clear()
+    faults.reset()
 
 
 def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, fault_env):
-    fault_env("slice_error=1:1,slice_hang=2:2,checkpoint_error=2")
+    fault_env("slice_error=1:1,slice_hang=2:2,slice_load_error=0:3,checkpoint_error=2")
     c = tiny_config("dora", steps=STEPS)
     with c.unlocked():
         c.checkpoint.every_steps = 1
@@ -62,13 +60,21 @@ def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, f
     assert result.audit.consumed == STEPS * TBS
     events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
     failed = {e["slice"]: e for e in events if e["ev"] == "slice_failed"}
-    assert set(failed) == {1, 2}
+    assert set(failed) == {0, 1, 2}
     assert "injected failure" in failed[1]["reason"]
     assert "TimeoutError" in failed[2]["reason"]  # missed heartbeats, or a command it never answered
+    assert "StoreError" in failed[0]["reason"] and "load_version failed" in failed[0]["reason"]
     redispatched = [e for e in events if e["ev"] == "dispatch" and e.get("redispatch")]
-    assert len(redispatched) == failed[1]["requests"] + failed[2]["requests"] > 0
+    assert len(redispatched) == sum(e["requests"] for e in failed.values())
+    # Every dropped slice is reported and restarted, whoever found it dead: the crashed one, the
+    # hung one once its thread let go of the engine, and the one the coordinator dropped itself.
     joined = [e["slice"] for e in events if e["ev"] == "slice_joined"]
-    assert 1 in joined and 2 not in joined  # the crashed one restarts; the hung one keeps its engine
+    assert sorted(joined) == [0, 1, 2], joined
+    assert sorted(result.coordinator_stats["slice_restarts"]) == [0, 1, 2]
+    assert len(result.coordinator_stats["slice_drops"]) == 3
+    behaviour = [e for e in events if e["ev"] == "behaviour"]
+    assert len(behaviour) == STEPS and all(e["digests"] for e in behaviour)
+    assert all("digest" in e for e in events if e["ev"] == "load_version")
     assert len(result.checkpoint_errors) == 1 and "No space left" in result.checkpoint_errors[0]
     steps = RunCheckpointer(str(tmp_path / "checkpoints")).steps()
     assert steps and 2 not in steps  # the failed save left nothing; the others are there

@@ -26,8 +26,9 @@ class RolloutPort(Protocol):
     def submit(self, requests: Sequence[Request]) -> None:
         """Queue requests on the slice (admitted into free slots as they open)."""
 
-    def load_version(self, version: int) -> None:
-        """Switch the slice's params to `version` (fetched from the ParamStore); no request may be on it."""
+    def load_version(self, version: int) -> str | None:
+        """Switch the slice's params to `version` (fetched from the ParamStore); no request may be on
+        it. Returns the loaded params' digest (dora_jax.store.digest), written to the ledger."""
 
     def export(self, traj_ids: Sequence[str]) -> list[Migratable]:
         """Remove these requests from the slice: admitted ones as SlotState (KV rows included),

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from dora_jax.store.digest import params_digest
 from dora_jax.records import FinishReason, Request, SlotState, Trajectory
 from dora_jax.rollout.engine import RolloutEngine, check_sampling
 
@@ -139,15 +140,18 @@ class RolloutWorker:
         self._tally.update(increments)
 
     # ------------------------------------------------------------------ versions
-    def load_version(self, version: int, params, *, allow_active: bool = False) -> None:
-        """Serves `version` from now on. Refused while requests are in flight unless `allow_active`
-        (partial rollout: in-flight requests continue on the new params, and say so in versions_seen)."""
+    def load_version(self, version: int, params, *, allow_active: bool = False) -> str:
+        """Serves `version` from now on; returns the loaded params' digest (for the ledger's
+        audit). Refused while requests are in flight unless `allow_active` (partial rollout:
+        in-flight requests continue on the new params, and say so in versions_seen)."""
         if self.num_active and not allow_active:
             raise RuntimeError(
                 f"worker {self.slice_id}: {self.num_active} requests are active on version {self._version}; "
                 f"finish or export them before loading version {version}, or pass allow_active=True")
+        self._params = None  # free the old version first: never two full copies on the slice
         self._params = self._engine.load_params(params)
         self._version = int(version)
+        return params_digest(self._params)
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request) -> None:

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dora_jax.records import TrainBatch
 from dora_jax.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
 from dora_jax.store import ParamStore
+from dora_jax.store.digest import params_digest
 from dora_jax.trainer.advantages import ESTIMATORS
 from dora_jax.trainer.bucketed import BucketedStep, bucket_lengths
 from dora_jax.trainer.loss import LossConfig, LossStats
@@ -122,12 +123,15 @@ class StepMetrics:
     expert_load: tuple[tuple[int, ...], ...] | None = None  # per MoE layer: assignments per expert
     router_load_ratio: tuple[float, ...] | None = None  # per MoE layer: max / mean expert load (1 = balanced)
     router_aux_loss: float | None = None  # load-balancing loss (K when balanced), optimised iff router_aux_coef > 0
+    # generating version -> digest of the params its behaviour log-probs were recomputed with
+    behaviour_digests: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         """Flat scalars; a MoE adds router/aux_loss, router/load_ratio_max, router/load_ratio/{layer}
         and the histogram router/expert_load/{layer} (a list of counts)."""
         moe = ("expert_load", "router_load_ratio", "router_aux_loss")
-        flat = {k: v for k, v in dataclasses.asdict(self).items() if k != "staleness" and k not in moe}
+        flat = {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("staleness", "behaviour_digests") and k not in moe}
         flat.update({f"staleness/{k}": v for k, v in sorted(self.staleness.items())})
         if self.expert_load is not None:
             flat["router/aux_loss"] = self.router_aux_loss
@@ -182,6 +186,8 @@ class Trainer:
         )
         self._state = init_jit(placed)
 
+        self._digests: dict[int, str] = {}  # version -> params digest (dora_jax.store.digest)
+        self._used_digests: dict[int, str] = {}  # those the current step recomputed with
         self._behaviour = BehaviourLogps(
             graphdef, self.param_shardings, self._rows_UMCT, self._replicated, config.micro_batch_size,
             on_trace=lambda: self.trace_counts.update(["recompute"]), compiler_options=self._compiler_options,
@@ -268,6 +274,7 @@ class Trainer:
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
+        self._used_digests = {}
         start = time.perf_counter()
         if self._bucketed is not None:
             self._state, outputs = self._bucketed(self._state, batch, self._ref_params, self._params_of)
@@ -295,13 +302,20 @@ class Trainer:
         return jax.device_put(x_BT.reshape(U, -1, C, x_BT.shape[-1]), self._rows_UMCT)
 
     def _params_of(self, version: int):
+        """The params of `version` for the behaviour recompute; notes their digest for the ledger."""
         if version == self._version:
-            return self._state.params
-        if self._store is None:
+            params = self._state.params
+        elif self._store is None:
             raise ValueError(
                 f"batch holds version {version} but the trainer (version {self._version}) has no ParamStore"
             )
-        return self._store.get(version, self.param_shardings, copy=False)  # recompute never donates params
+        else:
+            params = self._store.get(version, self.param_shardings, copy=False)  # recompute never donates params
+        if version not in self._digests:
+            self._digests = {v: d for v, d in self._digests.items() if v > self._version - 64}
+            self._digests[version] = params_digest(params)
+        self._used_digests[version] = self._digests[version]
+        return params
 
     def _check_batch(self, batch: TrainBatch, versions_B: np.ndarray) -> None:
         B, chunk = batch.batch_size, self.config.num_updates * self.config.micro_batch_size
@@ -342,6 +356,7 @@ class Trainer:
             tokens_per_s=tokens / max(elapsed, 1e-9),
             step_time_s=elapsed,
             staleness={int(k): int(v) for k, v in sorted(staleness.items())},
+            behaviour_digests=dict(sorted(self._used_digests.items())),
             **stats.summary(),
             **_router_metrics(outputs),
         )

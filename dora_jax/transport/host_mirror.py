@@ -180,9 +180,9 @@ class MirroredWorker:
         self._send(Op.WARMUP, int(version))
         self._worker.engine.warmup(self._fetch_params(int(version)))
 
-    def load_version(self, version: int, params, *, allow_active: bool = False) -> None:
+    def load_version(self, version: int, params, *, allow_active: bool = False) -> str:
         self._send(Op.LOAD, int(version), allow_active)
-        self._worker.load_version(version, params, allow_active=allow_active)
+        return self._worker.load_version(version, params, allow_active=allow_active)
 
     def submit(self, request: Request) -> None:
         self._send(Op.SUBMIT, request)

@@ -47,8 +47,10 @@ class GrpcRolloutPort:
     def submit(self, requests: Sequence[Request]) -> None:
         self._call(pb.Command(submit=pb.Submit(requests=[codec.request_to_proto(r) for r in requests])), [])
 
-    def load_version(self, version: int) -> None:
-        self._call(pb.Command(load_version=pb.LoadVersion(version=int(version))), [])
+    def load_version(self, version: int) -> Optional[str]:
+        """Returns the digest of the params the worker loaded (None from a worker that sends none)."""
+        result, _ = self._call(pb.Command(load_version=pb.LoadVersion(version=int(version))), [])
+        return result.digest or None
 
     def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
         result, arrays = self._call(pb.Command(export=pb.Export(traj_ids=list(traj_ids))), [])

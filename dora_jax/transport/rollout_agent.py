@@ -154,14 +154,14 @@ class RolloutAgent:
 
     def _execute(self, command: pb.Command, arrays: list[np.ndarray]) -> None:
         kind = command.WhichOneof("kind")
-        exported, out_arrays, progress = [], [], []
+        exported, out_arrays, progress, digest = [], [], [], ""
         try:
             if kind == "submit":
                 for request in command.submit.requests:
                     self.worker.submit(codec.request_from_proto(request))
             elif kind == "load_version":
                 version = int(command.load_version.version)
-                self.worker.load_version(version, self._fetch_params(version))
+                digest = self.worker.load_version(version, self._fetch_params(version))
             elif kind == "export":
                 exported, out_arrays = codec.migratables_to_proto(self._export(list(command.export.traj_ids)))
             elif kind == "import_items":
@@ -175,7 +175,7 @@ class RolloutAgent:
                                 error=f"{type(err).__name__}: {err}"), [])
             raise
         self._ack(pb.Result(session=self.client.session, command_id=command.id, exported=exported,
-                            progress=progress), out_arrays)
+                            progress=progress, digest=digest), out_arrays)
 
     def _export(self, traj_ids: list[str]) -> list[SlotState | Request]:
         wanted = set(traj_ids)

@@ -63,6 +63,7 @@ class Backend(Protocol):
     def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None: ...
     def post_slice_failed(self, slice_id: int, reason: str) -> None: ...
     def post_slice_joined(self, port) -> None: ...
+    def record_behaviour(self, step: int, digests) -> None: ...
 
 
 @dataclasses.dataclass
@@ -222,6 +223,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if backend is not None:
             backend.post_slice_failed(port.slice_id, reason)
 
+    def slice_dropped(self, slice_id: int, reason: str) -> None:
+        """The coordinator dropped this slice (a failed call, a store error while loading): its
+        session ends, so the worker stops decoding what was re-dispatched, registers again and
+        rejoins with nothing loaded. Called on the coordinator's loop; never calls back in."""
+        with self._cond:
+            port = self.ports.get(slice_id)
+        if port is not None:
+            port.fail(f"dropped by the coordinator: {reason}")
+
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         session = self._session(request.session, context, pb.ROLLOUT)
         with self._cond:
@@ -327,6 +337,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             fresh = version > self._published
             self._published = max(self._published, version)
         if fresh:
+            if request.behaviour_digests:
+                backend.record_behaviour(version - 1, dict(request.behaviour_digests))
             backend.post_published(version)
         return pb.PublishedReply(oldest_needed=min(backend.versions_needed() | {version}))
 

@@ -36,6 +36,7 @@ class FakeWorker:
         if self.active or self.queued:
             raise RuntimeError(f"fake slice {self.slice_id}: load_version with requests on it")
         self.version = version
+        return f"fake-params-v{version}"  # the digest of what was loaded
 
     def export(self, traj_ids):
         out = []
@@ -93,17 +94,23 @@ class FakeWorker:
 
 
 class DyingWorker(FakeWorker):
-    """A FakeWorker that can die: then it decodes nothing and every port call raises."""
+    """A FakeWorker that can die or hang: then it decodes nothing and every port call raises (a
+    hung one as a command that timed out does)."""
 
     dead = False
+    hung = False
 
     def __getattribute__(self, name):
-        if name in ("submit", "load_version", "export", "import_", "progress") and object.__getattribute__(self, "dead"):
-            raise ConnectionError(f"fake slice {object.__getattribute__(self, 'slice_id')} is dead")
+        if name in ("submit", "load_version", "export", "import_", "progress"):
+            sid = object.__getattribute__(self, "slice_id")
+            if object.__getattribute__(self, "dead"):
+                raise ConnectionError(f"fake slice {sid} is dead")
+            if object.__getattribute__(self, "hung"):
+                raise TimeoutError(f"fake slice {sid}: no answer (hung)")
         return object.__getattribute__(self, name)
 
     def tick(self):
-        if not self.dead:
+        if not self.dead and not self.hung:
             super().tick()
 
 
@@ -122,6 +129,38 @@ class InstantScorer:
         else:
             future.set_result((float(len(trajectory.response_ids) % 2), None))
         return future
+
+
+def longtail(seed, median=6, cap=80):
+    """A long-tailed length per trajectory id (lognormal, capped), fixed once drawn."""
+    rng = np.random.default_rng(seed)
+    cache = {}
+
+    def length_of(traj_id):
+        if traj_id not in cache:
+            cache[traj_id] = int(min(cap, max(1, rng.lognormal(np.log(median), 1.0))))
+        return cache[traj_id]
+
+    return length_of
+
+
+def make_coordinator(mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0,
+                     on_slice_dropped=None):
+    """A coordinator over `slices` DyingWorkers with long-tailed lengths; returns (coord, workers)."""
+    from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
+
+    ref = [None]
+    length_of = longtail(seed)
+    workers = {i: DyingWorker(i, slots, ref, length_of) for i in range(slices)}
+    cfg = CoordinatorConfig(mode=mode, k_max=k_max, train_batch_size=tbs, rollout_batch_size=rbs, group_size=g,
+                            max_new_tokens=200, rebalance_period_s=1e9)
+    counter = iter(range(10**9))
+    coord = Coordinator(cfg, workers, lambda: (f"p{next(counter)}", (1, 2, 3)), InstantScorer(), ledger,
+                        initial_version=initial_version,
+                        **({"on_slice_dropped": on_slice_dropped} if on_slice_dropped else {}))
+    ref[0] = coord
+    coord.length_of = length_of  # for workers that join later
+    return coord, workers
 
 
 def prompts():

@@ -10,19 +10,7 @@ from hypothesis import strategies as st
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger
-from tests.coordinator.fakes import FakeWorker, InstantScorer, prompts
-
-
-def longtail(seed, median=6, cap=80):
-    rng = np.random.default_rng(seed)
-    cache = {}
-
-    def length_of(traj_id):
-        if traj_id not in cache:
-            cache[traj_id] = int(min(cap, max(1, rng.lognormal(np.log(median), 1.0))))
-        return cache[traj_id]
-
-    return length_of
+from tests.coordinator.fakes import FakeWorker, InstantScorer, longtail, prompts
 
 
 def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, fail_every=0, observe=None):

@@ -9,23 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora_jax.coordinator.audit import audit
-from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger, read_ledger
-from tests.coordinator.fakes import DyingWorker, InstantScorer
-from tests.coordinator.test_coordinator import longtail
+from tests.coordinator.fakes import DyingWorker, longtail, make_coordinator
 
 
-def make(mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0):
-    ref = [None]
-    length_of = longtail(seed)
-    workers = {i: DyingWorker(i, slots, ref, length_of) for i in range(slices)}
-    cfg = CoordinatorConfig(mode=mode, k_max=k_max, train_batch_size=tbs, rollout_batch_size=rbs, group_size=g,
-                            max_new_tokens=200, rebalance_period_s=1e9)
-    counter = iter(range(10**9))
-    coord = Coordinator(cfg, workers, lambda: (f"p{next(counter)}", (1, 2, 3)), InstantScorer(), ledger,
-                        initial_version=initial_version)
-    ref[0] = coord
-    return coord, workers
+make = make_coordinator
 
 
 def drive(coord, workers, version, steps, rng, on_tick=None):

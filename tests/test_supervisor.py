@@ -1,0 +1,70 @@
+"""Slice supervision with stand-in worker threads and a recording coordinator: who is reported,
+abandoned, restarted and when (the real worker threads are exercised in tests/test_reliability.py)."""
+
+from dora_jax.supervisor import SliceSupervisor
+
+
+class _Thread:
+    def __init__(self, sid):
+        self.slice_id, self.error, self.last_beat, self.alive, self.abandoned = sid, None, 0.0, True, None
+
+    def abandon(self, reason):
+        self.abandoned = reason
+
+
+class _Coordinator:
+    def __init__(self):
+        self.failed, self.joined = [], []
+
+    def post_slice_failed(self, sid, reason):
+        self.failed.append((sid, reason))
+
+    def post_slice_joined(self, thread):
+        self.joined.append(thread.slice_id)
+
+
+def _supervisor(max_rejoins=1):
+    now = [0.0]
+    coord = _Coordinator()
+    threads = {i: _Thread(i) for i in range(3)}
+    sup = SliceSupervisor(coord, threads, _Thread, heartbeat_timeout_s=10.0, max_rejoins=max_rejoins,
+                          restart_delay_s=1.0, clock=lambda: now[0])
+    return sup, coord, threads, now
+
+
+def test_crashed_hung_and_coordinator_dropped_slices_are_all_restarted():
+    sup, coord, threads, now = _supervisor()
+    old = dict(threads)
+    threads[0].error = RuntimeError("boom")  # crashed
+    now[0] = 11.0
+    for t in (threads[0], threads[2]):
+        t.last_beat = 10.5  # slice 1 has not beaten since 0.0: hung
+    sup.check()
+    assert coord.failed == [(0, "RuntimeError: boom"), (1, "TimeoutError: no heartbeat for 10s")]
+    sup.check()
+    assert len(coord.failed) == 2  # reported once
+    for sid, why in [(0, "RuntimeError: boom"), (1, "missed heartbeats"), (2, "load_version failed: StoreError")]:
+        sup.dropped(sid, why)  # the coordinator dropped them, slice 2 on its own finding
+    sup.check()
+    assert all(old[s].abandoned for s in range(3)) and "StoreError" in old[2].abandoned
+    old[0].alive = old[2].alive = False  # their threads exited; slice 1 is still stuck in a step
+    now[0] = 12.5
+    sup.check()
+    assert sorted(coord.joined) == [0, 2] and threads[0] is not old[0] and threads[1] is old[1]
+    old[1].alive = False
+    now[0] = 14.0
+    sup.check()
+    assert sorted(coord.joined) == [0, 1, 2] and sup.rejoins == {0: 1, 1: 1, 2: 1}
+    assert len(sup.all_threads) == 6 and [s for s, _ in sup.drops] == [0, 1, 2]
+
+
+def test_a_slice_past_max_rejoins_stays_down():
+    sup, coord, threads, now = _supervisor(max_rejoins=1)
+    for round_ in range(2):
+        thread = threads[0]
+        sup.dropped(0, "port call timed out")
+        sup.check()
+        thread.alive = False
+        now[0] += 2.0
+        sup.check()
+    assert coord.joined == [0] and sup.rejoins == {0: 1}
