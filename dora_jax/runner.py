@@ -31,7 +31,7 @@ import time
 from typing import Callable, Optional
 
 
-from dora_jax import faults, sharding
+from dora_jax import faults, sharding, training_loop
 from dora_jax.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
@@ -45,7 +45,7 @@ from dora_jax.setup import Setup, build_setup
 from dora_jax.store import InProcessTier, ParamStore, StoreError
 from dora_jax.supervisor import SliceSupervisor
 from dora_jax.tasks.prompt import Prompt
-from dora_jax.trainer import Trainer, make_train_batch
+from dora_jax.trainer import Trainer
 from dora_jax.worker_thread import WorkerThread
 
 log = logging.getLogger(__name__)
@@ -156,10 +156,9 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     coord.start()
     loop = threading.Thread(target=coordinator_loop, name="coordinator", daemon=True)
     loop.start()
-    rows, train_busy, train_timeline = [], 0.0, []
     checkpoint_errors, checkpoint_s = [], []
-    preempted = False
     bar = _progress(config.num_steps - start_step, progress)
+    preempting = (lambda: preempt is not None and preempt.is_set())
 
     def save_checkpoint() -> None:
         t0 = time.perf_counter()
@@ -171,43 +170,28 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             checkpoint_errors.append(str(err))
         checkpoint_s.append(time.perf_counter() - t0)
 
+    def after_step(step: int) -> dict:
+        for sid, kind in faults.slices_to_fail(step):
+            if kind == "load_error":
+                load_faults.add(sid)
+            else:
+                threads[sid].inject_failure("hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}"))
+        if (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0) or preempting():
+            save_checkpoint()
+            return {"checkpoint_s": checkpoint_s[-1]}
+        return {}
+
+    def on_row(row: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", versions=row["versions_in_flight"])
+
+    source = CoordinatorSource(coord, store, all_threads, cancel=preempt,
+                               loop_error=lambda: loop_error[0] if loop_error else None)
     try:
-        last = _slot_totals(all_threads)
-        for step in range(start_step, config.num_steps):
-            groups = coord.take_batch(trainer.version, cancel=preempt)
-            if groups is None:
-                if preempt is not None and preempt.is_set():
-                    break
-                raise loop_error[0] if loop_error else RuntimeError("coordinator closed")
-            t0 = time.perf_counter()
-            batch = make_train_batch(groups, config.pad_to, setup.tokenizer.pad_id)
-            metrics = trainer.train_step(batch)
-            faults.reached("train_step")
-            trainer.publish()
-            t1 = time.perf_counter()
-            train_busy += t1 - t0
-            train_timeline.append((t0, t1, metrics.version - 1))
-            coord.record_behaviour(step, metrics.behaviour_digests)
-            coord.post_published(trainer.version)
-            _retire(store, coord, trainer.version)
-            for sid, kind in faults.slices_to_fail(step):
-                if kind == "load_error":
-                    load_faults.add(sid)
-                else:
-                    threads[sid].inject_failure("hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}"))
-            totals = _slot_totals(all_threads)
-            row = _step_row(step, batch, metrics, coord, totals, last, start)
-            last = totals
-            due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
-            if due or (preempt is not None and preempt.is_set()):
-                save_checkpoint()
-                row["checkpoint_s"] = checkpoint_s[-1]
-            rows.append(row)
-            metrics_writer.write(step, row, {"staleness": [k for k, v in metrics.staleness.items() for _ in range(v)]})
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", versions=row["versions_in_flight"])
-            if preempt is not None and preempt.is_set():
-                break
+        loop_result = training_loop.train(trainer, source, num_steps=config.num_steps, pad_to=config.pad_to,
+                                          pad_id=setup.tokenizer.pad_id, writer=metrics_writer,
+                                          after_step=after_step, on_row=on_row, should_stop=preempting, start=start)
+        rows = loop_result.rows
         preempted = trainer.version < config.num_steps
         if preempted and not (rows and "checkpoint_s" in rows[-1]):
             save_checkpoint()  # preempted while waiting for a batch: nothing taken since the last step
@@ -228,15 +212,44 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             pool.close()
     wall = time.perf_counter() - start
     report = audit(read_ledger(ledger_path))
-    timelines = {"start": start, "slices": [t.timeline for t in all_threads], "trainer": train_timeline,
+    timelines = {"start": start, "slices": [t.timeline for t in all_threads], "trainer": loop_result.timeline,
                  "slot_totals": _slot_totals(all_threads)[:2]}
     stats = dataclasses.asdict(coord.stats)
     stats["slice_drops"] = [f"slice {sid}: {why}" for sid, why in supervisor.drops]
     stats["slice_restarts"] = dict(supervisor.rejoins)
     return RunResult(workdir, wall, len(rows), rows, report, stats,
-                     [t.busy_s for t in all_threads], train_busy, timelines,
+                     [t.busy_s for t in all_threads], loop_result.train_busy_s, timelines,
                      resumed_from=(restored.step if restored else 0) if resuming else None, preempted=preempted,
                      checkpoint_errors=checkpoint_errors, checkpoint_s=checkpoint_s)
+
+
+class CoordinatorSource:
+    """The in-process `training_loop.BatchSource`: takes from the coordinator, posts publishes to
+    it, retires the versions nothing needs, and reads the rollout counters off the worker threads."""
+
+    def __init__(self, coord: Coordinator, store: ParamStore, threads: list, *, cancel, loop_error):
+        self._coord, self._store, self._threads = coord, store, threads  # threads grows as slices restart
+        self._cancel, self._loop_error = cancel, loop_error
+
+    def take(self, trainer_version: int) -> Optional[training_loop.TakenBatch]:
+        groups = self._coord.take_batch(trainer_version, cancel=self._cancel)
+        if groups is None:
+            if self._cancel is not None and self._cancel.is_set():
+                return None
+            raise self._loop_error() or RuntimeError("coordinator closed")
+        return training_loop.TakenBatch(groups, self.counters())
+
+    def published(self, version: int, behaviour_digests) -> None:
+        self._coord.record_behaviour(version - 1, behaviour_digests)
+        self._coord.post_published(version)
+        _retire(self._store, self._coord, version)
+
+    def counters(self) -> dict:
+        slot_steps, idle, generated = _slot_totals(self._threads)
+        return {"slot_steps": slot_steps, "idle_slot_steps": idle, "generated_tokens": generated,
+                "trainer_wait_s": self._coord.stats.trainer_wait_s,
+                "versions_in_flight": len(self._coord.versions_in_flight()),
+                "migrations_kv": self._coord.stats.migrations_kv}
 
 
 def _fetch(store: ParamStore, version: int, shardings, slice_id: int, load_faults: set[int]):
@@ -334,27 +347,6 @@ def _slot_totals(threads) -> tuple[int, int, int]:
     counters = [t.worker.counters for t in threads]
     return (sum(c.slot_steps for c in counters), sum(c.idle_slot_steps for c in counters),
             sum(c.generated_tokens for c in counters))
-
-
-def _step_row(step, batch, metrics, coord: Coordinator, totals, last, start) -> dict:
-    slot_steps, idle, generated = (a - b for a, b in zip(totals, last))
-    valid = batch.valid_B > 0
-    row = {
-        "reward_mean": float(batch.rewards_B[valid].mean()) if valid.any() else float("nan"),
-        "valid_fraction": float(valid.mean()),
-        "staleness_max": int(max(metrics.staleness)),
-        "versions_in_flight": len(coord.versions_in_flight()),
-        "trainer_wait_s": coord.stats.trainer_wait_s,
-        "bubble_ratio": idle / slot_steps if slot_steps else 0.0,
-        "generated_tokens": generated,
-        "wall_s": time.perf_counter() - start,
-        "response_len_mean": float(batch.loss_mask_BT.sum(1).mean()),
-        "migrations_kv": coord.stats.migrations_kv,
-    }
-    row.update({k: v for k, v in metrics.as_dict().items() if not k.startswith("staleness/")})
-    row["train_tokens_per_s"] = row.pop("tokens_per_s")
-    row["tokens_per_s"] = float(batch.loss_mask_BT.sum()) / max(row["wall_s"] / (step + 1), 1e-9)
-    return row
 
 
 def _progress(total: int, enabled: bool):

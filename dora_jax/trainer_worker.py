@@ -61,9 +61,9 @@ def train(config, workdir: str, client) -> None:
     import jax
 
     from dora_jax import sharding
+    from dora_jax import training_loop
     from dora_jax.metrics import MetricsWriter
-    from dora_jax.trainer import Trainer, make_train_batch
-    from dora_jax.transport import codec
+    from dora_jax.trainer import Trainer
     from dora_jax.transport import dora_pb2 as pb
 
     leader = client is not None
@@ -82,26 +82,20 @@ def train(config, workdir: str, client) -> None:
     report = _reporter(client, store) if leader else (lambda version, digests=None: None)
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
-    batches = _BatchSource(client, channel)
+    source = _BatchSource(client, channel, report)
     writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if leader else None
-    start, last = time.perf_counter(), {}
+    start = time.perf_counter()
+
+    def on_row(row: dict) -> None:
+        if leader:
+            _log(f"step {trainer.version}/{config.num_steps} reward {row['reward_mean']:.3f} "
+                 f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}")
+
     try:
-        for step in range(config.num_steps):
-            t0 = time.perf_counter()
-            groups, stats = batches.take(trainer.version)
-            wait = time.perf_counter() - t0
-            batch = make_train_batch([codec.group_from_proto(g) for g in groups], config.pad_to, setup.tokenizer.pad_id)
-            metrics = trainer.train_step(batch)
-            trainer.publish()
-            report(trainer.version, metrics.behaviour_digests)
-            if writer is not None:
-                row = _row(step, batch, metrics, stats, last, start, wait)
-                last = stats
-                writer.write(step, row, {"staleness": [k for k, v in metrics.staleness.items() for _ in range(v)]})
-                _log(f"step {step + 1}/{config.num_steps} reward {row['reward_mean']:.3f} "
-                     f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}")
+        training_loop.train(trainer, source, num_steps=config.num_steps, pad_to=config.pad_to,
+                            pad_id=setup.tokenizer.pad_id, writer=writer, on_row=on_row, start=start)
     except BaseException:
-        batches.abort()
+        source.abort()
         raise
     finally:
         if writer is not None:
@@ -163,13 +157,16 @@ def _runs_cold_start(config) -> bool:
 
 
 class _BatchSource:
-    """Each step's batch: host 0 long-polls the coordinator and, on several hosts, sends the reply
-    to the others, so every host trains on the same batch (an empty message: host 0 stopped)."""
+    """The trainer role's `training_loop.BatchSource`. Host 0 long-polls the coordinator and, on
+    several hosts, sends the reply to the others, so every host trains on the same batch (an
+    empty message: host 0 stopped); host 0 reports each publish."""
 
-    def __init__(self, client, channel):
-        self._client, self._channel = client, channel
+    def __init__(self, client, channel, report):
+        self._client, self._channel, self._report = client, channel, report
 
     def take(self, version: int):
+        from dora_jax import training_loop
+        from dora_jax.transport import codec
         from dora_jax.transport import dora_pb2 as pb
 
         if self._client is not None:
@@ -181,7 +178,13 @@ class _BatchSource:
             if not payload:
                 raise SystemExit("host 0 of the trainer stopped; stopping too")
             reply = pb.TakeBatchReply.FromString(payload)
-        return reply.groups, json.loads(reply.stats_json)
+        return training_loop.TakenBatch([codec.group_from_proto(g) for g in reply.groups], json.loads(reply.stats_json))
+
+    def published(self, version: int, behaviour_digests) -> None:
+        self._report(version, behaviour_digests)
+
+    def counters(self) -> dict:
+        return {}  # the first row counts from zero: the coordinator's counters start with the run
 
     def abort(self) -> None:
         """Host 0 failed: releases the other hosts from their wait for the next batch."""
@@ -213,30 +216,6 @@ def _take_batch(client, version: int):
                             timeout_s=POLL_S.value + client.timing.call_timeout_s)
         if reply.ready:
             return reply
-
-
-def _row(step, batch, metrics, stats: dict, last: dict, start: float, wait_s: float) -> dict:
-    """The embedded run's metrics row, from the coordinator's counters sent with the batch."""
-    delta = {k: stats.get(k, 0) - last.get(k, 0) for k in ("slot_steps", "idle_slot_steps", "generated_tokens")}
-    valid = batch.valid_B > 0
-    wall = time.perf_counter() - start
-    row = {
-        "reward_mean": float(batch.rewards_B[valid].mean()) if valid.any() else float("nan"),
-        "valid_fraction": float(valid.mean()),
-        "staleness_max": int(max(metrics.staleness)),
-        "versions_in_flight": stats.get("versions_in_flight", 0),
-        "trainer_wait_s": stats.get("trainer_wait_s", 0.0),
-        "take_batch_s": wait_s,
-        "bubble_ratio": delta["idle_slot_steps"] / delta["slot_steps"] if delta["slot_steps"] else 0.0,
-        "generated_tokens": delta["generated_tokens"],
-        "wall_s": wall,
-        "response_len_mean": float(batch.loss_mask_BT.sum(1).mean()),
-        "migrations_kv": stats.get("migrations_kv", 0),
-    }
-    row.update({k: v for k, v in metrics.as_dict().items() if not k.startswith("staleness/")})
-    row["train_tokens_per_s"] = row.pop("tokens_per_s")
-    row["tokens_per_s"] = float(batch.loss_mask_BT.sum()) / max(wall / (step + 1), 1e-9)
-    return row
 
 
 def _log(message: str) -> None:

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from dora_jax.coordinator.ports import PortError
 from dora_jax.records import Request, SlotState
-from dora_jax.rollout.worker import RolloutWorker
+from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
 
 
 class SliceError(PortError):
@@ -58,29 +58,13 @@ class WorkerThread:
         return self._call(lambda: self.worker.load_version(version, params))
 
     def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
-        def run():
-            wanted = set(traj_ids)
-            active = [t for t in self.worker.active_traj_ids if t in wanted]
-            queued = [t for t in self.worker.queued_traj_ids if t in wanted]
-            out: list[SlotState | Request] = self.worker.export_requests(active) if active else []
-            return out + (self.worker.take_queued(queued) if queued else [])
-
-        return self._call(run)
+        return self._call(lambda: export_from(self.worker, traj_ids))
 
     def progress(self) -> dict[str, Request]:
         return self._call(self.worker.progress)
 
     def import_(self, items: Sequence[SlotState | Request]) -> None:
-        states = [i for i in items if isinstance(i, SlotState)]
-        requests = [i for i in items if isinstance(i, Request)]
-
-        def run():
-            if states:
-                self.worker.import_requests(states)
-            for request in requests:
-                self.worker.submit(request)
-
-        self._call(run)
+        self._call(lambda: import_into(self.worker, items))
 
     # ------------------------------------------------------------------ thread
     def _call(self, fn: Callable):

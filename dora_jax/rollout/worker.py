@@ -343,3 +343,23 @@ class RolloutWorker:
             self._slots[slot] = _Active(state.request, list(state.response_ids), list(state.logprobs),
                                         list(state.token_versions), self._clock(), num_migrations=1)
             self._count(imports=1)
+
+
+def export_from(worker, traj_ids: Sequence[str]) -> list:
+    """The RolloutPort's `export` on a worker (a RolloutWorker, or a multi-host MirroredWorker):
+    admitted requests leave as SlotStates with their KV rows, queued ones as Requests; ids that
+    already finished are absent."""
+    wanted = set(traj_ids)
+    active = [t for t in worker.active_traj_ids if t in wanted]
+    queued = [t for t in worker.queued_traj_ids if t in wanted]
+    out = worker.export_requests(active) if active else []
+    return out + (worker.take_queued(queued) if queued else [])
+
+
+def import_into(worker, items: Sequence) -> None:
+    """The RolloutPort's `import_`: SlotStates continue with no prefill, Requests are queued."""
+    states = [i for i in items if isinstance(i, SlotState)]
+    if states:
+        worker.import_requests(states)
+    for request in (i for i in items if isinstance(i, Request)):
+        worker.submit(request)

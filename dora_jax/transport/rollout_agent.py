@@ -24,8 +24,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from dora_jax.records import Request, SlotState
-from dora_jax.rollout.worker import RolloutWorker
+from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import Client, CoordinatorUnreachable, SessionLost
@@ -163,9 +162,9 @@ class RolloutAgent:
                 version = int(command.load_version.version)
                 digest = self.worker.load_version(version, self._fetch_params(version))
             elif kind == "export":
-                exported, out_arrays = codec.migratables_to_proto(self._export(list(command.export.traj_ids)))
+                exported, out_arrays = codec.migratables_to_proto(export_from(self.worker, list(command.export.traj_ids)))
             elif kind == "import_items":
-                self._import(codec.migratables_from_proto(command.import_items.items, iter(arrays)))
+                import_into(self.worker, codec.migratables_from_proto(command.import_items.items, iter(arrays)))
             elif kind == "progress":
                 progress = [codec.request_to_proto(r) for r in self.worker.progress().values()]
             else:
@@ -176,20 +175,6 @@ class RolloutAgent:
             raise
         self._ack(pb.Result(session=self.client.session, command_id=command.id, exported=exported,
                             progress=progress, digest=digest), out_arrays)
-
-    def _export(self, traj_ids: list[str]) -> list[SlotState | Request]:
-        wanted = set(traj_ids)
-        active = [t for t in self.worker.active_traj_ids if t in wanted]
-        queued = [t for t in self.worker.queued_traj_ids if t in wanted]
-        out: list[SlotState | Request] = self.worker.export_requests(active) if active else []
-        return out + (self.worker.take_queued(queued) if queued else [])
-
-    def _import(self, items: list[SlotState | Request]) -> None:
-        states = [i for i in items if isinstance(i, SlotState)]
-        if states:
-            self.worker.import_requests(states)
-        for request in (i for i in items if isinstance(i, Request)):
-            self.worker.submit(request)
 
     def _ack(self, result: pb.Result, arrays: list[np.ndarray]) -> None:
         # The frames are rebuilt on every try: a stream iterator is consumed by the failed attempt.

@@ -1,0 +1,115 @@
+"""The one training loop, shared by the embedded run and the trainer role process.
+
+    take TBS samples from a `BatchSource` (version window) -> pack -> train step (behaviour
+    log-probs per generating version) -> publish v+1 -> tell the source (the coordinator applies
+    the publish, the ledger gets the step's behaviour digests, old versions retire) -> one
+    metrics row.
+
+The source is the in-process coordinator (`dora_jax.runner`) or the coordinator service over gRPC
+(`dora_jax.trainer_worker`); what differs around the loop (checkpoints, fault injection, progress,
+logging) comes in through `after_step` and `on_row`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Mapping, Optional, Protocol, Sequence
+
+from dora_jax import faults
+from dora_jax.metrics import MetricsWriter
+from dora_jax.records import Group, TrainBatch
+from dora_jax.trainer import Trainer, make_train_batch
+
+COUNTERS = ("slot_steps", "idle_slot_steps", "generated_tokens")  # rollout totals; rows show the step's delta
+
+
+@dataclasses.dataclass(frozen=True)
+class TakenBatch:
+    groups: Sequence[Group]
+    stats: Mapping[str, float]  # at the take: trainer_wait_s, versions_in_flight, migrations_kv, COUNTERS
+
+
+class BatchSource(Protocol):
+    def take(self, trainer_version: int) -> Optional[TakenBatch]:
+        """Blocks for the batch that takes the trainer from `trainer_version` to the next; None
+        when the run is to stop (a preemption) with nothing taken."""
+
+    def published(self, version: int, behaviour_digests: Mapping[int, str]) -> None:
+        """The trainer stored `version`; `behaviour_digests` are the params it recomputed with."""
+
+    def counters(self) -> Mapping[str, float]:
+        """The COUNTERS now (the first row's baseline)."""
+
+
+@dataclasses.dataclass
+class LoopResult:
+    rows: list[dict]
+    train_busy_s: float  # pack + step + publish, without waiting for batches
+    timeline: list[tuple[float, float, int]]  # (start, end, version trained on) per step
+    stopped_early: bool  # the source returned no batch before num_steps
+
+
+def train(trainer: Trainer, source: BatchSource, *, num_steps: int, pad_to: int, pad_id: int,
+          writer: Optional[MetricsWriter] = None, after_step: Optional[Callable[[int], dict]] = None,
+          on_row: Optional[Callable[[dict], None]] = None, should_stop: Optional[Callable[[], bool]] = None,
+          start: Optional[float] = None) -> LoopResult:
+    """Trains from the trainer's version to `num_steps`. `after_step(step)` runs once the step is
+    published (checkpoints, faults) and returns extra row fields; `on_row(row)` sees each row;
+    `should_stop()` (a preemption) ends the loop after a step."""
+    start = time.perf_counter() if start is None else start
+    result = LoopResult([], 0.0, [], stopped_early=False)
+    last = dict(source.counters())
+    for step in range(trainer.version, num_steps):
+        t_take = time.perf_counter()
+        taken = source.take(trainer.version)
+        if taken is None:
+            result.stopped_early = True
+            break
+        t0 = time.perf_counter()
+        batch = make_train_batch(list(taken.groups), pad_to, pad_id)
+        metrics = trainer.train_step(batch)
+        faults.reached("train_step")
+        trainer.publish()
+        t1 = time.perf_counter()
+        result.train_busy_s += t1 - t0
+        result.timeline.append((t0, t1, metrics.version - 1))
+        source.published(trainer.version, metrics.behaviour_digests)
+        row = step_row(step, batch, metrics, taken.stats, last, start, wait_s=t0 - t_take)
+        last = dict(taken.stats)
+        if after_step is not None:
+            row.update(after_step(step) or {})
+        result.rows.append(row)
+        if writer is not None:
+            writer.write(step, row, {"staleness": [k for k, v in metrics.staleness.items() for _ in range(v)]})
+        if on_row is not None:
+            on_row(row)
+        if should_stop is not None and should_stop() and step + 1 < num_steps:
+            result.stopped_early = True
+            break
+    return result
+
+
+def step_row(step: int, batch: TrainBatch, metrics, stats: Mapping[str, float], last: Mapping[str, float],
+             start: float, wait_s: float) -> dict:
+    """One metrics row: the batch, the step's metrics, and the rollout counters since the last row."""
+    delta = {k: stats.get(k, 0) - last.get(k, 0) for k in COUNTERS}
+    valid = batch.valid_B > 0
+    wall = time.perf_counter() - start
+    row = {
+        "reward_mean": float(batch.rewards_B[valid].mean()) if valid.any() else float("nan"),
+        "valid_fraction": float(valid.mean()),
+        "staleness_max": int(max(metrics.staleness)),
+        "versions_in_flight": stats.get("versions_in_flight", 0),
+        "trainer_wait_s": stats.get("trainer_wait_s", 0.0),
+        "take_batch_s": wait_s,
+        "bubble_ratio": delta["idle_slot_steps"] / delta["slot_steps"] if delta["slot_steps"] else 0.0,
+        "generated_tokens": delta["generated_tokens"],
+        "wall_s": wall,
+        "response_len_mean": float(batch.loss_mask_BT.sum(1).mean()),
+        "migrations_kv": stats.get("migrations_kv", 0),
+    }
+    row.update({k: v for k, v in metrics.as_dict().items() if not k.startswith("staleness/")})
+    row["train_tokens_per_s"] = row.pop("tokens_per_s")
+    row["tokens_per_s"] = float(batch.loss_mask_BT.sum()) / max(wall / (step + 1), 1e-9)
+    return row
