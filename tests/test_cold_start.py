@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from dora_jax import models, run_config
 from dora_jax.models.tokenizer import CharTokenizer
@@ -46,6 +47,7 @@ def test_demonstrations_follow_the_configured_task():
     assert row == want
 
 
+@pytest.mark.slow
 def test_cold_start_lowers_the_loss_and_is_cached(tmp_path):
     config = _config(max_term=2, sft_steps=60)
     tokenizer = make_tokenizer(config)

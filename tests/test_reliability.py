@@ -22,6 +22,7 @@ OVERRIDES = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_train_step_and_rollout_then_resume_loses_nothing(tmp_path):
     plan = [("checkpoint_save", 2), ("rollout", 5), ("train_step", 1)]
     summary = chaos.chaos(CONFIG, str(tmp_path), OVERRIDES, plan, corrupt_latest=True, timeout_s=900)
@@ -47,6 +48,7 @@ def fault_env(monkeypatch):
     faults.reset()
 
 
+@pytest.mark.slow
 def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, fault_env):
     fault_env("slice_error=1:1,slice_hang=2:2,slice_load_error=0:3,checkpoint_error=2")
     c = tiny_config("dora", steps=STEPS)
@@ -117,6 +119,7 @@ def test_fault_spec_errors_name_the_item():
     assert faults.parse("kill=train_step:3,slice_error=1:2")["slice_error"] == [(1, 2)]
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_a_step_boundary_and_the_rerun_finishes(tmp_path):
     """A preemption notice: the run stops after the step in progress, saves, exits 75; rerun resumes."""
     import json

@@ -57,6 +57,7 @@ def _forward(graphdef, params, ids):
     return nnx.merge(graphdef, params)(ids)
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_unsharded_and_layouts_move():
     model = init_model(CFG, seed=3)
     graphdef, params = split(model)

@@ -45,6 +45,7 @@ def tiny_config(mode: str, steps: int = 4):
     return c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dora", "sync", "one_step_off", "partial_rollout"])
 def test_embedded_run_keeps_mode_invariants(mode, tmp_path):
     config = run_config.parse(tiny_config(mode))
@@ -86,6 +87,7 @@ def test_bad_config_is_rejected_naming_the_field():
         runner.run(config, "/tmp/unused_dora_workdir", progress=False)
 
 
+@pytest.mark.slow
 def test_train_cli_writes_config_ledger_metrics_and_audits(tmp_path):
     cmd = [sys.executable, "-m", "dora_jax.train", f"--config={CONFIG}", f"--workdir={tmp_path}",
            "--config.num_steps=2", "--config.init.sft_steps=0", "--config.model.hidden_size=64",

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import Ledger, read_ledger
 
@@ -57,6 +59,7 @@ def test_resume_voids_lost_events(tmp_path):
     assert report.ok and report.consumed == 1 and report.voided_events == 1
 
 
+@pytest.mark.slow
 def test_torn_last_line_and_cli(tmp_path):
     ledger = Ledger(str(tmp_path / "ledger.jsonl"))
     ledger.write("run", mode="sync", k_max=0)

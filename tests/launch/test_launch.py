@@ -401,6 +401,7 @@ def test_pack_takes_the_tree_git_sees(monkeypatch, tmp_path):
     assert not any(n.startswith(".git/") or "__pycache__" in n for n in names)
 
 
+@pytest.mark.slow
 def test_command_line_dry_run(monkeypatch):
     monkeypatch.undo()
     out = subprocess.run(

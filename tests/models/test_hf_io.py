@@ -54,6 +54,7 @@ def test_config_features_are_read(checkpoint):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_cached_decode_equals_full_forward(checkpoint):
     _, path, _ = checkpoint
     model = load_hf(path)

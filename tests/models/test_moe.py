@@ -119,6 +119,7 @@ def test_dense_and_grouped_dispatch_agree():
     np.testing.assert_allclose(dense, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dense_and_grouped_models_agree_in_grad(checkpoint):
     """Gradients too (the trainer differentiates through either computation)."""
     path, _ = checkpoint
@@ -139,6 +140,7 @@ def test_dense_and_grouped_models_agree_in_grad(checkpoint):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7), g_grouped, g_dense)
 
 
+@pytest.mark.slow
 def test_cached_decode_equals_full_forward(checkpoint):
     path, _ = checkpoint
     model = load_hf(path)
@@ -230,6 +232,7 @@ def test_router_statistics_match_transformers_aux_loss(tmp_path):
     assert load.sum() == TOP_K * mask.sum()
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_unsharded(checkpoint):
     """Experts over the `expert` mesh axis (trainer mesh fsdp 2 x expert 4, rollout mesh expert 4
     x tensor 2), both dispatches: the same logits as one device."""
@@ -250,6 +253,7 @@ def test_sharded_forward_equals_unsharded(checkpoint):
             np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"{shape} {dispatch}")
 
 
+@pytest.mark.slow
 def test_fresh_moe_model_has_expert_axes():
     cfg = ModelConfig(model_type="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16, intermediate_size=32,
                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,

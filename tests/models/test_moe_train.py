@@ -14,6 +14,8 @@ from dora_jax.models import ModelConfig, expert_load, init_model, load_balancing
 from dora_jax.trainer import Trainer, TrainerConfig
 from tests.trainer.test_trainer import FAST_COMPILE, B, make_batch
 
+pytestmark = pytest.mark.slow  # every test here compiles MoE train steps (about 2 minutes together)
+
 MOE = ModelConfig(model_type="qwen3_moe", qk_norm=True, vocab_size=128, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, norm_topk_prob=True)

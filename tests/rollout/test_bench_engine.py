@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import jax
+import pytest
 from flax import nnx
 
 from dora_jax.bench_engine import EngineBenchConfig, _model_config, format_table, run_engine_bench
@@ -14,6 +15,7 @@ from dora_jax.models import init_model
 from tests.launch.configs import load
 
 
+@pytest.mark.slow
 def test_engine_bench_writes_the_documented_json(tmp_path):
     config = EngineBenchConfig(slots=2, cache_length=32, max_prefill_length=16, prompt_length=4, decode_steps=3,
                                prefill_repeats=2, vocab_size=64)

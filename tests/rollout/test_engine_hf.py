@@ -43,6 +43,7 @@ def _assert_same_greedy(ours, ref, scores):
 ENGINE = EngineConfig(num_slots=1, cache_length=32, max_prefill_length=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_transformers(kind, tmp_path, llama_checkpoint):
     if kind == "llama":

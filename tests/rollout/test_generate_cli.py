@@ -11,6 +11,7 @@ from dora_jax import generate
 from tests.models.hf_fixtures import make_checkpoint
 
 
+@pytest.mark.slow
 def test_cli_prints_one_json_line_last(llama_checkpoint, capsys):
     path, torch_model = llama_checkpoint
     generate.main([f"--hf_path={path}", "--prompt=w1 w17 w33 w54 w5", "--max_new_tokens=12", "--temperature=0",

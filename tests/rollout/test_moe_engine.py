@@ -16,6 +16,7 @@ from tests.models.test_moe import make_moe_checkpoint
 from tests.rollout.test_engine_hf import ENGINE, MAX_NEW, PROMPTS, _assert_same_greedy, _hf_greedy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["dense", "grouped"])
 def test_moe_greedy_matches_transformers(dispatch, tmp_path):
     path, torch_model = str(tmp_path), make_moe_checkpoint(tmp_path)

@@ -55,6 +55,7 @@ def test_same_process_roundtrip_and_bytes(published):
     assert sorted(p.name for p in root.iterdir()) == [version_dir_name(v) for v in range(3)]
 
 
+@pytest.mark.slow
 def test_another_process_reads_with_its_own_mesh(published, tmp_path):
     root, store, params, _ = published
     out = tmp_path / "got.npz"
@@ -71,6 +72,7 @@ def test_another_process_reads_with_its_own_mesh(published, tmp_path):
     assert str(got["['layers'][0]['mlp']['gate_EM']:spec"]) == "P(None, 'tensor')"
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_write_leaves_no_partial_version(tmp_path):
     root = tmp_path / "store"
     child = subprocess.Popen(

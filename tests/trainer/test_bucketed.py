@@ -74,6 +74,7 @@ def test_token_budget_gives_long_rows_small_micro_batches_and_short_rows_large_o
     assert [lengths[m.rows].tolist() for m in plan[0]] == [[300, 150], [60, 40, 14, 13, 12, 11, 10, 10, 9, 9, 8, 7, 6, 5]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_norm", ["seq_mean_token_mean", "token_mean"])
 def test_bucketed_steps_equal_fixed_shape_steps(model, loss_norm):  # noqa: F811
     graphdef, params, axes = model

@@ -4,6 +4,7 @@ rewards, advantages, loss and optimizer)."""
 
 import jax
 import numpy as np
+import pytest
 
 from dora_jax import models, sharding
 from dora_jax.records import TrainBatch
@@ -17,6 +18,7 @@ def _batch(tokens, mask, rewards, inference, version):
                       np.repeat(np.arange(B // 4), 4).astype(np.int32), tuple(map(str, range(B))))
 
 
+@pytest.mark.slow
 def test_steps_raise_rewarded_rows_and_lower_the_rest():
     cfg = models.ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                              num_kv_heads=2, head_dim=16)

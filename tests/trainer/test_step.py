@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from dora_jax.models import ModelConfig, init_model, split
 from dora_jax.trainer.loss import LossConfig
@@ -16,6 +17,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 B, T = 8, 16
 
 
+@pytest.mark.slow
 def test_micro_batches_add_up_to_the_mini_batch():
     graphdef, params = split(init_model(CFG, seed=2))
     tx = optax.sgd(1.0)  # params - new params = the gradient itself: compare gradients, not Adam's signs

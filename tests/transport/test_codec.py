@@ -80,6 +80,7 @@ def test_truncated_or_misaligned_streams_are_errors():
         next(codec.FrameReader(iter(frames[1:])))
 
 
+@pytest.mark.slow
 def test_checked_in_code_matches_the_proto(tmp_path):
     """grpcio-tools (the `test` extra) regenerates the modules; they must equal the checked-in ones."""
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", f"--python_out={tmp_path}",

@@ -12,9 +12,12 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
+
+pytestmark = pytest.mark.slow  # every test here starts a multi-process job (launch_local)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 STEPS, TBS = 6, 16

@@ -24,6 +24,8 @@ from dora_jax.store import ParamStore, TensorStoreTier
 from dora_jax.transport.rollout_agent import fetch_from_store
 from tests.transport import multihost_job
 
+pytestmark = pytest.mark.slow  # every test here starts multi-process JAX jobs
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 

@@ -60,6 +60,7 @@ def _slowed(worker, seconds):
     return worker
 
 
+@pytest.mark.slow
 def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
     reference = RolloutWorker(two_engines[0], slice_id=0, eos_ids=())
     reference.load_version(0, tiny_params)

@@ -10,8 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import dora_jax
 from dora_jax.transport.service import CoordinatorService, Identity, make_server
+
+pytestmark = pytest.mark.slow  # every test here starts a rollout_worker process
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CONFIG = ["--config=configs/smoke.py", "--config.init.sft_steps=0", "--config.rollout.num_slices=2",
