@@ -61,10 +61,12 @@ def test_embedded_run_keeps_mode_invariants(mode, tmp_path):
     if mode == "dora":
         assert report.max_staleness <= 2
     events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
-    interrupted = {e["traj"] for e in events if e["ev"] == "interrupt" and e["tokens"] > 0}
+    # A request interrupted before its first token (tokens=0) is then sampled by the new version
+    # alone under its dispatch label: it too shows as "sampled by" another version.
+    interrupted = {e["traj"] for e in events if e["ev"] == "interrupt"}
     mixed = {v.split(":")[0] for v in report.c1_violations}
     if mode == "partial_rollout":
-        assert mixed <= interrupted  # only re-prefilled requests mix versions
+        assert mixed <= interrupted  # only interrupted requests change version
     else:
         assert not interrupted and not mixed
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
