@@ -3,6 +3,8 @@
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --calibrate
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --config.run.k_max=1
+    python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --ledger  # + every run's ledger
+    python -m dora_jax.audit /tmp/sim_out/64gpus_dora.ledger.jsonl  # the project's auditor on one of them
 
 How the constants were chosen (see dora_jax/sim/calibrate.py; `--calibrate` re-runs the fit):
 - Hardware-derived (80 GB GPUs, H800/H100 class): one rollout group = 4 GPUs (tensor parallel;
@@ -19,6 +21,8 @@ How the constants were chosen (see dora_jax/sim/calibrate.py; `--calibrate` re-r
   Sync at 128 GPUs and every asynchronous number are then predictions of the model, not fits.
 - Placement follows what the paper's rows imply: sync and partial rollout colocated (their train
   share is ~ sync's full-cluster train time), one-step-off and DORA on a trainer/rollout split.
+The policies are not configured here: every mode is the shipped coordinator (dora_jax/core/modes.py,
+dora_jax/coordinator/) with its own settings (k_max, RBS, rebalance period).
 """
 
 import ml_collections
@@ -59,8 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.run.warmup = 2  # first steps left out of the measurements (pipeline fill)
     c.run.rbs_factor = 1.5  # RBS / TBS: samples kept in flight by dora and partial_rollout
     c.run.chunk_tokens = 8.0  # requests within this many tokens of finishing finish together
-    c.run.rebalance_period_s = 30.0  # DORA's periodic rebalance trigger (simulated seconds)
-    c.run.fill_slack = 0  # DORA residual fill: needs >= this many steps before the window closes (0: off)
+    c.run.rebalance_period_s = 30.0  # the coordinator's periodic rebalance trigger (simulated seconds)
+    c.run.coordinator_tick_s = 1.0  # the coordinator applies posted events at most this often (0: after each)
 
     c.placement = ml_collections.ConfigDict()
     c.placement.sync = "colocated"  # sync: every GPU rolls out, then every GPU trains
@@ -77,9 +81,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.settings = (64, 128)  # GPU counts compared with the paper's tables
 
     c.sweep = ml_collections.ConfigDict()
-    c.sweep.accelerators = (64, 128, 256, 512, 1024, 2048, 4096)
-    c.sweep.steps = 6
-    c.sweep.warmup = 2
+    # Reduced from (64, 128, 256, 512, 1024, 2048, 4096) x 6 steps when the simulator began to
+    # drive the shipped coordinator: its dispatch costs O(in-flight + slices) host time per request
+    # (Coordinator._send recomputes the versions in flight, _switch_idle scans every slice), so a
+    # 512 x 16 batch on 1,024+ slices costs minutes of CPU per simulated step. The full sweep:
+    # --config.sweep.accelerators="(64,128,256,512,1024,2048,4096)" --config.sweep.steps=6 --config.sweep.warmup=2
+    c.sweep.accelerators = (64, 256, 1024)
+    c.sweep.steps = 4
+    c.sweep.warmup = 1
     c.sweep.batch_scaling = "fixed"  # fixed: 512 x 16 per step at every size; proportional: B x n/64
 
     c.paper = ml_collections.ConfigDict()  # PAPER.md's tables (None: not reported)

@@ -1,38 +1,6 @@
-"""`python -m dora_jax.audit WORKDIR`: audits a run's ledger for C1, C2, C3 and exactly-once.
+"""`python -m dora_jax.audit`: check a run's ledger against C1-C3 and exactly once. The command lives in dora_jax/cli/audit.py."""
 
-Prints a JSON summary (staleness histogram, versions concurrently in flight, migrations with and
-without KV) and exits 1 on a violation of what the run's mode promises.
-"""
-
-from __future__ import annotations
-
-import json
-import os
-import sys
-
-from dora_jax.coordinator.audit import audit
-from dora_jax.coordinator.ledger import read_ledger
-
-
-def audit_workdir(workdir: str):
-    path = os.path.join(workdir, "ledger.jsonl") if os.path.isdir(workdir) else workdir
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no ledger; expected WORKDIR/ledger.jsonl from a dora_jax run")
-    return audit(read_ledger(path))
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m dora_jax.audit WORKDIR", file=sys.stderr)
-        return 2
-    report = audit_workdir(argv[1])
-    print(json.dumps(report.summary(), indent=1))
-    violations = report.violations()
-    print(f"audit {'OK' if report.ok else 'FAILED'}: mode={report.mode} k_max={report.k_max} "
-          f"violations={violations} max_staleness={report.max_staleness} "
-          f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv}")
-    return 0 if report.ok else 1
-
+from dora_jax.cli.audit import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    run()

@@ -1,33 +1,6 @@
-"""`python -m dora_jax.sft --config=configs/smoke_sft.py --workdir=DIR`: the supervised cold start.
+"""`python -m dora_jax.sft`: the supervised cold start alone, cached in WORKDIR/sft. The command lives in dora_jax/cli/sft.py."""
 
-Trains a fresh tiny model on correct running-sums demonstrations and writes the HF checkpoint
-DIR/sft, which an RL run starts from with `--config.init.checkpoint=DIR/sft` (the smoke RL run
-does this by itself, cached in its workdir, when no checkpoint is given).
-"""
-
-from __future__ import annotations
-
-import json
-import os
-
-from absl import app
-
-from dora_jax import cli
-
-
-def main(argv):
-    del argv
-    cli.prepare_devices(cli.CONFIG.value)
-    from dora_jax import run_config
-    from dora_jax.setup import cold_start, fresh_model_config, make_tokenizer
-
-    config = run_config.parse(cli.CONFIG.value)
-    workdir = cli.WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
-    tokenizer = make_tokenizer(config)
-    model = cold_start(config, fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids), tokenizer, workdir)
-    print(json.dumps({"checkpoint": os.path.join(workdir, "sft"), "params": model.config.hidden_size}))
-
+from dora_jax.cli.sft import run
 
 if __name__ == "__main__":
-    app.run(main)
+    run()

@@ -4,7 +4,7 @@ ratios and the bound (the runs themselves are what `python -m dora_jax.bench mod
 import numpy as np
 import pytest
 
-from dora_jax.bench_modes import (LengthDistribution, bound, busy_union, median_of_rounds, overlap, ratios,
+from dora_jax.bench.modes import (LengthDistribution, bound, busy_union, median_of_rounds, overlap, ratios,
                                   straggler_latency, take_profile)
 
 

@@ -7,9 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from dora_jax import models, run_config
+from dora_jax import models
+from dora_jax.runtime import run_config
 from dora_jax.models.tokenizer import CharTokenizer
-from dora_jax.setup import cold_start, fresh_model_config, make_tokenizer
+from dora_jax.runtime.build import fresh_model_config, make_tokenizer
+from dora_jax.runtime.cold_start import cold_start
 from dora_jax.tasks import running_sums
 from tests.test_train_smoke import tiny_config
 
@@ -25,7 +27,7 @@ def _config(max_term: int, sft_steps: int):
 
 
 def test_demonstrations_follow_the_configured_task():
-    from dora_jax.cold_start import demonstration_batch, demonstration_source
+    from dora_jax.runtime.cold_start import demonstration_batch, demonstration_source
 
     config = _config(max_term=7, sft_steps=1)
     tokenizer = CharTokenizer(running_sums.ALPHABET)

@@ -1,6 +1,6 @@
 """The metrics writer's rows and the reward-curve plot drawn from them."""
 
-from dora_jax.metrics import MetricsWriter, plot_reward_curve, read_metrics
+from dora_jax.runtime.metrics import MetricsWriter, plot_reward_curve, read_metrics
 
 
 def test_reward_curve_png_from_metrics(tmp_path):

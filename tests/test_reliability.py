@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from dora_jax import chaos, faults, run_config, runner
-from dora_jax.checkpoint import RunCheckpointer, abstract_like
+from dora_jax.cli import chaos
+from dora_jax.runtime import faults, run_config, runner
+from dora_jax.runtime.checkpoint import RunCheckpointer, abstract_like
 from dora_jax.coordinator.ledger import read_ledger
 from tests.test_train_smoke import CONFIG, tiny_config
 

@@ -1,7 +1,7 @@
 """Slice supervision with stand-in worker threads and a recording coordinator: who is reported,
 abandoned, restarted and when (the real worker threads are exercised in tests/test_reliability.py)."""
 
-from dora_jax.supervisor import SliceSupervisor
+from dora_jax.runtime.supervisor import SliceSupervisor
 
 
 class _Thread:

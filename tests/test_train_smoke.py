@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dora_jax import run_config, runner
+from dora_jax.runtime import run_config, runner
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 

@@ -24,7 +24,7 @@ import collections
 import dataclasses
 from typing import Iterable
 
-from dora_jax.modes import policy_for
+from dora_jax.core.modes import policy_for
 
 
 @dataclasses.dataclass
@@ -126,6 +126,7 @@ class _Walk:
         self.version_of: dict[str, int] = {}  # dispatch version per trajectory
         self.slice_version: dict[int, int] = {}  # last load_version per live slice
         self.in_flight: dict[str, int] = {}
+        self.in_flight_versions = collections.Counter()  # version -> trajectories in flight
         self.finished: set[str] = set()
         self.consumed: set[str] = set()
         self.group_version: dict[str, int] = {}  # version of each consumed group
@@ -170,8 +171,17 @@ class _Walk:
             self.version_of[traj] = version
         self._lands(traj, version, event["slice"], "dispatched")
         if traj not in self.finished:
+            self._leaves(traj)
             self.in_flight[traj] = version
-        report.max_versions_in_flight = max(report.max_versions_in_flight, len(set(self.in_flight.values())))
+            self.in_flight_versions[version] += 1
+        report.max_versions_in_flight = max(report.max_versions_in_flight, len(self.in_flight_versions))
+
+    def _leaves(self, traj: str) -> None:
+        version = self.in_flight.pop(traj, None)
+        if version is not None:
+            self.in_flight_versions[version] -= 1
+            if not self.in_flight_versions[version]:
+                del self.in_flight_versions[version]
 
     def _lands(self, traj: str, version: int, slice_id: int, how: str) -> None:
         serving = self.slice_version.get(slice_id)
@@ -192,7 +202,7 @@ class _Walk:
         if traj in self.finished:
             report.exactly_once_violations.append(f"{traj}: finished twice")
         self.finished.add(traj)
-        self.in_flight.pop(traj, None)
+        self._leaves(traj)
         report.finished += 1
         seen = sorted(set(event["versions_seen"]))
         if seen and seen != [self.version_of[traj]]:
@@ -205,7 +215,7 @@ class _Walk:
         elif traj not in self.finished:
             report.exactly_once_violations.append(f"{traj}: consumed before it finished")
         self.consumed.add(traj)
-        self.in_flight.pop(traj, None)
+        self._leaves(traj)
         report.consumed += 1
         self.trained_at = max(self.trained_at, trainer_version)
         version = self.version_of.get(traj, trainer_version)

@@ -26,9 +26,10 @@ from dora_jax.coordinator import events, orchestrator
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
 from dora_jax.coordinator.transfer_queue import TransferQueue
-from dora_jax.modes import Supply, Switch, policy_for
-from dora_jax import records
-from dora_jax.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.modes import Supply, Switch, policy_for
+from dora_jax.core import records
+from dora_jax.core.window import staleness_bound, takes_for_newest, window_allows
+from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +79,7 @@ class CoordinatorConfig:
 
     @property
     def window(self) -> int:
-        promised = policy_for(self.mode).max_staleness
-        return self.k_max if promised is None else promised
+        return staleness_bound(self.mode, self.k_max)
 
 
 class RewardScorer(Protocol):
@@ -149,6 +149,8 @@ class Coordinator:
         self.origin: dict[str, int] = {}
         self.backlog: list[Request] = []  # dispatched, waiting for a slice serving their version
         self.groups: dict[str, _GroupState] = {}
+        self._group_samples = 0  # sum of the sizes of `groups` (kept, not recounted: a hot path)
+        self._latest_counted = -1  # the newest version already counted in max_versions_in_flight
         self.queue = TransferQueue()
         self.stats = CoordinatorStats()
         self.unscored: dict[str, Trajectory] = {}  # finished, reward not back yet
@@ -203,7 +205,7 @@ class Coordinator:
 
     def process(self, timeout: float = 0.0) -> int:
         """Applies pending events (waiting up to `timeout` for the first) and runs the triggers."""
-        handled = 0
+        handled, kinds = 0, set()
         with self._cond:  # events are taken only under the lock, so `_absorb` sees every one
             if timeout > 0 and self._inbox.empty():
                 self._cond.wait(timeout)  # posters do not notify (they must never block): poll
@@ -214,12 +216,16 @@ class Coordinator:
             while event is not None:
                 self._handle(event)
                 handled += 1
+                kinds.add(type(event))
                 try:
                     event = self._inbox.get_nowait()
                 except queue.Empty:
                     event = None
-            if handled and self._supply():  # top up whenever the window allows, not only on a take
-                self._apply_switching()
+            # Finishes trigger once per batch of events, not once per event (the hot path).
+            new = self._supply() if handled else []  # top up whenever the window allows, not only on a take
+            finished = events.Finished in kinds and (self.policy.switch != Switch.ORCHESTRATE or self._pressure())
+            if new or finished:
+                self._apply_switching()  # pressure trigger; idle slices may switch and take the backlog
             if self.policy.switch == Switch.ORCHESTRATE and self._clock() - self._last_rebalance > self.config.rebalance_period_s:
                 self._apply_switching()  # periodic trigger
             self._cond.notify_all()
@@ -231,14 +237,11 @@ class Coordinator:
             case events.Finished(slice_id, trajectories):
                 for traj in trajectories:
                     self._on_finished(slice_id, traj)
-                self._supply()
-                if self.policy.switch != Switch.ORCHESTRATE or self._pressure():
-                    self._apply_switching()  # pressure trigger; idle slices may switch and take the backlog
             case events.Scored(traj, reward, error):
                 self._on_scored(traj, reward, error)
             case events.Published(version):
                 self._on_published(version)
-            case events.Taken():
+            case events.Taken():  # one per step: its batch is dispatched before a later publish re-tags it
                 self._supply(after_take=True)
                 self._apply_switching()
             case events.SliceFailed(slice_id, reason):
@@ -255,7 +258,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ dispatch
     def _unconsumed(self) -> int:
-        return sum(g.size for g in self.groups.values()) + self.queue.num_samples
+        return self._group_samples + self.queue.num_samples
 
     def _absorb(self) -> None:
         """Applies finished/scored events already in the inbox, without triggers. A worker posts
@@ -291,13 +294,15 @@ class Coordinator:
         for _ in range(max(want, 0) // cfg.group_size):
             new += self._new_group()
         self.backlog += new
+        if new:
+            self._count_versions_in_flight()
         return new
 
     def _takes_for_newest(self) -> int:
         """How many trainer takes may still consume a sample of the newest version (C3: trainer
         versions latest .. latest + K): K + 1 until the trainer has taken at `latest`, K after.
         Everything unconsumed is at most that new, so it must fit in these takes."""
-        return self.config.window + (self._taken_at < self.latest)
+        return takes_for_newest(self.config.window, self._taken_at, self.latest)
 
     def _new_group(self) -> list[Request]:
         cfg = self.config
@@ -305,6 +310,7 @@ class Coordinator:
         self._next_group += 1
         prompt_id, prompt_ids = self._next_prompt()
         self.groups[group_id] = _GroupState(self.latest, cfg.group_size)
+        self._group_samples += cfg.group_size
         self._unsent.add(group_id)
         requests = []
         for i in range(cfg.group_size):
@@ -333,7 +339,17 @@ class Coordinator:
             self.stats.redispatched += again
         if requests:
             self._port_call(slice_id, "submit", list(requests))
-        self.stats.max_versions_in_flight = max(self.stats.max_versions_in_flight, len(self.versions_in_flight()))
+
+    def _count_versions_in_flight(self) -> None:
+        """Called where the set can grow (new groups, a publish's re-tag); a send only moves a
+        request from the backlog to a slice. Once the newest version is in it, the set only
+        shrinks until the next publish."""
+        if self._latest_counted == self.latest:
+            return
+        versions = self.versions_in_flight()
+        self.stats.max_versions_in_flight = max(self.stats.max_versions_in_flight, len(versions))
+        if self.latest in versions:
+            self._latest_counted = self.latest
 
     def versions_in_flight(self) -> set[int]:
         return {r.version for r in self.requests.values()} | {r.version for r in self.backlog}
@@ -396,7 +412,8 @@ class Coordinator:
                     sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self.ports[s].num_slots, s))
                     self._send([request], sid)
                     sent.add(request.traj_id)
-        self.backlog = [r for r in self.backlog if r.traj_id not in sent]
+        if sent:
+            self.backlog = [r for r in self.backlog if r.traj_id not in sent]
 
     def _serving(self, version: int) -> list[int]:
         return [s for s in self.ports if self.slice_version[s] == version and s not in self.draining
@@ -410,8 +427,12 @@ class Coordinator:
         self._absorb()
         if not self._views():
             return  # every live slice is draining for an old version
-        backlog = {r.traj_id: r for r in self.backlog if r.version == self.latest}
-        old = [r for r in self.backlog if r.version != self.latest]  # waiting for a draining slice
+        backlog, old = {}, []  # old: waiting for a draining slice
+        for r in self.backlog:
+            if r.version == self.latest:
+                backlog[r.traj_id] = r
+            else:
+                old.append(r)
         plan = orchestrator.plan_rebalance(self._views(), self.latest, list(backlog), self.origin)
         self.stats.rebalances += 1
         self._migrate(plan.migrations)
@@ -610,6 +631,7 @@ class Coordinator:
             self.ledger.write("reward_error", traj=traj.traj_id, error=error)
         if len(group.scored) == group.size:
             del self.groups[traj.group_id]
+            self._group_samples -= group.size
             samples = tuple(group.scored[k] for k in sorted(group.scored, key=lambda k: int(k.rsplit("/", 1)[1])))
             self.queue.put(Group(traj.group_id, group.version, samples))
 
@@ -625,6 +647,7 @@ class Coordinator:
                         for r in self.backlog]
         for group_id in self._unsent:
             self.groups[group_id].version = version
+        self._count_versions_in_flight()
         if self.policy.switch == Switch.INTERRUPT:
             self._interrupt_all()
         self._supply(after_publish=True)
@@ -683,6 +706,7 @@ class Coordinator:
             for gid, g in state["groups"].items():
                 scored = [records.scored_from_json(x) for x in g["scored"]]
                 self.groups[gid] = _GroupState(int(g["version"]), int(g["size"]), {x.trajectory.traj_id: x for x in scored})
+                self._group_samples += int(g["size"])
             for g in state["queue"]:
                 self.queue.put(records.group_from_json(g))
             self.stats = CoordinatorStats(**state["stats"])
@@ -744,22 +768,6 @@ class Coordinator:
                 raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
             with self._cond:
                 self._cond.wait(0.05)
-
-
-def window_allows(rest_versions: Sequence[int], trainer_version: int, k_max: int, train_batch_size: int) -> bool:
-    """Whether the trainer may advance from t to t+1, leaving `rest_versions` unconsumed.
-
-    The window itself: nothing left below t+1-K. And, looking ahead, every later step can still
-    keep it: after m more steps (m * TBS samples, oldest first) nothing may remain below
-    t+1+m-K, so at most m * TBS of what is left may be older than that. Without the look-ahead
-    the trainer could take newer samples while old ones are still decoding, and be stuck later
-    with more old samples than one step can consume.
-    """
-    for m in range(k_max + 1):
-        floor = trainer_version + 1 + m - k_max
-        if sum(v < floor for v in rest_versions) > m * train_batch_size:
-            return False
-    return True
 
 
 def _as_request(item) -> Request:

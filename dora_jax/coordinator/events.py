@@ -11,7 +11,7 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
-from dora_jax.records import Trajectory
+from dora_jax.core.records import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ class Ledger:
 
     def write(self, ev: str, **fields: Any) -> dict:
         event = {"ev": ev, **fields, "t": round(self._clock(), 6)}
-        line = json.dumps(event, separators=(",", ":"))
+        line = json.dumps(event, separators=(",", ":")) if self._file is not None else ""
         with self._lock:
             self.memory.append(event)
             if self._file is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, Union
 
-from dora_jax.records import Request, SlotState
+from dora_jax.core.records import Request, SlotState
 
 Migratable = Union[SlotState, Request]  # an admitted request moves with its KV; a queued one as is
 

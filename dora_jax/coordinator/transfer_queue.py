@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from typing import Iterable
 
-from dora_jax.records import Group
+from dora_jax.core.records import Group
 
 
 class TransferQueue:
@@ -15,17 +16,18 @@ class TransferQueue:
     def __init__(self):
         self._groups: list[tuple[int, int, Group]] = []
         self._arrival = itertools.count()
+        self._samples = 0
 
     def put(self, group: Group) -> None:
-        self._groups.append((group.version, next(self._arrival), group))
-        self._groups.sort(key=lambda item: item[:2])
+        bisect.insort(self._groups, (group.version, next(self._arrival), group), key=lambda item: item[:2])
+        self._samples += len(group.samples)
 
     def __len__(self) -> int:
         return len(self._groups)
 
     @property
     def num_samples(self) -> int:
-        return sum(len(g.samples) for _, _, g in self._groups)
+        return self._samples
 
     def versions(self) -> Iterable[int]:
         return (version for version, _, _ in self._groups)
@@ -35,6 +37,7 @@ class TransferQueue:
 
     def take_oldest(self, num_groups: int) -> list[Group]:
         taken, self._groups = self._groups[:num_groups], self._groups[num_groups:]
+        self._samples -= sum(len(g.samples) for _, _, g in taken)
         return [g for _, _, g in taken]
 
     def drain(self) -> list[Group]:

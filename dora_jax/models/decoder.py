@@ -12,7 +12,7 @@ Two call paths share every layer:
 A full forward with `return_routing=True` also returns each MoE layer's `Routing` (router
 probabilities and chosen experts), for router metrics and the load-balancing loss.
 Every parameter carries logical axis names in its `out_sharding` metadata (`embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`, `expert`); `dora_jax.sharding` maps them to mesh axes.
+`kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`, `expert`); `dora_jax.parallel.sharding` maps them to mesh axes.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from dora_jax import sharding as sharding_lib
+from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.models.config import ModelConfig
 from dora_jax.models.decoder import Decoder, init_model
 

@@ -10,7 +10,7 @@ from flax import nnx
 def param(value, names: tuple[str | None, ...]) -> nnx.Param:
     """A parameter whose dimensions carry logical axis `names` (None: never sharded).
 
-    eager_sharding=False: the names are metadata only; placement happens in dora_jax.sharding.
+    eager_sharding=False: the names are metadata only; placement happens in dora_jax.parallel.sharding.
     """
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 

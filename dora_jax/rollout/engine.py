@@ -31,9 +31,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from dora_jax import sharding as sharding_lib
+from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.models import KV_CACHE_AXES, KVCache, ModelConfig, abstract_model, load_hf, logical_axes, split
-from dora_jax.records import Request, SamplingParams, SlotState
+from dora_jax.core.records import Request, SamplingParams, SlotState
 from dora_jax.rollout import sampling
 
 _PREFIX_KV_AXES = ("layers", "length", "kv_heads", "head_dim")

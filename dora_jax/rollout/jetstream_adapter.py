@@ -38,7 +38,7 @@ for _handler in [h for h in _root.handlers if h not in _root_handlers]:
     _root.removeHandler(_handler)
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
 
-from dora_jax.records import SamplingParams  # noqa: E402
+from dora_jax.core.records import SamplingParams  # noqa: E402
 from dora_jax.rollout.engine import DecodeState, Prefix, RolloutEngine  # noqa: E402
 
 _NO_BOS = -1  # reported as bos_id for models without a BOS token; prefill drops it again

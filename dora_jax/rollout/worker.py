@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from dora_jax.store.digest import params_digest
-from dora_jax.records import FinishReason, Request, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
 from dora_jax.rollout.engine import RolloutEngine, check_sampling
 
 

@@ -12,11 +12,12 @@ Only sync's numbers are used as targets, so every asynchronous result stays a pr
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
+from dora_jax.core.modes import Mode
 from dora_jax.sim.cluster import DecodeModel, Placement
 from dora_jax.sim.scenario import CostModel
-from dora_jax.sim.simulate import Mode, simulate
+from dora_jax.sim.simulate import simulate
 from dora_jax.sim.workload import WorkloadSpec, mean_response
 
 

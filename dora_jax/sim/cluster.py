@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import json
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -1,121 +1,100 @@
-"""The discrete-event kernel shared by every mode: clock, trainer, transfer queue, accounting.
+"""The discrete-event kernel: the shipped coordinator, simulated slices and trainer, one clock.
 
-A mode is a `Policy` (four callbacks). The kernel owns time and the parts every mode shares; the
-policy decides what to dispatch, when groups change version and when the trainer starts.
+The policy is not simulated: `dora_jax.coordinator.Coordinator` (its mode table, supply rule,
+version window and orchestrator) runs unchanged and writes its ledger, exactly as in a real run.
+The kernel owns what a real run gets from hardware, on a virtual clock:
+- rollout slices (`SimSlice`, the coordinator's ports) that decode, prefill, load weights and take
+  KV caches at modelled cost and post finished trajectories;
+- a trainer that takes batches with `try_take_batch`, trains for the modelled step time (lending
+  every rollout accelerator when colocated) and posts each new version;
+- an instant reward, a prompt source whose responses stop at drawn lengths, and the accounting
+  (snapshots at every publish) that the metrics are computed from.
+After an event that posted something, the coordinator applies it (`process`, one iteration of its
+loop), then the trainer tries to take a batch; port calls made meanwhile happen at that time. With
+`coordinator_tick_s` > 0 the loop runs at most once per tick, as a busy coordinator batches what
+arrived meanwhile: slices keep decoding in between, only the coordinator's decisions wait.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
-from typing import Optional, Protocol
+import heapq
+import math
+import os
+from concurrent.futures import Future
 
+from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
+from dora_jax.coordinator.ledger import Ledger
+from dora_jax.core.modes import Switch
+from dora_jax.core.records import Trajectory
 from dora_jax.sim.cluster import ClusterSpec, Placement
-from dora_jax.sim.engine import GROUP_EVENT, EventQueue, Group, RolloutPool
-from dora_jax.sim.ledger import Ev, EventLog
+from dora_jax.sim.rollout_slice import SimSlice
 from dora_jax.sim.workload import LengthSource, LengthStream, WorkloadSpec
 
 
 class Kind(enum.IntEnum):
-    GROUP = GROUP_EVENT  # a group's earliest request finishes
+    SLICE = 0  # a slice's earliest request finishes
     TRAIN_DONE = 1
-    TIMER = 2  # periodic orchestrator tick
+    TIMER = 2  # lets the coordinator's periodic rebalance run
+    PROCESS = 3  # the coordinator's loop applies what was posted since its last iteration
 
 
-class Policy(Protocol):
-    def start(self, sim: "Sim") -> None: ...
-    def on_finished(self, sim: "Sim", group: Group, trajs: list[int]) -> None: ...
-    def on_published(self, sim: "Sim") -> None: ...
-    def on_timer(self, sim: "Sim") -> None: ...
-
-
-class TransferQueue:
-    """Whole prompt groups become ready when their G samples finish; taken oldest version first."""
+class EventQueue:
+    """Time-ordered events; ties break by insertion order, so runs are deterministic."""
 
     def __init__(self):
-        self.members: dict[int, list[int]] = {}  # prompt -> trajectory ids
-        self.version: dict[int, int] = {}  # prompt -> version it was dispatched with
-        self.left: dict[int, int] = {}  # prompt -> samples not finished
-        self.ready: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self.ready_samples = 0
-        self.ready_by_version: collections.Counter = collections.Counter()  # version -> samples
-        self.unconsumed: collections.Counter = collections.Counter()  # version -> samples
-        self.total_unconsumed = 0
+        self._heap: list = []
+        self._seq = 0
 
-    def register(self, prompt: int, trajs: list[int], version: int) -> None:
-        self.members[prompt], self.version[prompt], self.left[prompt] = trajs, version, len(trajs)
-        self.unconsumed[version] += len(trajs)
-        self.total_unconsumed += len(trajs)
+    def push(self, t: float, kind: Kind, payload: int = -1, epoch: int = -1) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload, epoch))
 
-    def retag(self, prompt: int, version: int) -> None:
-        """A prompt none of whose samples has started moves to another version."""
-        n = len(self.members[prompt])
-        self.unconsumed[self.version[prompt]] -= n
-        self.unconsumed[version] += n
-        self.version[prompt] = version
+    def pop(self) -> tuple[float, Kind, int, int]:
+        t, _, kind, payload, epoch = heapq.heappop(self._heap)
+        return t, kind, payload, epoch
 
-    def finished(self, prompt: int) -> None:
-        self.left[prompt] -= 1
-        if self.left[prompt] == 0:
-            v, n = self.version[prompt], len(self.members[prompt])
-            self.ready[v].append(prompt)
-            self.ready_samples += n
-            self.ready_by_version[v] += n
+    def __len__(self) -> int:
+        return len(self._heap)
 
-    def window_room(self, version: int, trainer_version: int, trainer_busy: bool, k_max: int,
-                    batch: int) -> int:
-        """How many samples can be added at `version` and still all be consumable in time.
 
-        Batches are taken oldest version first, so a sample of version v waits behind every
-        unconsumed sample of versions <= v, and must be in a batch at trainer version <= v + K:
-        cumulative(v) <= (v + K - next trainer version + 1) x batch for every v >= version.
-        """
-        room, cumulative = 1 << 62, 0
-        for v in sorted({v for v, n in self.unconsumed.items() if n} | {version}):
-            cumulative += self.unconsumed[v]
-            if v >= version:
-                batches = v + k_max - (trainer_version + int(trainer_busy)) + 1
-                room = min(room, batches * batch - cumulative)
-        return room
+class VirtualClock:
+    """Simulated seconds; the coordinator's ledger and timers read it."""
 
-    def take(self, samples: int, window: Optional[tuple[int, int]] = None) -> Optional[list[int]]:
-        """Pops whole prompts, oldest versions first, up to `samples` samples.
+    def __init__(self):
+        self.now = 0.0
 
-        With `window=(k_max, trainer_version)` the batch is refused (None, nothing popped) unless
-        afterwards every unconsumed sample can still be consumed in time:
-        cumulative(v) <= (v + K - trainer_version) x samples for every version v. For the oldest
-        versions this is the version window (nothing below t+1-K left); for the others it stops
-        newer ready samples from using up batches that samples still being generated need.
-        """
-        if self.ready_samples < samples:
-            return None
-        picked, taken, count = [], collections.Counter(), 0
-        for v in sorted(self.ready):
-            for p in self.ready[v]:
-                if count >= samples:
-                    break
-                n = len(self.members[p])
-                picked.append(p)
-                taken[v] += n
-                count += n
-        if window is not None:
-            k_max, trainer_version = window
-            cumulative = 0
-            for v in sorted(v for v, n in self.unconsumed.items() if n):
-                cumulative += self.unconsumed[v] - taken[v]
-                if cumulative > (v + k_max - trainer_version) * samples:
-                    return None
-        for p in picked:  # a prefix of each version's ready deque
-            v, n = self.version[p], len(self.members[p])
-            self.ready[v].popleft()
-            if not self.ready[v]:
-                del self.ready[v]
-            self.ready_samples -= n
-            self.ready_by_version[v] -= n
-            self.unconsumed[v] -= n
-            self.total_unconsumed -= n
-        return picked
+    def __call__(self) -> float:
+        return self.now
+
+
+class Prompts:
+    """The coordinator's prompt source: prompt ids whose G responses stop at drawn lengths.
+
+    The prompt's tokens are not materialised (the slices charge `prompt_tokens` of prefill); its
+    responses' lengths reach the slices as each request's `forced_length`."""
+
+    def __init__(self, lengths: LengthSource):
+        self._lengths = lengths
+        self._drawn: dict[str, list[int]] = {}
+
+    def next_prompt(self) -> tuple[str, tuple[int, ...]]:
+        prompt_id = f"p{len(self._drawn)}"
+        self._drawn[prompt_id] = self._lengths.next_prompt()
+        return prompt_id, ()
+
+    def forced_length(self, prompt_id: str, index: int) -> int:
+        return self._drawn[prompt_id][index]
+
+
+class InstantReward:
+    """Rewards are off the simulated critical path: every sample scores 0 at once."""
+
+    def submit(self, trajectory: Trajectory) -> Future[tuple[float, str | None]]:
+        future: Future = Future()
+        future.set_result((0.0, None))
+        return future
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,152 +114,176 @@ class Snapshot:
 
 
 class Sim:
-    """One simulated run of one mode."""
+    """One simulated run of one mode: `run()` until the trainer has published `steps` versions."""
 
-    def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, policy: Policy, steps: int,
-                 chunk_tokens: float, kv_migration: bool = True,
-                 lengths: Optional[LengthSource] = None):
-        self.cluster, self.workload, self.policy, self.steps = cluster, workload, policy, steps
-        self.now = 0.0
+    def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, config: CoordinatorConfig, steps: int,
+                 chunk_tokens: float, *, coordinator_tick_s: float = 0.0, kv_migration: bool = True,
+                 lengths: LengthSource | None = None, ledger_path: str | None = None):
+        if config.train_batch_size != workload.batch_samples or config.group_size != workload.samples_per_prompt:
+            raise ValueError("the coordinator's train_batch_size and group_size must match the workload")
+        self.cluster, self.workload, self.steps = cluster, workload, steps
+        self.clock = VirtualClock()
         self.queue = EventQueue()
-        self.log = EventLog()
-        self.pool = RolloutPool(cluster, self.queue, self.log, workload.prompt_tokens,
-                                workload.samples_per_prompt, chunk_tokens, kv_migration)
-        self.stream = lengths if lengths is not None else LengthStream(workload)
-        self.transfer = TransferQueue()
-        self.version = 0  # newest published version; the trainer holds it too
+        self.ports = {
+            sid: SimSlice(sid, cluster, prompt_tokens=workload.prompt_tokens,
+                          samples_per_prompt=workload.samples_per_prompt, chunk_tokens=chunk_tokens,
+                          clock=self.clock, on_change=self._changed, kv_migration=kv_migration)
+            for sid in range(cluster.num_groups)
+        }
+        self._epoch = dict.fromkeys(self.ports, 0)  # invalidates a slice's superseded finish events
+        self._dirty: set[int] = set()
+        if ledger_path and os.path.exists(ledger_path):
+            os.remove(ledger_path)  # the Ledger appends; a simulated run starts its own
+        self.ledger = Ledger(ledger_path, clock=self.clock)
+        prompts = Prompts(lengths if lengths is not None else LengthStream(workload))
+        self.coordinator = Coordinator(config, self.ports, prompts.next_prompt, InstantReward(), self.ledger,
+                                       forced_length=prompts.forced_length, clock=self.clock)
+        self._timer = config.rebalance_period_s
+        self._timer_on = self.coordinator.policy.switch == Switch.ORCHESTRATE and self._timer < float("inf")
+        self._tick = coordinator_tick_s  # 0: the coordinator applies every event at once
+        self._posted = False  # something was posted that the coordinator has not applied
+        self._tick_due = False  # a PROCESS event is scheduled
+        self.version = 0  # the trainer's: the newest version it published
         self.steps_done = 0
         self.trainer_busy = False
         self.tokens_consumed = 0
-        self.consumed: set[int] = set()
+        self.window_waits = 0  # a full batch was ready and the version window held it back
+        self._unfinished_groups: dict[str, int] = {}  # group -> samples finished, until complete
+        self._ready = 0  # samples in complete groups, not taken yet
         self.snapshots: list[Snapshot] = []
-        self._acc = dict(rollout_only=0.0, train_busy=0.0, colocated=0.0)
+        self._rollout_only_s = 0.0  # some request active, trainer idle
+        self._train_busy_s = 0.0
+        self._lent_s = 0.0  # colocated: rollout accelerators training
         self._last = 0.0
 
-    # ---- services for policies ------------------------------------------------------------------
-    def dispatch(self, prompts: int, version: int) -> None:
-        for _ in range(prompts):
-            ids = self.pool.dispatch_prompt(self.stream.next_prompt(), version, self.now)
-            self.transfer.register(self.pool.prompt_of[ids[0]], ids, version)
-
-    def train(self, prompts: list[int]) -> None:
-        """Starts one optimizer step on these prompt groups (trainer version = self.version)."""
-        assert not self.trainer_busy
-        tokens = 0
-        for p in prompts:
-            for traj in self.transfer.members[p]:
-                tokens += self.pool.length[traj]
-                self.consumed.add(traj)
-                self.log.add(Ev.CONSUME, self.now, traj, self.steps_done, self.version)
-        n = sum(len(self.transfer.members[p]) for p in prompts)
-        self.tokens_consumed += tokens
-        self.trainer_busy = True
-        duration = self.cluster.train_time(tokens + n * self.workload.prompt_tokens)
-        self.queue.push(self.now + duration, Kind.TRAIN_DONE)
-
-    def supplement(self, rbs: int, k_max: int) -> None:
-        """Tops in-flight samples up to `rbs` with new prompts on the newest version.
-
-        Staleness-aware: a sample dispatched now must be consumed within the next k_max (+1 if
-        the trainer is idle) batches, so no more is dispatched than the window lets the trainer
-        consume (see TransferQueue.window_room); otherwise a fast rollout would queue samples
-        that would have to go stale.
-        """
-        room = min(rbs - self.pool.unfinished(), self.window_room(self.version, k_max))
-        g = self.workload.samples_per_prompt
-        if room >= g:
-            self.dispatch(room // g, self.version)
-
-    def window_room(self, version: int, k_max: int) -> int:
-        return self.transfer.window_room(version, self.version, self.trainer_busy, k_max,
-                                         self.workload.batch_samples)
-
-    def retag_unstarted(self) -> None:
-        """Re-dispatches every prompt with no started sample onto the newest version."""
-        pool, g = self.pool, self.workload.samples_per_prompt
-        moved: list[int] = []
-        for v in [v for v in pool.pending if v != self.version]:
-            queue = pool.pending[v]
-            counts = collections.Counter(pool.prompt_of[t] for t in queue)
-            keep = collections.deque()
-            for traj in queue:
-                prompt = pool.prompt_of[traj]
-                if counts[prompt] == g:
-                    if traj == self.transfer.members[prompt][0]:
-                        self.transfer.retag(prompt, self.version)
-                    pool.version[traj] = self.version
-                    self.log.add(Ev.DISPATCH, self.now, traj, prompt, self.version)
-                    moved.append(traj)
-                else:
-                    keep.append(traj)
-            if keep:
-                pool.pending[v] = keep
-            else:
-                del pool.pending[v]
-        pool.pending[self.version].extendleft(reversed(moved))
-
-    def refill_all(self) -> None:
-        for g in self.pool.groups:
-            self.pool.fill(g, self.now)
-
-    # ---- the loop ---------------------------------------------------------------------------------
+    # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        self.policy.start(self)
+        self.coordinator.start()
+        self._reschedule()
         self._snapshot()
-        idle_ticks = 0  # timer ticks in a row with nothing running and nothing training: a deadlock
+        if self._timer_on:
+            self.queue.push(self._timer, Kind.TIMER)
+        idle_ticks = 0  # timer ticks with nothing decoding or training: a deadlock
         while self.steps_done < self.steps:
             if not len(self.queue) or idle_ticks > 1_000:
-                raise RuntimeError(f"simulation stalled at t={self.now:.1f}s, step {self.steps_done}")
+                raise RuntimeError(f"simulation stalled at t={self.clock.now:.1f}s, step {self.steps_done}")
             t, kind, payload, epoch = self.queue.pop()
-            if kind == Kind.GROUP and self.pool.groups[payload].epoch != epoch:
+            if kind == Kind.SLICE and self._epoch[payload] != epoch:
                 continue
-            stuck = kind == Kind.TIMER and not self.trainer_busy and not self.pool.total_active
-            idle_ticks = idle_ticks + 1 if stuck else 0
             self._account(t)
-            self.now = t
-            if kind == Kind.GROUP:
-                g = self.pool.groups[payload]
-                done = self.pool.complete(g, t)
-                for traj in done:
-                    self.transfer.finished(self.pool.prompt_of[traj])
-                self.policy.on_finished(self, g, done)
-                self.pool.schedule(g)
+            self.clock.now = t
+            if kind == Kind.SLICE:
+                self._posted |= self._finished(self.ports[payload], t)
             elif kind == Kind.TRAIN_DONE:
-                self.trainer_busy = False
-                self.version += 1
-                self.steps_done += 1
-                self.log.add(Ev.PUBLISH, t, self.version, self.steps_done - 1)
-                self._snapshot()
-                self.policy.on_published(self)
+                self._publish()
+                self._posted = True
+            elif kind == Kind.TIMER:
+                stuck = not self.trainer_busy and not any(p.active for p in self.ports.values())
+                idle_ticks = idle_ticks + 1 if stuck else 0
+                self.queue.push(t + self._timer, Kind.TIMER)
+                self._posted = True  # the periodic trigger runs inside `process`
             else:
-                self.policy.on_timer(self)
-        for traj in range(len(self.pool.length)):
-            if traj not in self.consumed:
-                self.log.add(Ev.LIVE_AT_END, self.now, traj)
+                self._tick_due = False
+                self._process()
+            if self._posted and not self._tick_due:
+                if self._tick:
+                    self.queue.push((math.floor(t / self._tick) + 1) * self._tick, Kind.PROCESS)
+                    self._tick_due = True
+                else:
+                    self._process()
+            self._reschedule()
+        self.coordinator.process()  # the last publish reaches the ledger
+        self.ledger.close()
 
+    def _process(self) -> None:
+        """One iteration of the coordinator's loop, then the trainer's attempt to take a batch."""
+        self._posted = False
+        self.coordinator.process()
+        self._try_train()
+
+    def _finished(self, port: SimSlice, now: float) -> bool:
+        done = port.finish(now)
+        if not done:
+            return False
+        self.coordinator.post_finished(port.slice_id, done)
+        g = self.workload.samples_per_prompt
+        for traj in done:
+            count = self._unfinished_groups.get(traj.group_id, 0) + 1
+            if count == g:
+                self._unfinished_groups.pop(traj.group_id, None)
+                self._ready += g
+            else:
+                self._unfinished_groups[traj.group_id] = count
+        return True
+
+    # ------------------------------------------------------------------ the trainer
+    def _try_train(self) -> None:
+        if self.trainer_busy or self.steps_done >= self.steps:
+            return
+        batch = self.coordinator.try_take_batch(self.version)
+        if batch is None:
+            self.window_waits += self._ready >= self.workload.batch_samples
+            return
+        self.coordinator.process()  # the take's follow-up: supply, switching
+        samples = sum(len(group.samples) for group in batch)
+        tokens = sum(group.num_tokens for group in batch)
+        self._ready -= samples
+        self.tokens_consumed += tokens
+        self.trainer_busy = True
+        now = self.clock.now
+        duration = self.cluster.train_time(tokens + samples * self.workload.prompt_tokens)
+        if self.cluster.placement == Placement.COLOCATED:
+            for port in self.ports.values():
+                port.lend(now, duration)
+        self.queue.push(now + duration, Kind.TRAIN_DONE)
+
+    def _publish(self) -> None:
+        self.trainer_busy = False
+        self.version += 1
+        self.steps_done += 1
+        self.coordinator.post_published(self.version)
+        self.coordinator.process()
+        self._snapshot()
+
+    # ------------------------------------------------------------------ slices' finish events
+    def _changed(self, port: SimSlice) -> None:
+        self._dirty.add(port.slice_id)
+
+    def _reschedule(self) -> None:
+        for sid in sorted(self._dirty):
+            self._epoch[sid] += 1
+            t = self.ports[sid].next_finish()
+            if t is not None:
+                self.queue.push(t, Kind.SLICE, sid, self._epoch[sid])
+        self._dirty.clear()
+
+    # ------------------------------------------------------------------ accounting
     def _account(self, t: float) -> None:
         dt = t - self._last
         if dt <= 0:
             return
         if self.trainer_busy:
-            self._acc["train_busy"] += dt
+            self._train_busy_s += dt
             if self.cluster.placement == Placement.COLOCATED:
-                self._acc["colocated"] += dt
-        elif self.pool.total_active:
-            self._acc["rollout_only"] += dt
+                self._lent_s += dt
+        elif any(p.active for p in self.ports.values()):
+            self._rollout_only_s += dt
         self._last = t
 
     def _snapshot(self) -> None:
-        self.pool.settle_all(self.now)
+        now = self.clock.now
+        for port in self.ports.values():
+            port.settle(now)
+        costs = [p.costs for p in self.ports.values()]
         self.snapshots.append(Snapshot(
-            t=self.now,
+            t=now,
             step=self.steps_done,
-            rollout_only_s=self._acc["rollout_only"],
-            train_busy_s=self._acc["train_busy"],
-            colocated_train_s=self._acc["colocated"],
-            busy_slot_s=self.pool.busy_slot_s(),
+            rollout_only_s=self._rollout_only_s,
+            train_busy_s=self._train_busy_s,
+            colocated_train_s=self._lent_s,
+            busy_slot_s=sum(c.busy_slot_s for c in costs),
             tokens=self.tokens_consumed,
-            migration_s=self.pool.migration_s,
-            prefill_tokens=self.pool.prefill_tokens,
-            weight_loads=self.pool.weight_loads,
+            migration_s=sum(c.migration_s for c in costs),
+            prefill_tokens=sum(c.prefill_tokens for c in costs),
+            weight_loads=sum(c.weight_loads for c in costs),
         ))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
+from dora_jax.core.modes import Mode
 from dora_jax.sim.notes import make_notes
 from dora_jax.sim.scenario import Scenario
-from dora_jax.sim.simulate import Mode, ModeResult, simulate
+from dora_jax.sim.simulate import ModeResult, simulate
 from dora_jax.sim.workload import WorkloadSpec, mean_response
 
 _OTHER_ASYNC = (Mode.ONE_STEP_OFF, Mode.PARTIAL_ROLLOUT)
@@ -18,11 +18,16 @@ DEFINITIONS = dict(
     step_time_s="measured window (publish of step `warmup` to the last publish) / measured steps",
     tokens_per_s="response tokens trained in the window / window seconds",
     rollout_only_share="share of the window with some rollout request active and the trainer idle",
-    bubble_ratio="idle slot-seconds / slot-seconds of the rollout groups (time-weighted; "
-                 "colocated groups are not counted while they train)",
+    bubble_ratio="idle slot-seconds / slot-seconds of the rollout slices (time-weighted; "
+                 "colocated slices are not counted while they train)",
     trainer_wait_s="trainer idle seconds per measured step",
-    max_staleness="max over consumed samples of trainer version - oldest version that produced a token",
-    audit_ok="C1, C2 (exactly once, nothing dropped), C3 (staleness <= bound) and group integrity hold",
+    max_staleness="max over consumed samples of trainer version - the version the sample was dispatched with",
+    audit_ok="the project's auditor (dora_jax.coordinator.audit, as `python -m dora_jax.audit` on the run's "
+             "ledger) finds no violation of what the mode promises: C2 (nothing dropped or stranded), C3 "
+             "(staleness <= bound, groups of one version), exactly once, weights, and C1 except for "
+             "partial_rollout, which does not promise it",
+    policy="every mode is the shipped coordinator (dora_jax.core.modes, dora_jax.coordinator) driving simulated "
+           "slices and trainer; the simulator models time and cost only",
     rollout_speedup_vs_sync="sync rollout-only seconds per step / dora rollout-only seconds per step",
     bound="step work with every slot busy and nobody waiting: max(rollout work, train work) on the "
           "split DORA uses (rollout and trainer are distinct hardware)",
@@ -35,12 +40,12 @@ def _simulate(sc: Scenario, mode: Mode, accelerators: int, workload: WorkloadSpe
         sc.placements.cluster(sc.costs, mode, accelerators, workload), workload, mode,
         sc.options.k_max, steps=steps, warmup=warmup, rbs=sc.options.rbs(workload),
         chunk_tokens=sc.options.chunk_tokens, rebalance_period_s=sc.options.rebalance_period_s,
-        fill_slack=sc.options.fill_slack, **kwargs,
+        coordinator_tick_s=sc.options.coordinator_tick_s, **kwargs,
     )
 
 
 def run_setting(sc: Scenario, accelerators: int, workload: WorkloadSpec, steps: int, warmup: int,
-                ledger_dir: Optional[str] = None, ablation: bool = False) -> dict:
+                ledger_dir: str | None = None, ablation: bool = False) -> dict:
     """Every mode of the scenario on `accelerators` GPUs; returns the setting's results block.
 
     With `ablation`, DORA also runs with re-prefill instead of KV-cache migration.
@@ -49,7 +54,7 @@ def run_setting(sc: Scenario, accelerators: int, workload: WorkloadSpec, steps: 
     placement = {}
     for mode in sc.options.modes:
         cluster = sc.placements.cluster(sc.costs, mode, accelerators, workload)
-        ledger = os.path.join(ledger_dir, f"ledger_{accelerators}_{mode.value}.jsonl") if ledger_dir else None
+        ledger = os.path.join(ledger_dir, f"{accelerators}gpus_{mode.value}.ledger.jsonl") if ledger_dir else None
         results[mode] = _simulate(sc, mode, accelerators, workload, steps, warmup, ledger_path=ledger)
         placement[mode.value] = dict(
             placement=cluster.placement.value, rollout_groups=cluster.num_groups,

@@ -6,11 +6,18 @@ The config is read and validated once here; nothing downstream sees the ConfigDi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from dora_jax.sim.cluster import ClusterSpec, DecodeModel, Placement, balanced_train_accelerators
-from dora_jax.sim.cluster import decode_from_bench_json, make_cluster
-from dora_jax.sim.simulate import Mode
+from dora_jax.core.modes import Mode
+from dora_jax.sim.cluster import (
+    ClusterSpec,
+    DecodeModel,
+    Placement,
+    balanced_train_accelerators,
+    decode_from_bench_json,
+    make_cluster,
+)
 from dora_jax.sim.workload import WorkloadSpec, mean_response
 
 _BATCH_SCALING = ("fixed", "proportional")
@@ -60,8 +67,8 @@ class RunOptions:
     warmup: int
     rbs_factor: float  # RBS = rbs_factor x TBS, in whole prompts
     chunk_tokens: float
-    rebalance_period_s: float
-    fill_slack: int
+    rebalance_period_s: float  # the coordinator's periodic rebalance trigger, in simulated seconds
+    coordinator_tick_s: float  # the coordinator applies posted events at most this often (0: at once)
 
     def rbs(self, workload: WorkloadSpec) -> int:
         g = workload.samples_per_prompt
@@ -130,7 +137,7 @@ def from_config(config) -> Scenario:
     modes = tuple(_enum(Mode, m, "run.modes") for m in r.modes)
     options = RunOptions(modes=modes, k_max=r.k_max, steps=r.steps, warmup=r.warmup,
                          rbs_factor=r.rbs_factor, chunk_tokens=r.chunk_tokens,
-                         rebalance_period_s=r.rebalance_period_s, fill_slack=r.fill_slack)
+                         rebalance_period_s=r.rebalance_period_s, coordinator_tick_s=r.coordinator_tick_s)
     by_mode = {m: _enum(Placement, p[m.value], f"placement.{m.value}") for m in Mode}
     if by_mode[Mode.ONE_STEP_OFF] == Placement.COLOCATED or by_mode[Mode.DORA] == Placement.COLOCATED:
         raise ValueError("placement.one_step_off and placement.dora need 'split': they overlap roles")
@@ -138,6 +145,8 @@ def from_config(config) -> Scenario:
         raise ValueError(f"sweep.batch_scaling={sw.batch_scaling!r}; allowed: {_BATCH_SCALING}")
     if not 0.0 <= p.train_fraction < 1.0:
         raise ValueError(f"placement.train_fraction={p.train_fraction}; allowed: [0, 1)")
+    if r.coordinator_tick_s < 0:
+        raise ValueError(f"run.coordinator_tick_s={r.coordinator_tick_s}; expected >= 0")
     if r.k_max < 1 or not 0 <= r.warmup < r.steps or not 0 <= sw.warmup < sw.steps:
         raise ValueError("need run.k_max >= 1, 0 <= run.warmup < run.steps, 0 <= sweep.warmup < sweep.steps")
     return Scenario(

@@ -1,35 +1,30 @@
 """`simulate(cluster, workload, mode, k_max)`: one mode on one modelled cluster -> ModeResult.
 
-Metrics are taken over a measured window: from the publish of step `warmup` to the publish of the
-last step, so pipeline fill-up at the start does not count.
+The mode is the shipped policy (`dora_jax.core.modes`, run by the real coordinator, see kernel.py);
+the simulator adds time and cost. Metrics are taken over a measured window: from the publish of
+step `warmup` to the publish of the last step, so pipeline fill-up at the start does not count.
 - step_time_s: window / measured steps; tokens_per_s: response tokens trained in the window / window.
 - rollout_only_share: share of the window in which some rollout request was active and the
   trainer was idle.
-- bubble_ratio: idle slot-time / total slot-time of the rollout groups (time-weighted; a group
+- bubble_ratio: idle slot-time / total slot-time of the rollout slices (time-weighted; a slice
   counts as S slots whenever it is not lent to a colocated trainer).
 - trainer_wait_s: trainer idle seconds per measured step.
-- max_staleness and audit_ok come from the auditor reading the run's event log.
+- max_staleness and audit_ok come from the project's auditor (`dora_jax.coordinator.audit`)
+  reading the run's ledger: what `python -m dora_jax.audit` says of the same file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import Optional
 
+from dora_jax.coordinator.audit import AuditReport, audit
+from dora_jax.coordinator.coordinator import CoordinatorConfig
+from dora_jax.core.modes import Mode
 from dora_jax.sim.cluster import ClusterSpec, Placement
-from dora_jax.sim.dora import DoraPolicy
-from dora_jax.sim.kernel import Policy, Sim
-from dora_jax.sim.ledger import AuditReport, audit
-from dora_jax.sim.policies import OneStepOffPolicy, PartialRolloutPolicy, SyncPolicy
+from dora_jax.sim.kernel import Sim
 from dora_jax.sim.workload import LengthSource, WorkloadSpec
 
-
-class Mode(str, enum.Enum):
-    SYNC = "sync"
-    ONE_STEP_OFF = "one_step_off"
-    PARTIAL_ROLLOUT = "partial_rollout"
-    DORA = "dora"
+_OVERLAPPING = (Mode.ONE_STEP_OFF, Mode.DORA)  # train while rolling out: need their own trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,40 +40,50 @@ class ModeResult:
     bubble_ratio: float
     trainer_wait_s: float  # per measured step
     max_staleness: int
-    audit_ok: bool
+    audit_ok: bool  # no violation of what the mode promises (partial_rollout: C1 is not promised)
     audit: AuditReport
     staleness_bound: int
-    migrations: int
-    migration_share: float  # KV-transfer seconds / rollout group-seconds, in the window
-    prefill_share: float  # prefill (incl. re-prefill) group-seconds / rollout group-seconds
-    weight_loads: int
+    migrations: int  # requests moved with their KV cache (whole run)
+    migration_share: float  # KV-transfer seconds / rollout slice-seconds, in the window
+    prefill_share: float  # prefill (incl. re-prefill) slice-seconds / rollout slice-seconds
+    weight_loads: int  # in the window
     prefill_tokens: float  # whole run
-    window_waits: int  # DORA: times a complete batch was held back by the version window
+    window_waits: int  # trainer attempts refused by the version window with a full batch ready
+    interrupts: int  # partial rollout: requests re-prefilled on a new version (whole run)
+    rebalances: int  # orchestrator cycles (whole run)
+    max_versions_in_flight: int
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["mode"] = self.mode.value
-        d["audit"] = self.audit.as_dict()
+        d["audit"] = audit_summary(self.audit)
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
 
 
-def make_policy(mode: Mode, workload: WorkloadSpec, k_max: int, rbs: int, period_s: float,
-                fill_slack: int) -> Policy:
-    """The one factory from a mode to its policy."""
-    match mode:
-        case Mode.SYNC:
-            return SyncPolicy()
-        case Mode.ONE_STEP_OFF:
-            return OneStepOffPolicy()
-        case Mode.PARTIAL_ROLLOUT:
-            return PartialRolloutPolicy(rbs, k_max)
-        case Mode.DORA:
-            return DoraPolicy(rbs, k_max, period_s, fill_slack)
-    raise ValueError(f"unknown mode {mode!r}; allowed: {[m.value for m in Mode]}")
+def audit_summary(report: AuditReport) -> dict:
+    """The auditor's counts for results.json (its violation lists are long at paper scale)."""
+    return dict(
+        ok=report.ok, violations=report.violations(), mode=report.mode, k_max=report.k_max,
+        dispatched=report.dispatched, finished=report.finished, consumed=report.consumed,
+        live_at_end=report.in_flight_at_end + report.unconsumed_finished_at_end,
+        in_flight_at_end=report.in_flight_at_end, unconsumed_finished_at_end=report.unconsumed_finished_at_end,
+        c1_violations=len(report.c1_violations), c2_violations=len(report.c2_violations),
+        c3_violations=len(report.c3_violations), exactly_once_violations=len(report.exactly_once_violations),
+        max_staleness=report.max_staleness,
+        staleness_hist={int(k): v for k, v in sorted(report.staleness_histogram.items())},
+        migrations_kv=report.migrations_kv, migrations_no_kv=report.migrations_no_kv,
+        max_versions_in_flight=report.max_versions_in_flight, publishes=report.publishes,
+    )
 
 
-def staleness_bound(mode: Mode, k_max: int) -> int:
-    return {Mode.SYNC: 0, Mode.ONE_STEP_OFF: 1}.get(mode, k_max)
+def coordinator_config(workload: WorkloadSpec, mode: Mode | str, k_max: int, rbs: int | None = None,
+                       rebalance_period_s: float = 30.0) -> CoordinatorConfig:
+    """The coordinator settings of a simulated run; `rbs` defaults to 1.5 x TBS (whole prompts)."""
+    tbs, g = workload.batch_samples, workload.samples_per_prompt
+    rbs = rbs if rbs is not None else max(tbs, (3 * tbs // 2) // g * g)
+    return CoordinatorConfig(mode=Mode(mode).value, k_max=k_max, rollout_batch_size=rbs, train_batch_size=tbs,
+                             group_size=g, max_new_tokens=workload.max_response,
+                             rebalance_period_s=rebalance_period_s)
 
 
 def simulate(
@@ -89,41 +94,34 @@ def simulate(
     *,
     steps: int = 8,
     warmup: int = 2,
-    rbs: Optional[int] = None,
+    rbs: int | None = None,
     chunk_tokens: float = 8.0,
     rebalance_period_s: float = 30.0,
-    fill_slack: int = 0,
+    coordinator_tick_s: float = 0.0,
     kv_migration: bool = True,
-    lengths: Optional[LengthSource] = None,
-    ledger_path: Optional[str] = None,
+    lengths: LengthSource | None = None,
+    ledger_path: str | None = None,
 ) -> ModeResult:
-    """Simulates `steps` training steps of `mode`; `rbs` defaults to 1.5 x TBS (whole prompts).
+    """Simulates `steps` training steps of `mode`.
 
-    `kv_migration=False` is an ablation: DORA's migrated requests re-prefill instead of moving
-    their KV cache. `lengths` replaces the workload's log-normal response lengths.
+    `kv_migration=False` is an ablation: a request the orchestrator migrates re-prefills instead
+    of moving its KV cache. `lengths` replaces the workload's log-normal response lengths.
+    `coordinator_tick_s` > 0 lets the coordinator apply posted events at most that often (its
+    loop's latency) instead of after every event.
     """
     mode = Mode(mode)
-    if mode in (Mode.ONE_STEP_OFF, Mode.DORA) and cluster.placement != Placement.SPLIT:
+    if mode in _OVERLAPPING and cluster.placement != Placement.SPLIT:
         raise ValueError(f"{mode.value} overlaps rollout and training: it needs a split placement")
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
-    tbs, g = workload.batch_samples, workload.samples_per_prompt
-    rbs = rbs if rbs is not None else (3 * tbs // 2) // g * g
-    if rbs < tbs:
-        raise ValueError(f"rbs ({rbs}) must be >= the train batch ({tbs} samples)")
-    policy = make_policy(mode, workload, k_max, rbs, rebalance_period_s, fill_slack)
-    sim = Sim(cluster, workload, policy, steps, chunk_tokens, kv_migration, lengths)
+    config = coordinator_config(workload, mode, k_max, rbs, rebalance_period_s)
+    sim = Sim(cluster, workload, config, steps, chunk_tokens, coordinator_tick_s=coordinator_tick_s,
+              kv_migration=kv_migration, lengths=lengths, ledger_path=ledger_path)
     sim.run()
-    if ledger_path:
-        sim.log.write_jsonl(ledger_path)
-    bound = staleness_bound(mode, k_max)
-    report = audit(sim.log, bound, g)
-    waits = policy.window_waits if isinstance(policy, DoraPolicy) else 0
-    return _summarise(sim, mode, warmup, report, bound, waits)
+    return _summarise(sim, mode, warmup, audit(sim.ledger.memory), config.window)
 
 
-def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: int,
-               window_waits: int) -> ModeResult:
+def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: int) -> ModeResult:
     first, last = sim.snapshots[warmup], sim.snapshots[-1]
     window = last.t - first.t
     measured = last.step - first.step
@@ -134,7 +132,8 @@ def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: in
     rollout_only = last.rollout_only_s - first.rollout_only_s
     train_busy = last.train_busy_s - first.train_busy_s
     tokens = last.tokens - first.tokens
-    group_seconds = sim.cluster.num_groups * max(window - lent, 1e-12)
+    slice_seconds = sim.cluster.num_groups * max(window - lent, 1e-12)
+    stats = sim.coordinator.stats
     return ModeResult(
         mode=mode,
         wall_s=last.t,
@@ -150,11 +149,14 @@ def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: in
         audit_ok=report.ok,
         audit=report,
         staleness_bound=bound,
-        migrations=sim.pool.migrations,
-        migration_share=(last.migration_s - first.migration_s) / group_seconds,
+        migrations=stats.migrations_kv,
+        migration_share=(last.migration_s - first.migration_s) / slice_seconds,
         prefill_share=(last.prefill_tokens - first.prefill_tokens) * sim.cluster.prefill_s_per_token
-        / group_seconds,
+        / slice_seconds,
         weight_loads=last.weight_loads - first.weight_loads,
-        prefill_tokens=sim.pool.prefill_tokens,
-        window_waits=window_waits,
+        prefill_tokens=last.prefill_tokens,
+        window_waits=sim.window_waits,
+        interrupts=stats.interrupts,
+        rebalances=stats.rebalances,
+        max_versions_in_flight=stats.max_versions_in_flight,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dora_jax.records import Group, TrainBatch
+from dora_jax.core.records import Group, TrainBatch
 
 
 def bucket_length(longest: int, pad_to: int, cap: int | None = None) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dora_jax.records import TrainBatch
+from dora_jax.core.records import TrainBatch
 from dora_jax.trainer.batching import bucket_length
 from dora_jax.trainer.loss import LossStats, token_weights
 from dora_jax.trainer.step import StepOutputs, _micro_loss, apply_grads, batch_advantages

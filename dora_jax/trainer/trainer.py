@@ -20,8 +20,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dora_jax.records import TrainBatch
-from dora_jax.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
+from dora_jax.core.records import TrainBatch
+from dora_jax.parallel.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
 from dora_jax.store import ParamStore
 from dora_jax.store.digest import params_digest
 from dora_jax.trainer.advantages import ESTIMATORS

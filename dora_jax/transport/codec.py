@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
-from dora_jax.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
 from dora_jax.transport import dora_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit

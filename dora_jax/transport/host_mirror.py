@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from dora_jax.records import Request, SlotState, Trajectory
+from dora_jax.core.records import Request, SlotState, Trajectory
 from dora_jax.rollout.worker import RolloutWorker, WorkerCounters
 
 _HEAD_BYTES = 4096  # one collective carries a command this small (all but imports and big submits)

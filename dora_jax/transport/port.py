@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from dora_jax.coordinator.ports import PortError
-from dora_jax.records import Request, SlotState
+from dora_jax.core.records import Request, SlotState
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
 

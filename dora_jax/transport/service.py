@@ -28,7 +28,7 @@ from typing import Optional, Protocol, Sequence
 
 import grpc
 
-from dora_jax.records import Group, Trajectory
+from dora_jax.core.records import Group, Trajectory
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport import dora_pb2_grpc as pb_grpc

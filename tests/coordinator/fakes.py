@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from dora_jax.records import FinishReason, Request, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
 
 
 class FakeWorker:

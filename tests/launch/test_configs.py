@@ -1,11 +1,11 @@
-"""Every experiment config in configs/ still parses (`dora_jax.run_config.parse`), and every `pod`
+"""Every experiment config in configs/ still parses (`dora_jax.runtime.run_config.parse`), and every `pod`
 section still fits its meshes (`launch.pod.from_config`): a config that drifts from the code fails
 here instead of at the start of a paid TPU run."""
 
 import pytest
 
-from dora_jax import run_config
-from dora_jax.setup import task_config
+from dora_jax.runtime import run_config
+from dora_jax.runtime.run_config import task_config
 from launch import pod as pod_lib
 from tests.launch.configs import CONFIG_DIR, load
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from dora_jax import sharding
+from dora_jax.parallel import sharding
 from dora_jax.models import (
     KVCache, ModelConfig, expert_load, init_model, load_balancing_loss, load_hf, logical_axes, read_config, save_hf,
     split,
@@ -274,8 +274,8 @@ def _load_config(name):
 
 
 def test_smoke_configs_build_a_moe_and_a_dense_model():
-    from dora_jax import run_config
-    from dora_jax.setup import fresh_model_config
+    from dora_jax.runtime import run_config
+    from dora_jax.runtime.build import fresh_model_config
 
     moe = fresh_model_config(run_config.parse(_load_config("smoke_moe")), 20, (2,))
     assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == ("qwen3_moe", 8, 2, 128)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dora_jax import sharding
+from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, expert_load, init_model, load_balancing_loss, logical_axes, split
 from dora_jax.trainer import Trainer, TrainerConfig
 from tests.trainer.test_trainer import FAST_COMPILE, B, make_batch

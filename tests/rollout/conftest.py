@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dora_jax import sharding
+from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, split
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 

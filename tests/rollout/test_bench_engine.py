@@ -9,8 +9,8 @@ import jax
 import pytest
 from flax import nnx
 
-from dora_jax.bench_engine import EngineBenchConfig, _model_config, format_table, run_engine_bench
-from dora_jax.bench_modes import engine_bench_config
+from dora_jax.bench.engine import EngineBenchConfig, _model_config, format_table, run_engine_bench
+from dora_jax.bench.modes import engine_bench_config
 from dora_jax.models import init_model
 from tests.launch.configs import load
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from dora_jax.models import split
-from dora_jax.records import Request, SamplingParams
+from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker, as_redispatch
 from tests.rollout.conftest import TINY, run_to_end
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dora_jax import generate
+from dora_jax.cli import generate
 from tests.models.hf_fixtures import make_checkpoint
 
 

@@ -6,7 +6,7 @@ import grpc
 import portpicker
 import pytest
 
-from dora_jax.records import Request, SamplingParams
+from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker
 from tests.rollout.conftest import TINY, run_to_end
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dora_jax.records import Request, SamplingParams
+from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker
 from tests.rollout.conftest import TINY, run_to_end
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import pytest
 
-from dora_jax.records import FinishReason, Request, SamplingParams
+from dora_jax.core.records import FinishReason, Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker, as_redispatch
 from tests.rollout.conftest import run_to_end
 

@@ -8,9 +8,11 @@ import sys
 import pytest
 
 from configs.sim_paper import get_config
+from dora_jax.coordinator.audit import audit
+from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.sim import Mode, WorkloadSpec, fit_decode
 from dora_jax.sim.calibrate import SyncTarget, solve_train
-from dora_jax.sim.report import format_table, run_all
+from dora_jax.sim.report import format_table, run_all, run_setting
 from dora_jax.sim.scenario import from_config
 from dora_jax.sim.workload import mean_response
 
@@ -40,7 +42,7 @@ def test_paper_config_is_locked_and_valid():
         c.run.no_such_field = 1
     sc = from_config(c)
     assert sc.options.modes == tuple(Mode) and sc.options.k_max == 3
-    assert sc.settings == (64, 128) and sc.sweep_accelerators[-1] == 4096
+    assert sc.settings == (64, 128) and sc.sweep_accelerators == (64, 256, 1024)
     dora = sc.placements.cluster(sc.costs, Mode.DORA, 64, sc.workload)
     assert dora.rollout_accelerators + dora.train_accelerators == 64
 
@@ -65,8 +67,11 @@ def test_run_all_writes_results_json_with_every_block(tmp_path):
     setting = on_disk["settings"]["64"]
     for mode in Mode:
         assert _MODES_KEYS <= set(setting["modes"][mode.value])
-    assert setting["modes"]["partial_rollout"]["audit_ok"] is False
-    assert all(setting["modes"][m]["audit_ok"] for m in ("sync", "one_step_off", "dora"))
+    # The project's auditor: partial rollout does not promise C1, and shows it breaks it.
+    assert all(setting["modes"][m]["audit_ok"] for m in Mode)
+    partial = setting["modes"]["partial_rollout"]["audit"]
+    assert partial["c1_violations"] > 0 and "C1" not in partial["violations"]
+    assert setting["modes"]["dora"]["max_staleness"] <= 3 and setting["modes"]["sync"]["max_staleness"] == 0
     assert {"tokens_per_s", "how"} <= set(setting["bound"])
     assert {"dora_vs_sync", "dora_vs_one_step_off", "dora_vs_partial_rollout",
             "rollout_speedup_vs_sync"} <= set(setting["ratios"])
@@ -112,6 +117,19 @@ def test_proportional_sweep_scales_the_batch(tmp_path):
     assert set(results["settings"]["64"]["ratios"]) >= {"dora_vs_sync", "rollout_speedup_vs_sync"}
 
 
+def test_ledgers_of_a_setting_audit_clean(tmp_path):
+    c = small_config()
+    with c.unlocked():
+        c.settings = (64,)
+    sc = from_config(c)
+    run_setting(sc, 64, sc.workload, sc.options.steps, sc.options.warmup, ledger_dir=str(tmp_path))
+    paths = sorted(tmp_path.glob("*.ledger.jsonl"))
+    assert [p.name for p in paths] == sorted(f"64gpus_{m.value}.ledger.jsonl" for m in Mode)
+    for path in paths:
+        assert audit(read_ledger(str(path))).ok, path.name
+
+
+@pytest.mark.slow
 def test_cli_writes_results(tmp_path):
     overrides = ["--config.workload.prompts_per_step=16", "--config.workload.samples_per_prompt=4",
                  "--config.workload.median_response=200", "--config.workload.max_response=2000",

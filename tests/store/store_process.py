@@ -16,7 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dora_jax import sharding  # noqa: E402
+from dora_jax.parallel import sharding  # noqa: E402
 from dora_jax.models import ModelConfig, abstract_model, logical_axes, split  # noqa: E402
 from dora_jax.store import ParamStore, TensorStoreTier  # noqa: E402
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax import sharding
+from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, logical_axes, split
 from dora_jax.store import ParamStore, StoreError, TensorStoreTier, version_dir_name
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dora_jax.records import FinishReason, Group, ScoredTrajectory, Trajectory
+from dora_jax.core.records import FinishReason, Group, ScoredTrajectory, Trajectory
 from dora_jax.trainer.batching import bucket_length, make_train_batch
 
 

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax import sharding
-from dora_jax.records import TrainBatch
+from dora_jax.parallel import sharding
+from dora_jax.core.records import TrainBatch
 from dora_jax.store import InProcessTier, ParamStore
 from dora_jax.trainer import Trainer
 from dora_jax.trainer.batching import bucket_length

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax import models, sharding
-from dora_jax.records import TrainBatch
+from dora_jax import models
+from dora_jax.parallel import sharding
+from dora_jax.core.records import TrainBatch
 from dora_jax.store import InProcessTier, ParamStore
 from dora_jax.trainer import Trainer, TrainerConfig
 

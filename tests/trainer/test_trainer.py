@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dora_jax import sharding
+from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, logical_axes, split
-from dora_jax.records import TrainBatch
+from dora_jax.core.records import TrainBatch
 from dora_jax.store import InProcessTier, ParamStore
 from dora_jax.trainer import Trainer, TrainerConfig
 from dora_jax.trainer.step import sequence_logps

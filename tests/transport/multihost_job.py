@@ -54,7 +54,7 @@ def drive(worker, fetch) -> dict:
     """A fixed sequence of worker calls (RolloutWorker or MirroredWorker): more requests than slots,
     one in-flight request exported with its KV and imported back later, queued ones taken and
     resubmitted. Returns {traj_id: Trajectory}."""
-    from dora_jax.records import Request, SamplingParams
+    from dora_jax.core.records import Request, SamplingParams
 
     worker.load_version(0, fetch(0))
     for i in range(6):
@@ -93,7 +93,7 @@ def rollout_model():
 
 
 def rollout_engine(devices):
-    from dora_jax import sharding
+    from dora_jax.parallel import sharding
     from dora_jax.rollout.engine import RolloutEngine
     from tests.rollout.conftest import ENGINE
 
@@ -106,7 +106,7 @@ def trainer_step(devices, name: str):
     (trainer, metrics)."""
     import dataclasses
 
-    from dora_jax import sharding
+    from dora_jax.parallel import sharding
     from dora_jax.models import init_model, logical_axes, split
     from dora_jax.trainer import Trainer
     from tests.trainer.test_trainer import CFG, CONFIG, FAST_COMPILE, make_batch

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from dora_jax.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
 

@@ -14,7 +14,7 @@ import pytest
 
 import dora_jax
 from dora_jax.coordinator.ports import PortError
-from dora_jax.records import Request, SamplingParams, SlotState
+from dora_jax.core.records import Request, SamplingParams, SlotState
 from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.store import ParamStore, TensorStoreTier
 from dora_jax.transport import dora_pb2 as pb

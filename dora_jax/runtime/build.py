@@ -7,14 +7,13 @@ A fresh tiny model (no `model.hf_path`) on the running-sums task gets a supervis
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from dora_jax import models
 from dora_jax.models.tokenizer import CharTokenizer, HFTokenizer
-from dora_jax.run_config import RunConfig
+from dora_jax.runtime.cold_start import cold_start
+from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.tasks import running_sums
-from dora_jax.tasks.sources import SourceConfig
-from dora_jax.tasks.task import Task, TaskConfig, make_task
+from dora_jax.tasks.task import Task, make_task
 
 
 @dataclasses.dataclass
@@ -28,16 +27,6 @@ class Setup:
     eos_ids: tuple[int, ...]
     reward_workers: int
     reward_timeout_s: float
-
-
-def task_config(config: RunConfig) -> TaskConfig:
-    t = config.task
-    if t.kind == "running_sums":
-        rs = running_sums.RunningSumsConfig(median_k=t.median_k, sigma=t.sigma, k_max=t.k_max,
-                                            max_term=int(t.get("max_term", 2)), seed=config.seed)
-        return TaskConfig(kind="running_sums", running_sums=rs)
-    source = SourceConfig(**{k: v for k, v in t.source.items()}, seed=config.seed)
-    return TaskConfig(kind=t.kind, source=source)
 
 
 def make_tokenizer(config: RunConfig):
@@ -77,21 +66,3 @@ def build_setup(config: RunConfig, workdir: str) -> Setup:
     eos = tuple(model.config.eos_ids) or tuple(tokenizer.eos_ids)
     return Setup(model.config, graphdef, params, models.logical_axes(model), tokenizer, task, eos,
                  int(config.task.reward_workers), float(config.task.reward_timeout_s))
-
-
-def cold_start(config: RunConfig, model_config: models.ModelConfig, tokenizer, workdir: str) -> models.Decoder:
-    """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint."""
-    path = os.path.join(workdir, "sft")
-    if os.path.exists(os.path.join(path, "DONE")):
-        return models.load_hf(path, dtype=model_config.dtype, param_dtype=model_config.param_dtype,
-                              moe_dispatch=model_config.moe_dispatch)
-    model = models.init_model(model_config, seed=config.seed)
-    if config.init.sft_steps <= 0 or config.task.kind != "running_sums":
-        return model
-    from dora_jax.cold_start import sft_running_sums
-
-    model = sft_running_sums(model, tokenizer, config, log_path=os.path.join(workdir, "sft_log.jsonl"))
-    models.save_hf(model, path)
-    with open(os.path.join(path, "DONE"), "w") as f:
-        f.write("ok\n")
-    return model

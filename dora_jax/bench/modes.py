@@ -18,9 +18,9 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from dora_jax import run_config, runner
+from dora_jax.runtime import run_config, runner
 from dora_jax.coordinator.ledger import read_ledger
-from dora_jax.setup import build_setup
+from dora_jax.runtime.build import build_setup
 
 MODES = ("sync", "one_step_off", "partial_rollout", "dora")
 
@@ -272,7 +272,7 @@ def _coalesce(timeline, gap: float = 0.02):
 
 def engine_bench_config(cfg_dict):
     """The `bench engine` measurement for an experiment config's model and rollout slice."""
-    from dora_jax.bench_engine import EngineBenchConfig
+    from dora_jax.bench.engine import EngineBenchConfig
     from dora_jax.tasks.running_sums import ALPHABET
 
     m, r = cfg_dict.model, cfg_dict.rollout
@@ -305,7 +305,7 @@ def _fmt(v):
 def main(cfg_dict, out_dir: str) -> dict:
     start = time.perf_counter()
     measured = run_modes(cfg_dict, out_dir, rounds=int(cfg_dict.bench.get("rounds", 1)))
-    from dora_jax.bench_engine import run_engine_bench
+    from dora_jax.bench.engine import run_engine_bench
 
     engine = run_engine_bench(engine_bench_config(cfg_dict), None)
     full = max(engine["decode"], key=lambda d: d["active_slots"])

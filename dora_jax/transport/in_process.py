@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from dora_jax.coordinator.ports import PortError
-from dora_jax.records import Request, SlotState
+from dora_jax.core.records import Request, SlotState
 from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
 
 

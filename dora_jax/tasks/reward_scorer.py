@@ -8,7 +8,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Callable
 
-from dora_jax.records import Trajectory
+from dora_jax.core.records import Trajectory
 
 
 class RewardPoolScorer:

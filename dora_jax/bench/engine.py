@@ -21,9 +21,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from dora_jax import sharding
+from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, moe_fields, split
-from dora_jax.records import Request, SamplingParams
+from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 

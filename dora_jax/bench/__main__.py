@@ -22,17 +22,17 @@ def main(argv):
     os.makedirs(_OUT.value, exist_ok=True)
     match argv[1]:
         case "engine":
-            from dora_jax.bench_engine import format_table, run_engine_bench
-            from dora_jax.bench_modes import engine_bench_config
+            from dora_jax.bench.engine import format_table, run_engine_bench
+            from dora_jax.bench.modes import engine_bench_config
 
             results = run_engine_bench(engine_bench_config(config), _OUT.value)
             print(format_table(results))
         case "modes":
-            from dora_jax import bench_modes
+            from dora_jax.bench import modes as bench_modes
 
             bench_modes.main(config, _OUT.value)
         case "convergence":
-            from dora_jax import bench_convergence
+            from dora_jax.bench import convergence as bench_convergence
 
             bench_convergence.main(config, _OUT.value)
 

@@ -10,9 +10,12 @@ import dataclasses
 import ml_collections
 
 from dora_jax.coordinator.coordinator import CoordinatorConfig
-from dora_jax.modes import Mode
-from dora_jax.records import SamplingParams
-from dora_jax.sharding import MESH_AXES
+from dora_jax.core.modes import Mode
+from dora_jax.core.records import SamplingParams
+from dora_jax.parallel.sharding import MESH_AXES
+from dora_jax.tasks import running_sums
+from dora_jax.tasks.sources import SourceConfig
+from dora_jax.tasks.task import TaskConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +152,13 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         checkpoint_keep=int(c.checkpoint.get("keep", 3)),
         tensorboard=bool(c.log.tensorboard),
     )
+
+
+def task_config(config: RunConfig) -> TaskConfig:
+    t = config.task
+    if t.kind == "running_sums":
+        rs = running_sums.RunningSumsConfig(median_k=t.median_k, sigma=t.sigma, k_max=t.k_max,
+                                            max_term=int(t.get("max_term", 2)), seed=config.seed)
+        return TaskConfig(kind="running_sums", running_sums=rs)
+    source = SourceConfig(**{k: v for k, v in t.source.items()}, seed=config.seed)
+    return TaskConfig(kind=t.kind, source=source)

@@ -8,7 +8,7 @@ another, and the trainer loop runs on the caller's thread:
     the ParamStore) -> publish v+1 to the store -> coordinator: rebalance / migrate / supplement.
 
 Writes WORKDIR/config.json, ledger.jsonl, metrics.jsonl, TensorBoard events and, every
-`checkpoint.every_steps` steps and on preemption, WORKDIR/checkpoints (dora_jax.checkpoint).
+`checkpoint.every_steps` steps and on preemption, WORKDIR/checkpoints (dora_jax.runtime.checkpoint).
 A workdir that already has a ledger is resumed: from its newest checkpoint that restores, or
 from scratch when the lost run never saved one; either way the ledger's `resume` event voids
 what the lost process wrote after that checkpoint, so the audit over the whole ledger holds.
@@ -31,22 +31,23 @@ import time
 from typing import Callable, Optional
 
 
-from dora_jax import faults, sharding, training_loop
-from dora_jax.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
+from dora_jax.runtime import faults, training_loop
+from dora_jax.parallel import sharding
+from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
-from dora_jax.metrics import MetricsWriter
+from dora_jax.runtime.metrics import MetricsWriter
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
-from dora_jax.reward_scorer import RewardPoolScorer
-from dora_jax.run_config import RunConfig
-from dora_jax.setup import Setup, build_setup
+from dora_jax.tasks.reward_scorer import RewardPoolScorer
+from dora_jax.runtime.run_config import RunConfig
+from dora_jax.runtime.build import Setup, build_setup
 from dora_jax.store import InProcessTier, ParamStore, StoreError
-from dora_jax.supervisor import SliceSupervisor
+from dora_jax.runtime.supervisor import SliceSupervisor
 from dora_jax.tasks.prompt import Prompt
 from dora_jax.trainer import Trainer
-from dora_jax.worker_thread import WorkerThread
+from dora_jax.transport.in_process import WorkerThread
 
 log = logging.getLogger(__name__)
 

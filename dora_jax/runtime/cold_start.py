@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -15,9 +16,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dora_jax import models, sharding
-from dora_jax.run_config import RunConfig
-from dora_jax.setup import task_config
+from dora_jax import models
+from dora_jax.parallel import sharding
+from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.tasks import running_sums
 from dora_jax.trainer.batching import bucket_length
 
@@ -87,3 +88,19 @@ def sft_running_sums(model: models.Decoder, tokenizer, config: RunConfig, *, log
     if log:
         log.close()
     return nnx.merge(graphdef, jax.device_get(params))
+
+
+def cold_start(config: RunConfig, model_config: models.ModelConfig, tokenizer, workdir: str) -> models.Decoder:
+    """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint."""
+    path = os.path.join(workdir, "sft")
+    if os.path.exists(os.path.join(path, "DONE")):
+        return models.load_hf(path, dtype=model_config.dtype, param_dtype=model_config.param_dtype,
+                              moe_dispatch=model_config.moe_dispatch)
+    model = models.init_model(model_config, seed=config.seed)
+    if config.init.sft_steps <= 0 or config.task.kind != "running_sums":
+        return model
+    model = sft_running_sums(model, tokenizer, config, log_path=os.path.join(workdir, "sft_log.jsonl"))
+    models.save_hf(model, path)
+    with open(os.path.join(path, "DONE"), "w") as f:
+        f.write("ok\n")
+    return model

@@ -5,7 +5,7 @@
     the publish, the ledger gets the step's behaviour digests, old versions retire) -> one
     metrics row.
 
-The source is the in-process coordinator (`dora_jax.runner`) or the coordinator service over gRPC
+The source is the in-process coordinator (`dora_jax.runtime.runner`) or the coordinator service over gRPC
 (`dora_jax.trainer_worker`); what differs around the loop (checkpoints, fault injection, progress,
 logging) comes in through `after_step` and `on_row`.
 """
@@ -16,9 +16,9 @@ import dataclasses
 import time
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from dora_jax import faults
-from dora_jax.metrics import MetricsWriter
-from dora_jax.records import Group, TrainBatch
+from dora_jax.runtime import faults
+from dora_jax.runtime.metrics import MetricsWriter
+from dora_jax.core.records import Group, TrainBatch
 from dora_jax.trainer import Trainer, make_train_batch
 
 COUNTERS = ("slot_steps", "idle_slot_steps", "generated_tokens")  # rollout totals; rows show the step's delta

@@ -48,7 +48,7 @@ def parse(spec: str) -> dict:
             else:
                 raise ValueError(f"unknown fault {name!r}")
         except ValueError as err:
-            raise ValueError(f"DORA_FAULTS item {item!r}: {err}; see dora_jax/faults.py") from None
+            raise ValueError(f"DORA_FAULTS item {item!r}: {err}; see dora_jax/runtime/faults.py") from None
     return out
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from dora_jax import run_config, runner
-from dora_jax.setup import build_setup
+from dora_jax.runtime import run_config, runner
+from dora_jax.runtime.build import build_setup
 
 RUNS = (("sync", "sync", 1), ("dora_k1", "dora", 1), ("dora_k3", "dora", 3))
 

@@ -1,0 +1,1 @@
+"""Benchmarks that write JSON: `python -m dora_jax.bench {engine,modes,convergence}`."""

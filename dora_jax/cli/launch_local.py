@@ -1,0 +1,308 @@
+"""`python -m dora_jax.launch_local --config=configs/smoke.py --workdir=DIR [--config.x=y ...]`
+
+Runs one job as separate processes on this machine, as a pod would: the coordinator
+(`dora_jax.serve_coordinator`), one trainer (`dora_jax.trainer_worker`) and `rollout.num_slices`
+rollout workers (`dora_jax.rollout_worker`), each on its own fake CPU devices
+(JAX_PLATFORMS=cpu, XLA_FLAGS=--xla_force_host_platform_device_count=<its mesh's size>), talking
+gRPC on localhost; versions go through DIR/versions. The trainer runs the SFT cold start (others
+wait for its first version). When the trainer has done `num_steps` the launcher stops the
+coordinator (which stops the workers), tears everything down (also on Ctrl-C or a failure: each
+child is its own process group, killed whole, and dies with the launcher), audits DIR/ledger.jsonl
+and prints the summary. Logs: DIR/logs/<role>.log. Exit status: 0 when the trainer finished and
+the audit is clean.
+
+`--hosts_per_slice=H` runs every rollout slice as H processes that form one multi-controller JAX
+job (`jax.distributed.initialize` over that slice's processes only, CPU collectives over gloo):
+`mesh.rollout` then spans H processes of size/H fake devices each, and process 0 of the slice
+alone talks to the coordinator, mirroring every engine call to the others. `--trainer_hosts=H`
+does the same for the trainer (every process takes the same batch and runs the same step).
+Logs of the extra processes: DIR/logs/<role>_h<i>.log.
+
+`--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at
+the first moment, T seconds or more after the coordinator starts dispatching, when the ledger shows
+it holding requests (fault injection: the run must finish, its requests re-dispatched, the audit clean).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+from dora_jax import cli
+
+PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
+TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
+HOSTS_PER_SLICE = flags.DEFINE_integer("hosts_per_slice", 1, "processes per rollout slice (> 1: each slice one "
+                                       "multi-controller JAX job over them); mesh.rollout's size must divide by it")
+TRAINER_HOSTS = flags.DEFINE_integer("trainer_hosts", 1, "processes of the trainer slice (> 1: one multi-controller "
+                                     "JAX job); mesh.trainer's size must divide by it")
+KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL this rollout worker mid-run")
+KILL_AFTER_S = flags.DEFINE_float("kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, "
+                                  "as soon as it holds requests")
+
+
+def main(argv):
+    del argv
+    workdir = cli.WORKDIR.value
+    if not workdir:
+        raise app.UsageError("--workdir is required")
+    from dora_jax.runtime import run_config
+
+    config = run_config.parse(cli.CONFIG.value)  # a bad config fails here, before anything starts
+    if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
+        raise app.UsageError(f"{workdir} already holds a run (ledger.jsonl); launch_local starts fresh runs only: "
+                             "give a new --workdir")
+    if config.mesh.time_shared:
+        raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
+    trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
+    rollout = _per_host("hosts_per_slice", HOSTS_PER_SLICE.value, "mesh.rollout", dict(config.mesh.rollout))
+    start = time.perf_counter()
+    outcome = launch(config, workdir, _config_flags(sys.argv[1:]), trainer=trainer, rollout=rollout)
+    wall = time.perf_counter() - start
+    summary = {"workdir": workdir, "processes": outcome["processes"], "wall_s": round(wall, 1),
+               "trainer_exit": outcome["trainer_exit"], "killed": outcome["killed"]}
+    ok = outcome["trainer_exit"] == 0
+    if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
+        from dora_jax.cli.audit import audit_workdir
+
+        report = audit_workdir(workdir)
+        summary.update({"audit_ok": report.ok, "audit": report.summary()})
+        ok = ok and report.ok
+    print(json.dumps(summary, indent=1), flush=True)
+    sys.exit(0 if ok else 1)
+
+
+def _config_flags(argv: list[str]) -> list[str]:
+    """The --config and --config.* flags as given (each role parses the same ones)."""
+    out, take_next = [], False
+    for arg in argv:
+        if take_next:
+            out.append(arg)
+            take_next = False
+        elif arg == "--config" or arg.startswith("--config.") or arg.startswith("--config="):
+            out.append(arg)
+            take_next = "=" not in arg
+    return out
+
+
+def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]:
+    """(hosts, devices per host) of a slice whose whole mesh is `shape`; a clear error otherwise."""
+    from dora_jax.parallel import sharding
+
+    size = sharding.mesh_size(shape)
+    if hosts < 1:
+        raise app.UsageError(f"--{flag}={hosts}; expected >= 1")
+    if size % hosts:
+        axis, length = next(iter(shape.items()), ("tensor", 1))
+        raise app.UsageError(f"--{flag}={hosts}: {field}={shape} has {size} devices, which do not split over "
+                             f"{hosts} processes; give the slice a multiple of {hosts} devices, e.g. "
+                             f"--config.{field}.{axis}={length * hosts}")
+    return hosts, size // hosts
+
+
+def launch(config, workdir: str, config_flags: list[str], *, trainer: tuple[int, int],
+           rollout: tuple[int, int]) -> dict:
+    """Starts every process, supervises them until the trainer ends, tears them down. `trainer` and
+    `rollout` are (hosts, devices per host) of the trainer slice and of each rollout slice."""
+    os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+    port = PORT.value or _free_port()
+    address = f"127.0.0.1:{port}"
+    common = [*config_flags, f"--workdir={workdir}"]
+    children: dict[str, subprocess.Popen] = {}
+    outcome = {"trainer_exit": None, "killed": None, "processes": 0}
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, workdir)
+        _spawn_slice(children, "trainer", "trainer_worker", [*common, f"--coordinator={address}"], trainer, workdir)
+        for sid in range(config.rollout.num_slices):
+            _spawn_slice(children, f"rollout_{sid}", "rollout_worker",
+                         [*common, f"--coordinator={address}", f"--slice_id={sid}"], rollout, workdir)
+        outcome["processes"] = len(children)
+        _print(f"started {len(children)} processes (coordinator at {address}); logs in {workdir}/logs")
+        _supervise(children, workdir, outcome, stop, config.num_steps)
+    finally:
+        _teardown(children)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stop["signal"] is not None:
+        _print(f"interrupted by signal {stop['signal']}; every process was stopped")
+    return outcome
+
+
+def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_steps: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_S.value
+    dispatch_t, reported, exits_seen = None, -1, set()
+    follower = _SliceLoad(os.path.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
+    while stop["signal"] is None:
+        if children["trainer"].poll() is not None:
+            outcome["trainer_exit"] = children["trainer"].returncode
+            if outcome["trainer_exit"] != 0:
+                _print(f"the trainer exited with {outcome['trainer_exit']}:\n" + _tail(workdir, "trainer"))
+            return
+        if children["coordinator"].poll() is not None:
+            _print(f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(workdir, "coordinator"))
+            return
+        for name, child in children.items():
+            if name.startswith("rollout") and child.poll() not in (None, 0) and name not in exits_seen:
+                exits_seen.add(name)
+                _print(f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
+                       + _tail(workdir, name, 5))
+        if KILL_SLICE.value >= 0 and outcome["killed"] is None:
+            holding = follower.poll()
+            if dispatch_t is None and follower.dispatched:
+                dispatch_t = time.monotonic()
+            if dispatch_t is not None and time.monotonic() - dispatch_t > KILL_AFTER_S.value and holding:
+                for victim in _slice_processes(children, f"rollout_{KILL_SLICE.value}"):
+                    os.killpg(victim.pid, signal.SIGKILL)
+                outcome["killed"] = (f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
+                                     f"the first dispatch, holding {holding} requests by the ledger)")
+                _print(f"killed {outcome['killed']}")
+        steps = _steps_done(workdir)
+        if steps != reported and steps % 5 == 0:
+            reported = steps
+            _print(f"trainer step {steps}/{num_steps}")
+        if time.monotonic() > deadline:
+            _print(f"giving up after {TIMEOUT_S.value:.0f}s")
+            return
+        time.sleep(0.5)
+
+
+def _spawn_slice(children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int],
+                 workdir: str) -> None:
+    """One slice: a single process `name`, or `hosts` processes (`name`, `name`_h1, ...) joined into
+    one JAX job through their own jax.distributed coordinator (on process 0's free port)."""
+    hosts, devices = hosts_devices
+    if hosts == 1:
+        children[name] = _spawn(name, module, args, devices, workdir)
+        return
+    jax_coordinator = f"127.0.0.1:{_free_port()}"
+    for host in range(hosts):
+        host_name = name if host == 0 else f"{name}_h{host}"
+        children[host_name] = _spawn(host_name, module, [*args, f"--num_hosts={hosts}", f"--host_id={host}",
+                                                         f"--jax_coordinator={jax_coordinator}"], devices, workdir)
+
+
+def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
+    return [child for n, child in children.items() if n == name or n.startswith(f"{name}_h")]
+
+
+def _spawn(name: str, module: str, args: list[str], devices: int, workdir: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"])
+    log = open(os.path.join(workdir, "logs", f"{name}.log"), "w")
+    return subprocess.Popen([sys.executable, "-m", f"dora_jax.{module}", *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the launcher dies, however it dies (Linux prctl PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _teardown(children: dict) -> None:
+    """The coordinator first (it tells the workers to stop), then whatever is left, group by group."""
+    order = ["coordinator"] + [n for n in children if n != "coordinator"]
+    for name in order:
+        child = children.get(name)
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGTERM)
+            if name == "coordinator":
+                _wait(child, 20)
+    for name in order:
+        child = children.get(name)
+        if child is None:
+            continue
+        if not _wait(child, 15):
+            _print(f"{name} ignored SIGTERM; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # its reward workers and anything else in its group
+        child.wait()
+
+
+def _wait(child: subprocess.Popen, seconds: float) -> bool:
+    try:
+        child.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _SliceLoad:
+    """Follows the ledger as it grows: how many requests one slice holds (dispatched or migrated
+    to it, not yet finished or moved off), so fault injection can kill it mid-rollout."""
+
+    def __init__(self, path: str, slice_id: int):
+        self._path, self._slice = path, slice_id
+        self._offset, self._held = 0, set()
+        self.dispatched = False
+
+    def poll(self) -> int:
+        with contextlib.suppress(OSError), open(self._path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offset += len(complete)
+            for line in complete.splitlines():
+                self._apply(json.loads(line))
+        return len(self._held)
+
+    def _apply(self, event: dict) -> None:
+        ev, traj = event["ev"], event.get("traj")
+        self.dispatched |= ev == "dispatch"
+        if (ev == "dispatch" and event["slice"] == self._slice) or (ev == "migrate" and event["to"] == self._slice):
+            self._held.add(traj)
+        elif ev in ("finish", "late_finish") or (ev == "migrate" and event["from"] == self._slice):
+            self._held.discard(traj)
+
+
+def _steps_done(workdir: str) -> int:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _tail(workdir: str, name: str, lines: int = 20) -> str:
+    path = os.path.join(workdir, "logs", f"{name}.log")
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def _print(message: str) -> None:
+    print(f"[launch_local] {message}", file=sys.stderr, flush=True)
+
+
+
+def run() -> None:
+    """The `python -m dora_jax.launch_local` entry point."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

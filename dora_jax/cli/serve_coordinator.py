@@ -1,0 +1,135 @@
+"""`python -m dora_jax.serve_coordinator --config=C --workdir=W --port=P [--config.x=y ...]`
+
+The coordinator role: the same `Coordinator` as the embedded run, its reward pool and ledger
+(W/ledger.jsonl, W/config.json), behind the gRPC service (dora_jax/transport). It waits until
+every rollout slice (`rollout.num_slices` of `python -m dora_jax.rollout_worker`) has joined and
+the trainer (`python -m dora_jax.trainer_worker`) has published its first version, then
+dispatches. It runs until SIGTERM/SIGINT (the launcher sends it when the trainer is done): then
+it tells the rollout workers to stop and exits. Uses no accelerator (JAX stays on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+from dora_jax import cli
+from dora_jax.cli import roles
+
+PORT = flags.DEFINE_integer("port", 50051, "port to serve on (all interfaces)")
+START_TIMEOUT_S = flags.DEFINE_float("start_timeout_s", 3600.0, "how long to wait for every role to join (the "
+                                     "trainer's SFT cold start and the first compiles happen meanwhile)")
+HEARTBEAT_TIMEOUT_S = flags.DEFINE_float("heartbeat_timeout_s", None, "a rollout worker silent this long is failed "
+                                         "(default: rollout.heartbeat_timeout_s of the config)")
+COMMAND_TIMEOUT_S = flags.DEFINE_float("command_timeout_s", 600.0, "a command unanswered this long fails its slice")
+
+
+def main(argv):
+    del argv
+    roles.quiet_library_logs()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never take an accelerator a worker on this host needs
+    cli.prepare_devices(cli.CONFIG.value)
+    workdir = roles.require(cli.WORKDIR, "workdir")
+    from dora_jax.runtime import run_config
+
+    config = run_config.parse(cli.CONFIG.value)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(roles.config_json(), f, indent=1, default=str)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sys.exit(serve(config, workdir, stop))
+
+
+def serve(config, workdir: str, stop: threading.Event) -> int:
+    import dora_jax
+    from dora_jax.coordinator.coordinator import Coordinator
+    from dora_jax.coordinator.ledger import Ledger
+    from dora_jax.tasks.reward_scorer import RewardPoolScorer
+    from dora_jax.runtime.build import make_tokenizer
+    from dora_jax.runtime.run_config import task_config
+    from dora_jax.tasks.task import make_task
+    from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
+
+    identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
+    heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
+    service = CoordinatorService(identity, Timing(heartbeat_timeout_s=heartbeat_timeout_s,
+                                                  command_timeout_s=COMMAND_TIMEOUT_S.value))
+    server, port = make_server(service, PORT.value)
+    _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
+    tokenizer = make_tokenizer(config)
+    task = make_task(task_config(config), tokenizer)
+    prompts: dict = {}
+
+    def next_prompt():
+        prompt = task.source.next()
+        prompts[prompt.prompt_id] = prompt
+        return prompt.prompt_id, prompt.prompt_ids
+
+    pool = task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
+    ledger = Ledger(os.path.join(workdir, "ledger.jsonl"))
+    coord, code = None, 0
+    try:
+        ports, version = _wait_ready(service, stop)
+        if ports is None:
+            return 0
+        coord = Coordinator(config.coordinator, ports, next_prompt, RewardPoolScorer(pool, prompts, tokenizer.decode),
+                            ledger, initial_version=version, on_slice_dropped=service.slice_dropped)
+        service.attach(coord, list(ports.values()))
+        _log(f"all roles joined; dispatching from version {version}")
+        coord.start()
+        while not stop.is_set():
+            coord.process(timeout=0.005)
+    except Exception as err:  # the run cannot go on: the trainer's next TakeBatch says so
+        _log(f"stopping: {type(err).__name__}: {err}")
+        code = 1
+    finally:
+        if coord is not None:
+            coord.closed = True
+            _log("stats " + json.dumps(_stats(coord, service)))
+        service.stop("the run is over")
+        time.sleep(0.5)  # let the Stop commands reach the workers
+        server.stop(grace=2).wait()
+        ledger.close()
+        pool.close()
+    return code
+
+
+def _wait_ready(service, stop: threading.Event):
+    deadline = time.monotonic() + START_TIMEOUT_S.value
+    while not stop.is_set():
+        try:
+            return service.wait_ready(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+    return None, None
+
+
+def _stats(coord, service) -> dict:
+    import dataclasses
+
+    stats = dataclasses.asdict(coord.stats)
+    stats["slice_failures_seen"] = [f"slice {s}: {r}" for s, r in service.failures if r != "stopped"]
+    return stats
+
+
+def _log(message: str) -> None:
+    print(f"[coordinator] {message}", file=sys.stderr, flush=True)
+
+
+
+def run() -> None:
+    """The `python -m dora_jax.serve_coordinator` entry point."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,232 @@
+"""`python -m dora_jax.trainer_worker --config=C --workdir=W --coordinator=HOST:PORT [--versions=DIR|gs://...]`
+
+The trainer role on its own devices (the trainer slice, `mesh.trainer`). It registers with the
+coordinator first (a wrong config or package version is refused before any work), builds the
+run's setup (the SFT cold start of a fresh model runs here, once, cached in W/sft), publishes
+version 0 to the ParamStore's tensorstore tier (W/versions unless --versions) and reports it;
+then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> publish ->
+ReportPublished, retiring the versions the coordinator no longer needs. Writes W/metrics.jsonl
+(and TensorBoard events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
+
+A trainer over H > 1 hosts (`--num_hosts`, see roles.py) is one multi-controller JAX job: host 0
+alone talks to the coordinator and sends every batch to the other hosts over a JAX collective;
+every host runs the same step and writes its shards of each published version; host 0 reports
+the publish, retires versions and writes the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+from dora_jax import cli
+from dora_jax.cli import roles
+
+POLL_S = flags.DEFINE_float("poll_s", 10.0, "long-poll window of one TakeBatch call")
+
+
+def main(argv):
+    del argv
+    roles.quiet_library_logs()
+    cli.prepare_devices(cli.CONFIG.value)
+    host_id = roles.initialize_distributed("trainer")
+    workdir = roles.require(cli.WORKDIR, "workdir")
+    from dora_jax.runtime import run_config
+
+    config = run_config.parse(cli.CONFIG.value)
+    if host_id > 0:
+        train(config, workdir, None)
+        return
+    address = roles.require(roles.COORDINATOR, "coordinator")
+    from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused, SessionLost
+
+    client = Client(address, roles.client_timing())
+    try:
+        train(config, workdir, client)
+    except (CoordinatorUnreachable, Refused, SessionLost, CallFailed) as err:
+        roles.fail(str(err))
+    finally:
+        client.close()
+
+
+def train(config, workdir: str, client) -> None:
+    """The training loop; `client` is None on hosts 1.. of a multi-host trainer, which take every
+    batch from host 0 (`_BatchSource`) and run the same step and publish."""
+    import jax
+
+    from dora_jax.parallel import sharding
+    from dora_jax.runtime import training_loop
+    from dora_jax.runtime.metrics import MetricsWriter
+    from dora_jax.trainer import Trainer
+    from dora_jax.transport import dora_pb2 as pb
+
+    leader = client is not None
+    channel = _host_channel() if jax.process_count() > 1 else None
+    if leader:
+        client.register(pb.TRAINER, roles.identity_hash(), host_id=0)
+        _log(f"registered with the coordinator at {client.address}; building the setup")
+    os.makedirs(workdir, exist_ok=True)
+    setup, store = _setup_and_store(config, workdir, channel)
+    try:
+        mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
+    except ValueError as err:
+        raise SystemExit(f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}") from None
+    trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
+    trainer.publish()
+    report = _reporter(client, store) if leader else (lambda version, digests=None: None)
+    report(trainer.version)
+    _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
+    source = _BatchSource(client, channel, report)
+    writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if leader else None
+    start = time.perf_counter()
+
+    def on_row(row: dict) -> None:
+        if leader:
+            _log(f"step {trainer.version}/{config.num_steps} reward {row['reward_mean']:.3f} "
+                 f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}")
+
+    try:
+        training_loop.train(trainer, source, num_steps=config.num_steps, pad_to=config.pad_to,
+                            pad_id=setup.tokenizer.pad_id, writer=writer, on_row=on_row, start=start)
+    except BaseException:
+        source.abort()
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+    print(json.dumps({"steps": config.num_steps, "version": trainer.version,
+                      "wall_s": round(time.perf_counter() - start, 2)}), flush=True)
+
+
+def _host_channel():
+    import jax
+
+    import dora_jax
+    from dora_jax.transport.host_mirror import HostChannel, check_same_slice
+
+    check_same_slice({"config_hash": roles.identity_hash(), "package_version": dora_jax.__version__,
+                      "role": "trainer", "num_hosts": jax.process_count()})
+    return HostChannel()
+
+
+def _setup_and_store(config, workdir: str, channel):
+    """The run's setup and the ParamStore, emptied of an earlier run's versions.
+
+    Several hosts: host 0 builds the setup first (the SFT cold start, if any, runs on its own
+    devices and is cached in WORKDIR/sft, which the trainer's hosts must share) and clears the
+    versions root; then the other hosts build theirs (reading that cache) and open the root.
+    """
+    import jax
+
+    from dora_jax.runtime.build import build_setup
+    from dora_jax.store import ParamStore, TensorStoreTier
+
+    # The SFT cold start carves its trainer mesh out of the embedded run's device split; this
+    # process holds only the trainer's devices, so the rollout slices may overlap them there
+    # (time_shared). On several hosts host 0 trains it alone, on its local devices (the first
+    # ones of jax.devices()), so that the others need not take part in it.
+    mesh = dataclasses.replace(config.mesh, time_shared=True)
+    if channel is not None:
+        mesh = dataclasses.replace(mesh, trainer=(("fsdp", jax.local_device_count()),))
+    sft_view = dataclasses.replace(config, mesh=mesh)
+    root = roles.versions_root(workdir)
+    if channel is None or channel.is_leader:
+        setup = build_setup(sft_view, workdir)
+        store = ParamStore(TensorStoreTier(root))
+        store.rollback_to(-1)  # versions of an earlier run in this root would clash with ours
+        if channel is not None:
+            channel.send(b"setup done")
+        return setup, store
+    channel.receive()
+    if _runs_cold_start(config) and not os.path.exists(os.path.join(workdir, "sft", "DONE")):
+        raise SystemExit(f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
+                         "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)")
+    return build_setup(sft_view, workdir), ParamStore(TensorStoreTier(root))
+
+
+def _runs_cold_start(config) -> bool:
+    """Whether build_setup trains (and caches) an SFT cold start, as dora_jax.runtime.build.cold_start decides."""
+    fresh = not (config.init.checkpoint or config.model.hf_path)
+    return fresh and config.init.sft_steps > 0 and config.task.kind == "running_sums"
+
+
+class _BatchSource:
+    """The trainer role's `training_loop.BatchSource`. Host 0 long-polls the coordinator and, on
+    several hosts, sends the reply to the others, so every host trains on the same batch (an
+    empty message: host 0 stopped); host 0 reports each publish."""
+
+    def __init__(self, client, channel, report):
+        self._client, self._channel, self._report = client, channel, report
+
+    def take(self, version: int):
+        from dora_jax.runtime import training_loop
+        from dora_jax.transport import codec
+        from dora_jax.transport import dora_pb2 as pb
+
+        if self._client is not None:
+            reply = _take_batch(self._client, version)
+            if self._channel is not None:
+                self._channel.send(reply.SerializeToString())
+        else:
+            payload = self._channel.receive()
+            if not payload:
+                raise SystemExit("host 0 of the trainer stopped; stopping too")
+            reply = pb.TakeBatchReply.FromString(payload)
+        return training_loop.TakenBatch([codec.group_from_proto(g) for g in reply.groups], json.loads(reply.stats_json))
+
+    def published(self, version: int, behaviour_digests) -> None:
+        self._report(version, behaviour_digests)
+
+    def counters(self) -> dict:
+        return {}  # the first row counts from zero: the coordinator's counters start with the run
+
+    def abort(self) -> None:
+        """Host 0 failed: releases the other hosts from their wait for the next batch."""
+        if self._client is not None and self._channel is not None:
+            with contextlib.suppress(Exception):
+                self._channel.send(b"")
+
+
+def _reporter(client, store):
+    """Host 0 reports each publish and retires the versions the coordinator no longer needs."""
+    from dora_jax.transport import dora_pb2 as pb
+
+    def report(version: int, behaviour_digests=None) -> None:
+        request = pb.PublishedRequest(session=client.session, version=version,
+                                      behaviour_digests=behaviour_digests or {})
+        reply = client.call("ReportPublished", lambda t: client.stub.ReportPublished(request, timeout=t))
+        store.retire_below(min(int(reply.oldest_needed), version))
+
+    return report
+
+
+def _take_batch(client, version: int):
+    """Long-polls until the coordinator hands over the batch for `version` (a TakeBatchReply)."""
+    from dora_jax.transport import dora_pb2 as pb
+
+    request = pb.TakeBatchRequest(session=client.session, trainer_version=version, wait_s=POLL_S.value)
+    while True:
+        reply = client.call("TakeBatch", lambda t: client.stub.TakeBatch(request, timeout=t),
+                            timeout_s=POLL_S.value + client.timing.call_timeout_s)
+        if reply.ready:
+            return reply
+
+
+def _log(message: str) -> None:
+    print(f"[trainer] {message}", file=sys.stderr, flush=True)
+
+
+
+def run() -> None:
+    """The `python -m dora_jax.trainer_worker` entry point."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,38 @@
+"""The version window (C3) as arithmetic, shared by the coordinator and everything that reasons
+about staleness: a sample dispatched at version v may be trained on by trainer versions
+v .. v + K, where K is the mode's bound."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dora_jax.core.modes import Mode, policy_for
+
+
+def staleness_bound(mode: Mode | str, k_max: int) -> int:
+    """K: the mode's promised bound (sync 0, one-step-off 1), else the configured `k_max`."""
+    promised = policy_for(mode).max_staleness
+    return k_max if promised is None else promised
+
+
+def takes_for_newest(k: int, taken_at: int, latest: int) -> int:
+    """How many trainer takes may still consume a sample of the newest version (trainer versions
+    latest .. latest + K): K + 1 until the trainer has taken at `latest`, K after. Everything
+    unconsumed is at most that new, so it must fit in these takes."""
+    return k + (taken_at < latest)
+
+
+def window_allows(rest_versions: Sequence[int], trainer_version: int, k_max: int, train_batch_size: int) -> bool:
+    """Whether the trainer may advance from t to t+1, leaving `rest_versions` unconsumed.
+
+    The window itself: nothing left below t+1-K. And, looking ahead, every later step can still
+    keep it: after m more steps (m * TBS samples, oldest first) nothing may remain below
+    t+1+m-K, so at most m * TBS of what is left may be older than that. Without the look-ahead
+    the trainer could take newer samples while old ones are still decoding, and be stuck later
+    with more old samples than one step can consume.
+    """
+    for m in range(k_max + 1):
+        floor = trainer_version + 1 + m - k_max
+        if sum(v < floor for v in rest_versions) > m * train_batch_size:
+            return False
+    return True

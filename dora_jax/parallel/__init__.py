@@ -1,0 +1,1 @@
+"""Device slices, meshes and the logical-axis sharding rules (`parallel.sharding`)."""

@@ -1,0 +1,87 @@
+"""The package's layering (docs/architecture.md, "Layout"): nothing imports upward, no import
+cycle between packages, at most six loose modules beside the thin `python -m` entry modules."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "dora_jax"
+
+# A package may import its own modules and those of lower layers, never a higher or equal one.
+LAYERS = {
+    "core": 0,
+    "coordinator": 1, "parallel": 1,
+    "models": 2, "store": 2, "tasks": 2, "sim": 2,
+    "rollout": 3, "trainer": 3,
+    "transport": 4,
+    "runtime": 5,
+    "cli": 6,  # the commands (and the role processes' mains); dora_jax/<name>.py hands over to them
+    "bench": 7,  # a command package too (`python -m dora_jax.bench`), on the shared flags of cli
+}
+ENTRY_MODULES = {"train", "sft", "generate", "audit", "chaos", "launch_local", "serve_coordinator",
+                 "trainer_worker", "rollout_worker"}
+JAX_FREE = {"core", "coordinator", "sim"}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / parts[1]).is_dir()) else "<top>"
+
+
+def _imports():
+    """(importing package, file, imported module) for every dora_jax import, lazy ones included."""
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        package = rel.parts[1] if len(rel.parts) > 2 else "<top>"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] if node.module != "dora_jax" else [f"dora_jax.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                yield package, path, name
+
+
+def test_nothing_imports_upward_or_sideways():
+    bad = []
+    for package, path, name in _imports():
+        if not name.startswith("dora_jax.") or package == "<top>":
+            continue
+        target = _package(name)
+        if target == package:
+            continue
+        if target == "<top>" or LAYERS[target] >= LAYERS[package]:
+            bad.append(f"{path.relative_to(ROOT.parent)} ({package}) imports {name} ({target})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_control_plane_and_the_simulator_never_import_jax():
+    bad = [f"{path.relative_to(ROOT.parent)} imports {name}" for package, path, name in _imports()
+           if package in JAX_FREE and name.split(".")[0] in ("jax", "flax", "optax", "orbax")]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_package_has_a_layer_and_the_top_level_is_entry_modules():
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(LAYERS)
+    loose = {p.stem for p in ROOT.glob("*.py")} - {"__init__"}
+    assert loose == ENTRY_MODULES  # every one of them a thin hand-over:
+    for name in loose:
+        body = [n for n in ast.parse((ROOT / f"{name}.py").read_text()).body if not isinstance(n, ast.Expr)]
+        assert len(body) <= 2, f"dora_jax/{name}.py is not a thin entry module"
+
+
+def test_every_command_keeps_its_module_name_and_has_a_short_name():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    targets = {}
+    for name, target in scripts.items():  # read, not imported: the commands' absl flags share one registry
+        module, _, attr = target.partition(":")
+        tree = ast.parse((ROOT.parent / (module.replace(".", "/") + ".py")).read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == attr for n in tree.body), target
+        targets[module.rsplit(".", 1)[1]] = name
+    assert set(targets) == ENTRY_MODULES
+    for name in ENTRY_MODULES:  # `python -m dora_jax.<name>` runs what the short name runs
+        assert f"from dora_jax.cli.{name} import run" in (ROOT / f"{name}.py").read_text()
