@@ -10,7 +10,7 @@
     python launch/tpu.py delete --config=configs/qwen2_5_7b_dapo.py
 
 `--dry-run` prints every command (gcloud, and the local packing step) instead of running it. The
-config is validated before any gcloud call (`launch.pod.from_config`, then `dora_jax.run_config.parse`
+config is validated before any gcloud call (`launch.pod.from_config`, then `dora_jax.runtime.run_config.parse`
 unless `--nocheck_run_config`); `--config.X=Y` overrides apply here and are forwarded to every role.
 Every command goes through one `Shell`, which either prints or runs it.
 """
@@ -157,7 +157,7 @@ def _main(argv, flags_) -> None:
     try:
         pod = pod_lib.from_config(config, workdir=flags_.workdir.value or "")
         if flags_.check_run_config.value and action in ("create", "setup", "run"):
-            from dora_jax import run_config  # validates everything the roles will read, before paying for TPUs
+            from dora_jax.runtime import run_config  # validates everything the roles will read, before paying for TPUs
 
             run_config.parse(config)
         check_placeholders(config, action, shell)
@@ -180,7 +180,7 @@ class _Flags:
         self.workdir = flags.DEFINE_string("workdir", None, "run directory on the pod; default: pod.workdir")
         self.dry_run = flags.DEFINE_bool("dry_run", False, "print the commands instead of running them")
         self.check_run_config = flags.DEFINE_bool("check_run_config", True,
-                                                  "validate with dora_jax.run_config.parse before create/setup/run")
+                                                  "validate with dora_jax.runtime.run_config.parse before create/setup/run")
         self.coordinator_ip = flags.DEFINE_string("coordinator_ip", None,
                                                   "run: skip looking up the trainer's worker-0 IP")
         self.lines = flags.DEFINE_integer("lines", 50, "logs: lines per log file")
