@@ -34,17 +34,25 @@ def get_config(arg=None):
         c.rollout.max_new_tokens = 300
         c.coordinator.group_size = 4
         c.coordinator.train_batch_size = 32
-        c.coordinator.rollout_batch_size = 96  # decoding at once; the version window (<= (K + 1) x TBS unconsumed) binds first
+        c.coordinator.rollout_batch_size = (
+            96  # decoding at once; the version window (<= (K + 1) x TBS unconsumed) binds first
+        )
         c.coordinator.k_max = 3
         c.trainer.micro_batch_size = 8
         c.trainer.pad_to = 320  # the batch-wide shape when length_bucket = 0 (prompt <= 18 + response <= 300)
         c.trainer.length_bucket = 16  # each micro-batch padded to its own 16 * 2^k: short rows cost short forwards
-        c.trainer.micro_batch_tokens = 1024  # long rows 2 to a micro-batch, short ones up to 32 (fewer padded positions)
+        c.trainer.micro_batch_tokens = (
+            1024  # long rows 2 to a micro-batch, short ones up to 32 (fewer padded positions)
+        )
         # One fake device for the trainer: fake devices share the same 2 cores, so fsdp=2 adds collectives
         # (~16 ms per micro-batch gradient here) and no compute.
         c.mesh.trainer = {"fsdp": 1}
         c.log.tensorboard = False
-        c.bench = {"median_len": 24.0, "sigma": 1.1, "max_len": 300,  # forced response lengths (tokens)
-                   "rounds": 3}  # every mode 3 times, interleaved; results.json reports medians (a shared, noisy machine)
+        c.bench = {
+            "median_len": 24.0,
+            "sigma": 1.1,
+            "max_len": 300,  # forced response lengths (tokens)
+            "rounds": 3,
+        }  # every mode 3 times, interleaved; results.json reports medians (a shared, noisy machine)
     c.lock()
     return c

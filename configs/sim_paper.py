@@ -96,13 +96,15 @@ def get_config() -> ml_collections.ConfigDict:
         rollout_only_share=dict(sync=0.65, one_step_off=0.33, partial_rollout=0.46, dora=0.12),
         step_time_min=dict(sync=22.91, one_step_off=22.94, partial_rollout=17.38, dora=14.67),
         tokens_per_s=dict(sync=14143, one_step_off=14141, partial_rollout=19872, dora=23327),
-        rollout_speedup_vs_sync=8.2, dora_vs_sync=1.65,
+        rollout_speedup_vs_sync=8.2,
+        dora_vs_sync=1.65,
     )
     c.paper.gpus_128 = dict(
         rollout_only_share=dict(sync=0.73, one_step_off=None, partial_rollout=None, dora=0.24),
         step_time_min=dict(sync=20.23, one_step_off=None, partial_rollout=13.95, dora=10.46),
         tokens_per_s=dict(sync=16070, one_step_off=None, partial_rollout=None, dora=34135),
-        rollout_speedup_vs_sync=5.9, dora_vs_sync=2.12,
+        rollout_speedup_vs_sync=5.9,
+        dora_vs_sync=2.12,
     )
     c.paper.dora_vs_best_other_async = (1.11, 1.47)
 

@@ -24,7 +24,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
     c = ml_collections.ConfigDict()
     c.mode = "dora"  # sync | one_step_off | partial_rollout | dora
-    c.num_steps = ml_collections.FieldReference(250)  # training steps (= versions published); about 1 s each on 2 CPU cores
+    c.num_steps = ml_collections.FieldReference(
+        250
+    )  # training steps (= versions published); about 1 s each on 2 CPU cores
     c.seed = 0  # model init, prompt order, sampling seeds
 
     c.model = ml_collections.ConfigDict()

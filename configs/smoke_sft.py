@@ -1,7 +1,7 @@
 """The smoke run's supervised cold start (same model, task and meshes as configs/smoke.py).
 
-    python -m dora_jax.sft --config=configs/smoke_sft.py --workdir=/tmp/dora_sft
-    python -m dora_jax.train --config=configs/smoke.py --workdir=/tmp/dora_rl --config.init.checkpoint=/tmp/dora_sft/sft
+python -m dora_jax.sft --config=configs/smoke_sft.py --workdir=/tmp/dora_sft
+python -m dora_jax.train --config=configs/smoke.py --workdir=/tmp/dora_rl --config.init.checkpoint=/tmp/dora_sft/sft
 """
 
 import importlib.util

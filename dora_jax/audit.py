@@ -1,4 +1,7 @@
-"""`python -m dora_jax.audit`: check a run's ledger against C1-C3 and exactly once. The command lives in dora_jax/cli/audit.py."""
+"""`python -m dora_jax.audit`: check a run's ledger against C1-C3 and exactly once.
+
+The command lives in dora_jax/cli/audit.py.
+"""
 
 from dora_jax.cli.audit import run
 

@@ -1,4 +1,7 @@
-"""`python -m dora_jax.chaos`: kill and restart a run at random points, then audit it. The command lives in dora_jax/cli/chaos.py."""
+"""`python -m dora_jax.chaos`: kill and restart a run at random points, then audit it.
+
+The command lives in dora_jax/cli/chaos.py.
+"""
 
 from dora_jax.cli.chaos import run
 

@@ -1,4 +1,7 @@
-"""`python -m dora_jax.rollout_worker`: a rollout slice role process. The command lives in dora_jax/cli/rollout_worker.py."""
+"""`python -m dora_jax.rollout_worker`: a rollout slice role process.
+
+The command lives in dora_jax/cli/rollout_worker.py.
+"""
 
 from dora_jax.cli.rollout_worker import run
 

@@ -1,4 +1,7 @@
-"""`python -m dora_jax.serve_coordinator`: the coordinator role process (gRPC service). The command lives in dora_jax/cli/serve_coordinator.py."""
+"""`python -m dora_jax.serve_coordinator`: the coordinator role process (gRPC service).
+
+The command lives in dora_jax/cli/serve_coordinator.py.
+"""
 
 from dora_jax.cli.serve_coordinator import run
 

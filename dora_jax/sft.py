@@ -1,4 +1,7 @@
-"""`python -m dora_jax.sft`: the supervised cold start alone, cached in WORKDIR/sft. The command lives in dora_jax/cli/sft.py."""
+"""`python -m dora_jax.sft`: the supervised cold start alone, cached in WORKDIR/sft.
+
+The command lives in dora_jax/cli/sft.py.
+"""
 
 from dora_jax.cli.sft import run
 

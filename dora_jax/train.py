@@ -1,4 +1,7 @@
-"""`python -m dora_jax.train`: the embedded run: every role in one process (configs/smoke.py is the smoke job). The command lives in dora_jax/cli/train.py."""
+"""`python -m dora_jax.train`: the embedded run: every role in one process (configs/smoke.py is the smoke job).
+
+The command lives in dora_jax/cli/train.py.
+"""
 
 from dora_jax.cli.train import run
 

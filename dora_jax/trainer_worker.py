@@ -1,4 +1,7 @@
-"""`python -m dora_jax.trainer_worker`: the trainer role process. The command lives in dora_jax/cli/trainer_worker.py."""
+"""`python -m dora_jax.trainer_worker`: the trainer role process.
+
+The command lives in dora_jax/cli/trainer_worker.py.
+"""
 
 from dora_jax.cli.trainer_worker import run
 

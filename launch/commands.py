@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from launch.pod import Layout, Node, Pod, Provisioning, Role
 
@@ -40,16 +40,30 @@ def gcloud(pod: Pod, *args: str) -> list[str]:
 
 
 def _provisioning_flags(pod: Pod) -> list[str]:
-    flags = {Provisioning.ON_DEMAND: [], Provisioning.SPOT: ["--spot"], Provisioning.PREEMPTIBLE: ["--preemptible"],
-             Provisioning.RESERVED: ["--reserved"]}
+    flags = {
+        Provisioning.ON_DEMAND: [],
+        Provisioning.SPOT: ["--spot"],
+        Provisioning.PREEMPTIBLE: ["--preemptible"],
+        Provisioning.RESERVED: ["--reserved"],
+    }
     return flags[pod.provisioning]
 
 
 def create(pod: Pod) -> list[list[str]]:
     """One `queued-resources create` per request, or one `tpu-vm create` per node."""
     if not pod.queued:
-        return [gcloud(pod, "tpu-vm", "create", node.name, f"--accelerator-type={node.tpu.name}",
-                       f"--version={node.runtime_version}") + _provisioning_flags(pod) for node in pod.nodes]
+        return [
+            gcloud(
+                pod,
+                "tpu-vm",
+                "create",
+                node.name,
+                f"--accelerator-type={node.tpu.name}",
+                f"--version={node.runtime_version}",
+            )
+            + _provisioning_flags(pod)
+            for node in pod.nodes
+        ]
     commands = []
     for request in pod.requests:
         first = request.nodes[0]
@@ -57,8 +71,18 @@ def create(pod: Pod) -> list[list[str]]:
             nodes = [f"--node-count={len(request.nodes)}", f"--node-prefix={request.name}"]
         else:
             nodes = [f"--node-id={first.name}"]
-        commands.append(gcloud(pod, "queued-resources", "create", request.name, f"--accelerator-type={first.tpu.name}",
-                               f"--runtime-version={first.runtime_version}", *nodes) + _provisioning_flags(pod))
+        commands.append(
+            gcloud(
+                pod,
+                "queued-resources",
+                "create",
+                request.name,
+                f"--accelerator-type={first.tpu.name}",
+                f"--runtime-version={first.runtime_version}",
+                *nodes,
+            )
+            + _provisioning_flags(pod)
+        )
     return commands
 
 
@@ -87,7 +111,7 @@ def setup(pod: Pod, archive: str) -> list[list[str]]:
     return commands
 
 
-def ssh(pod: Pod, node: Node, worker: str, command: Optional[str] = None) -> list[str]:
+def ssh(pod: Pod, node: Node, worker: str, command: str | None = None) -> list[str]:
     argv = gcloud(pod, "tpu-vm", "ssh", node.name, f"--worker={worker}")
     return argv + ([f"--command={command}"] if command is not None else [])
 
@@ -117,7 +141,9 @@ def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_
         return (pod.python, "-m", ROLE_MODULES[role], *common, *extra, *overrides)
 
     if pod.layout is Layout.SINGLE_HOST:
-        return [Process(pod.trainer, "all", Role.EMBEDDED, "embedded", (("DORA_ROLE", "embedded"),), argv(Role.EMBEDDED))]
+        return [
+            Process(pod.trainer, "all", Role.EMBEDDED, "embedded", (("DORA_ROLE", "embedded"),), argv(Role.EMBEDDED))
+        ]
     address = f"{coordinator_host}:{pod.port}"
     extra_env = SINGLE_SLICE_ENV if pod.layout is Layout.MULTISLICE else ()
 
@@ -125,16 +151,34 @@ def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_
         return (("DORA_ROLE", role.value), ("DORA_COORDINATOR", address), *more, *extra_env)
 
     result = [
-        Process(pod.trainer, "0", Role.COORDINATOR, "coordinator", env(Role.COORDINATOR),
-                argv(Role.COORDINATOR, f"--port={pod.port}")),
-        Process(pod.trainer, "all", Role.TRAINER, "trainer", env(Role.TRAINER),
-                argv(Role.TRAINER, f"--coordinator={address}", *_hosts(pod.trainer))),
+        Process(
+            pod.trainer,
+            "0",
+            Role.COORDINATOR,
+            "coordinator",
+            env(Role.COORDINATOR),
+            argv(Role.COORDINATOR, f"--port={pod.port}"),
+        ),
+        Process(
+            pod.trainer,
+            "all",
+            Role.TRAINER,
+            "trainer",
+            env(Role.TRAINER),
+            argv(Role.TRAINER, f"--coordinator={address}", *_hosts(pod.trainer)),
+        ),
     ]
     for node in pod.rollout_nodes:
-        result.append(Process(node, "all", Role.ROLLOUT, f"rollout-{node.slice_id}",
-                              env(Role.ROLLOUT, ("DORA_SLICE_ID", str(node.slice_id))),
-                              argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}",
-                                   *_hosts(node))))
+        result.append(
+            Process(
+                node,
+                "all",
+                Role.ROLLOUT,
+                f"rollout-{node.slice_id}",
+                env(Role.ROLLOUT, ("DORA_SLICE_ID", str(node.slice_id))),
+                argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}", *_hosts(node)),
+            )
+        )
     return result
 
 
@@ -149,21 +193,25 @@ def start_script(process: Process) -> str:
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in process.env)
     log, pid = f"{LOG_DIR}/{process.name}.log", f"{LOG_DIR}/{process.name}.pid"
     command = shlex.join(process.argv)
-    return (f"cd {SRC_DIR} && mkdir -p {LOG_DIR} && "
-            f"{{ {env} setsid nohup {command} > {log} 2>&1 < /dev/null & echo $! > {pid}; }}")
+    return (
+        f"cd {SRC_DIR} && mkdir -p {LOG_DIR} && "
+        f"{{ {env} setsid nohup {command} > {log} 2>&1 < /dev/null & echo $! > {pid}; }}"
+    )
 
 
 def run(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_host: str) -> list[list[str]]:
-    return [ssh(pod, p.node, p.worker, start_script(p)) for p in processes(pod, config_path, overrides, coordinator_host)]
+    return [
+        ssh(pod, p.node, p.worker, start_script(p)) for p in processes(pod, config_path, overrides, coordinator_host)
+    ]
 
 
 def logs(pod: Pod, lines: int) -> list[list[str]]:
-    script = (f'for f in {LOG_DIR}/*.log; do echo "== $(hostname) $f"; tail -n {int(lines)} "$f"; done')
+    script = f'for f in {LOG_DIR}/*.log; do echo "== $(hostname) $f"; tail -n {int(lines)} "$f"; done'
     return [ssh(pod, node, "all", script) for node in pod.nodes]
 
 
 def stop(pod: Pod) -> list[list[str]]:
-    script = (f'for f in {LOG_DIR}/*.pid; do [ -e "$f" ] && kill -- -"$(cat "$f")" 2>/dev/null; rm -f "$f"; done; true')
+    script = f'for f in {LOG_DIR}/*.pid; do [ -e "$f" ] && kill -- -"$(cat "$f")" 2>/dev/null; rm -f "$f"; done; true'
     return [ssh(pod, node, "all", script) for node in pod.nodes]
 
 
@@ -176,6 +224,8 @@ def status(pod: Pod) -> list[list[str]]:
 def delete(pod: Pod) -> list[list[str]]:
     """Queued resources with --force (their nodes go too), else the TPU VMs; asynchronously."""
     if pod.queued:
-        return [gcloud(pod, "queued-resources", "delete", request.name, "--force", "--quiet", "--async")
-                for request in pod.requests]
+        return [
+            gcloud(pod, "queued-resources", "delete", request.name, "--force", "--quiet", "--async")
+            for request in pod.requests
+        ]
     return [gcloud(pod, "tpu-vm", "delete", node.name, "--quiet", "--async") for node in pod.nodes]

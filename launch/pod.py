@@ -21,7 +21,7 @@ import dataclasses
 import enum
 import math
 import re
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import ml_collections
 
@@ -56,7 +56,7 @@ class Node:
     name: str
     tpu: TpuType
     role: Role  # EMBEDDED, TRAINER or ROLLOUT
-    slice_id: Optional[int]  # rollout slice index (ROLLOUT nodes only)
+    slice_id: int | None  # rollout slice index (ROLLOUT nodes only)
     runtime_version: str
 
 
@@ -107,8 +107,22 @@ class Pod:
 
 # TPU node and queued-resource ids: lower-case letters, digits and hyphens, starting with a letter.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$")
-POD_FIELDS = ("name", "project", "zone", "layout", "trainer_type", "rollout_type", "runtime_version", "provisioning",
-              "queued", "workdir", "port", "python", "jax_tpu", "stage_model_from")
+POD_FIELDS = (
+    "name",
+    "project",
+    "zone",
+    "layout",
+    "trainer_type",
+    "rollout_type",
+    "runtime_version",
+    "provisioning",
+    "queued",
+    "workdir",
+    "port",
+    "python",
+    "jax_tpu",
+    "stage_model_from",
+)
 PLACEHOLDER = "YOUR_"  # configs mark values the user must set with this, e.g. gs://YOUR_BUCKET/...
 
 
@@ -130,11 +144,15 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
     p = c.pod
     missing = [f for f in POD_FIELDS if f not in p]
     if missing:
-        raise ValueError(f"the pod section lacks {', '.join('pod.' + f for f in missing)}; a pod section has "
-                         f"{', '.join(POD_FIELDS)} (see configs/qwen2_5_7b_dapo.py)")
+        raise ValueError(
+            f"the pod section lacks {', '.join('pod.' + f for f in missing)}; a pod section has "
+            f"{', '.join(POD_FIELDS)} (see configs/qwen2_5_7b_dapo.py)"
+        )
     if not _NAME.match(p.name):
-        raise ValueError(f"pod.name={p.name!r}; expected lower-case letters, digits and hyphens, starting with a "
-                         "letter, at most 42 characters")
+        raise ValueError(
+            f"pod.name={p.name!r}; expected lower-case letters, digits and hyphens, starting with a "
+            "letter, at most 42 characters"
+        )
     if not p.project:
         raise ValueError("pod.project is empty; set the GCP project id")
     layout = _enum(Layout, p.layout, "pod.layout")
@@ -172,29 +190,48 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
     if not workdir:
         raise ValueError("pod.workdir is empty; set it (a gs:// path for multi-node layouts) or pass --workdir")
     if layout is not Layout.SINGLE_HOST and not workdir.startswith("gs://"):
-        raise ValueError(f"pod.workdir={workdir!r}: pod.layout={layout.value!r} runs on several nodes, which share "
-                         "the workdir and the param versions; expected a gs:// path")
+        raise ValueError(
+            f"pod.workdir={workdir!r}: pod.layout={layout.value!r} runs on several nodes, which share "
+            "the workdir and the param versions; expected a gs:// path"
+        )
     stage = str(p.stage_model_from)
     if stage and not stage.startswith("gs://"):
         raise ValueError(f"pod.stage_model_from={stage!r}; expected '' or a gs:// directory")
     if stage and not c.model.hf_path:
-        raise ValueError("pod.stage_model_from is set but model.hf_path is empty; set model.hf_path to where the "
-                         "checkpoint should land on every worker")
+        raise ValueError(
+            "pod.stage_model_from is set but model.hf_path is empty; set model.hf_path to where the "
+            "checkpoint should land on every worker"
+        )
     return Pod(
-        name=p.name, project=p.project, zone=p.zone, layout=layout, provisioning=provisioning, queued=queued,
-        nodes=nodes, requests=requests, workdir=workdir, port=int(p.port), python=p.python, jax_tpu=p.jax_tpu,
-        stage_model_from=stage, model_path=str(c.model.hf_path),
+        name=p.name,
+        project=p.project,
+        zone=p.zone,
+        layout=layout,
+        provisioning=provisioning,
+        queued=queued,
+        nodes=nodes,
+        requests=requests,
+        workdir=workdir,
+        port=int(p.port),
+        python=p.python,
+        jax_tpu=p.jax_tpu,
+        stage_model_from=stage,
+        model_path=str(c.model.hf_path),
     )
 
 
 def _single_host(c, p, tpu: TpuType, runtime_version: str) -> tuple[Node, ...]:
     if tpu.hosts != 1:
-        raise ValueError(f"pod.layout='single_host' needs a one-host accelerator but pod.trainer_type={tpu.name!r} "
-                         f"has {tpu.hosts} hosts; use pod.layout='slices' or a type of <= "
-                         f"{tpu.chips_per_host if tpu.hosts > 1 else tpu.chips} chips")
+        raise ValueError(
+            f"pod.layout='single_host' needs a one-host accelerator but pod.trainer_type={tpu.name!r} "
+            f"has {tpu.hosts} hosts; use pod.layout='slices' or a type of <= "
+            f"{tpu.chips_per_host if tpu.hosts > 1 else tpu.chips} chips"
+        )
     if p.rollout_type:
-        raise ValueError(f"pod.rollout_type={p.rollout_type!r} but pod.layout='single_host' has no rollout nodes "
-                         "(the host's chips are split by mesh.*); set it to ''")
+        raise ValueError(
+            f"pod.rollout_type={p.rollout_type!r} but pod.layout='single_host' has no rollout nodes "
+            "(the host's chips are split by mesh.*); set it to ''"
+        )
     trainer, rollout = _mesh_chips(c.mesh.trainer), _mesh_chips(c.mesh.rollout)
     needed = trainer + int(c.rollout.num_slices) * rollout
     if needed > tpu.chips and not c.mesh.time_shared:
@@ -210,8 +247,10 @@ def _slices(c, p, layout: Layout, trainer_type: TpuType, num_slices: int, queued
         if not queued:
             raise ValueError("pod.layout='multislice' is one queued resource with --node-count; set pod.queued=True")
         if p.rollout_type and p.rollout_type != p.trainer_type:
-            raise ValueError(f"pod.rollout_type={p.rollout_type!r}: pod.layout='multislice' slices are identical, "
-                             f"so it must be '' or pod.trainer_type={p.trainer_type!r} (or use pod.layout='slices')")
+            raise ValueError(
+                f"pod.rollout_type={p.rollout_type!r}: pod.layout='multislice' slices are identical, "
+                f"so it must be '' or pod.trainer_type={p.trainer_type!r} (or use pod.layout='slices')"
+            )
         rollout_type = trainer_type
     else:
         if not p.rollout_type:
@@ -220,15 +259,21 @@ def _slices(c, p, layout: Layout, trainer_type: TpuType, num_slices: int, queued
         tpu_types.check_zone(rollout_type, p.zone, "pod.rollout_type", "pod.zone")
     trainer_chips, rollout_chips = _mesh_chips(c.mesh.trainer), _mesh_chips(c.mesh.rollout)
     if trainer_chips != trainer_type.chips:
-        raise ValueError(f"mesh.trainer={dict(c.mesh.trainer)} spans {trainer_chips} chips but pod.trainer_type="
-                         f"{trainer_type.name!r} has {trainer_type.chips}; the trainer mesh must cover its slice")
+        raise ValueError(
+            f"mesh.trainer={dict(c.mesh.trainer)} spans {trainer_chips} chips but pod.trainer_type="
+            f"{trainer_type.name!r} has {trainer_type.chips}; the trainer mesh must cover its slice"
+        )
     rollout_field = "pod.trainer_type" if layout is Layout.MULTISLICE else "pod.rollout_type"
     if rollout_chips != rollout_type.chips:
-        raise ValueError(f"mesh.rollout={dict(c.mesh.rollout)} spans {rollout_chips} chips but {rollout_field}="
-                         f"{rollout_type.name!r} has {rollout_type.chips}; each rollout mesh must cover its slice")
+        raise ValueError(
+            f"mesh.rollout={dict(c.mesh.rollout)} spans {rollout_chips} chips but {rollout_field}="
+            f"{rollout_type.name!r} has {rollout_type.chips}; each rollout mesh must cover its slice"
+        )
     if c.mesh.time_shared:
-        raise ValueError("mesh.time_shared=True shares one host's devices; it has no meaning for "
-                         f"pod.layout={layout.value!r}: set it to False")
+        raise ValueError(
+            "mesh.time_shared=True shares one host's devices; it has no meaning for "
+            f"pod.layout={layout.value!r}: set it to False"
+        )
     if layout is Layout.MULTISLICE:
         names = [f"{p.name}-{i}" for i in range(1 + num_slices)]
     else:
@@ -237,8 +282,9 @@ def _slices(c, p, layout: Layout, trainer_type: TpuType, num_slices: int, queued
         if not _NAME.match(name):
             raise ValueError(f"pod.name={p.name!r} makes node name {name!r} too long; shorten pod.name")
     trainer = Node(names[0], trainer_type, Role.TRAINER, None, runtime(trainer_type))
-    rollouts = tuple(Node(names[1 + i], rollout_type, Role.ROLLOUT, i, runtime(rollout_type))
-                     for i in range(num_slices))
+    rollouts = tuple(
+        Node(names[1 + i], rollout_type, Role.ROLLOUT, i, runtime(rollout_type)) for i in range(num_slices)
+    )
     return (trainer,) + rollouts
 
 

@@ -22,13 +22,15 @@ import shlex
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence, TextIO
+from typing import TextIO
 
 if __package__ in (None, ""):  # run as `python launch/tpu.py`: make the `launch` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launch import commands, pod as pod_lib  # noqa: E402
+from launch import commands  # noqa: E402
+from launch import pod as pod_lib
 from launch.pod import Pod  # noqa: E402
 
 ACTIONS = ("create", "setup", "run", "logs", "ssh", "stop", "status", "delete")
@@ -66,8 +68,12 @@ class Shell:
 
 def source_files(root: Path) -> list[str]:
     """The tree as git sees it: tracked and untracked-but-not-ignored files (uncommitted edits too)."""
-    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            check=True, capture_output=True, text=True).stdout
+    listed = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return sorted(f for f in listed.split("\0") if f and (root / f).is_file())
 
 
@@ -89,13 +95,26 @@ def remote_config_path(config_path: str, root: Path = REPO_ROOT) -> str:
     try:
         return path.relative_to(root).as_posix()
     except ValueError:
-        raise ValueError(f"--config={config_path} is outside the source tree {root}; the pod gets a copy of the "
-                         "tree, so put the config under configs/") from None
+        raise ValueError(
+            f"--config={config_path} is outside the source tree {root}; the pod gets a copy of the "
+            "tree, so put the config under configs/"
+        ) from None
 
 
-def execute(action: str, pod: Pod, shell: Shell, *, config_path: str = "", overrides: Sequence[str] = (),
-            coordinator_ip: Optional[str] = None, lines: int = 50, node: Optional[str] = None, worker: str = "0",
-            command: Optional[str] = None, archive: Optional[str] = None) -> None:
+def execute(
+    action: str,
+    pod: Pod,
+    shell: Shell,
+    *,
+    config_path: str = "",
+    overrides: Sequence[str] = (),
+    coordinator_ip: str | None = None,
+    lines: int = 50,
+    node: str | None = None,
+    worker: str = "0",
+    command: str | None = None,
+    archive: str | None = None,
+) -> None:
     """Runs (or prints) the commands of one action."""
     if action == "create":
         for argv in commands.create(pod):
@@ -163,9 +182,18 @@ def _main(argv, flags_) -> None:
         check_placeholders(config, action, shell)
     except ValueError as error:
         raise SystemExit(f"launch/tpu.py: config error: {error}") from None
-    execute(action, pod, shell, config_path=flags_.config_path(), overrides=config_overrides(sys.argv),
-            coordinator_ip=flags_.coordinator_ip.value, lines=flags_.lines.value, node=flags_.node.value,
-            worker=flags_.worker.value, command=flags_.command.value)
+    execute(
+        action,
+        pod,
+        shell,
+        config_path=flags_.config_path(),
+        overrides=config_overrides(sys.argv),
+        coordinator_ip=flags_.coordinator_ip.value,
+        lines=flags_.lines.value,
+        node=flags_.node.value,
+        worker=flags_.worker.value,
+        command=flags_.command.value,
+    )
 
 
 class _Flags:
@@ -175,14 +203,17 @@ class _Flags:
         from absl import flags
         from ml_collections import config_flags
 
-        self.config = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)",
-                                                      lock_config=True)
+        self.config = config_flags.DEFINE_config_file(
+            "config", None, "experiment config file (configs/*.py)", lock_config=True
+        )
         self.workdir = flags.DEFINE_string("workdir", None, "run directory on the pod; default: pod.workdir")
         self.dry_run = flags.DEFINE_bool("dry_run", False, "print the commands instead of running them")
-        self.check_run_config = flags.DEFINE_bool("check_run_config", True,
-                                                  "validate with dora_jax.runtime.run_config.parse before create/setup/run")
-        self.coordinator_ip = flags.DEFINE_string("coordinator_ip", None,
-                                                  "run: skip looking up the trainer's worker-0 IP")
+        self.check_run_config = flags.DEFINE_bool(
+            "check_run_config", True, "validate with dora_jax.runtime.run_config.parse before create/setup/run"
+        )
+        self.coordinator_ip = flags.DEFINE_string(
+            "coordinator_ip", None, "run: skip looking up the trainer's worker-0 IP"
+        )
         self.lines = flags.DEFINE_integer("lines", 50, "logs: lines per log file")
         self.node = flags.DEFINE_string("node", None, "ssh: node name; default: the trainer (or single host)")
         self.worker = flags.DEFINE_string("worker", "0", "ssh: worker index or 'all'")

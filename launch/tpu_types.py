@@ -28,17 +28,44 @@ class Generation:
 
 
 GENERATIONS: tuple[Generation, ...] = (
-    Generation("v4", (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), 2, 4, 4,
-               "tpu-ubuntu2204-base", ("us-central2-b",)),
-    Generation("v5litepod", (1, 4, 8, 16, 32, 64, 128, 256), 1, 4, 8,
-               "v2-alpha-tpuv5-lite",
-               ("us-central1-a", "us-south1-a", "us-west1-c", "us-west4-a", "europe-west4-b", "asia-southeast1-b")),
-    Generation("v5p", (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), 2, 4, 4,
-               "v2-alpha-tpuv5", ("us-central1-a", "us-east5-a", "europe-west4-b")),
-    Generation("v6e", (1, 4, 8, 16, 32, 64, 128, 256), 1, 4, 8,
-               "v2-alpha-tpuv6e",
-               ("us-central1-b", "us-east1-d", "us-east5-a", "us-east5-b", "europe-west4-a", "asia-northeast1-b",
-                "southamerica-east1-c")),
+    Generation(
+        "v4", (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), 2, 4, 4, "tpu-ubuntu2204-base", ("us-central2-b",)
+    ),
+    Generation(
+        "v5litepod",
+        (1, 4, 8, 16, 32, 64, 128, 256),
+        1,
+        4,
+        8,
+        "v2-alpha-tpuv5-lite",
+        ("us-central1-a", "us-south1-a", "us-west1-c", "us-west4-a", "europe-west4-b", "asia-southeast1-b"),
+    ),
+    Generation(
+        "v5p",
+        (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+        2,
+        4,
+        4,
+        "v2-alpha-tpuv5",
+        ("us-central1-a", "us-east5-a", "europe-west4-b"),
+    ),
+    Generation(
+        "v6e",
+        (1, 4, 8, 16, 32, 64, 128, 256),
+        1,
+        4,
+        8,
+        "v2-alpha-tpuv6e",
+        (
+            "us-central1-b",
+            "us-east1-d",
+            "us-east5-a",
+            "us-east5-b",
+            "europe-west4-a",
+            "asia-northeast1-b",
+            "southamerica-east1-c",
+        ),
+    ),
 )
 
 # Names people write that gcloud does not accept, and what gcloud calls them.

@@ -7,9 +7,7 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A cache made here is this session's alone: remove it at exit so repeated runs do not fill /tmp.

@@ -4,8 +4,16 @@ ratios and the bound (the runs themselves are what `python -m dora_jax.bench mod
 import numpy as np
 import pytest
 
-from dora_jax.bench.modes import (LengthDistribution, bound, busy_union, median_of_rounds, overlap, ratios,
-                                  straggler_latency, take_profile)
+from dora_jax.bench.modes import (
+    LengthDistribution,
+    bound,
+    busy_union,
+    median_of_rounds,
+    overlap,
+    ratios,
+    straggler_latency,
+    take_profile,
+)
 
 
 def test_forced_lengths_are_keyed_by_prompt_and_sample_and_follow_the_log_normal():
@@ -42,8 +50,13 @@ def test_ratios_and_the_bound_time_each_role_alone():
     modes = {
         "sync": {"tokens_per_s": 100.0, "rollout_only_s_per_step": 2.0, "train_tokens": 400, "train_busy_s": 0.5},
         "one_step_off": {"tokens_per_s": 150.0, "rollout_only_s_per_step": 1.0},
-        "dora": {"tokens_per_s": 250.0, "rollout_only_s_per_step": 0.5, "generated_tokens": 1000,
-                 "train_tokens": 500, "train_busy_s": 1.0},
+        "dora": {
+            "tokens_per_s": 250.0,
+            "rollout_only_s_per_step": 0.5,
+            "generated_tokens": 1000,
+            "train_tokens": 500,
+            "train_busy_s": 1.0,
+        },
     }
     out = ratios(modes)
     assert out["dora_vs_sync"] == 2.5 and out["dora_vs_one_step_off"] == pytest.approx(5 / 3)
@@ -64,20 +77,53 @@ def test_straggler_latency_is_each_batchs_slowest_sample_from_first_dispatch_to_
     events += [{"ev": "finish", "traj": "a", "t": 1.0}, {"ev": "finish", "traj": "b", "t": 4.0}]
     events += [{"ev": "consume", "traj": t, "step": 0} for t in ("a", "b")]  # batch 0: b took 4 s
     events += [{"ev": "dispatch", "traj": "c", "t": 2.0}]  # a re-dispatch does not restart the clock
-    events += [{"ev": "dispatch", "traj": "d", "t": 5.0}, {"ev": "finish", "traj": "d", "t": 5.5},
-               {"ev": "finish", "traj": "c", "t": 6.0}]
+    events += [
+        {"ev": "dispatch", "traj": "d", "t": 5.0},
+        {"ev": "finish", "traj": "d", "t": 5.5},
+        {"ev": "finish", "traj": "c", "t": 6.0},
+    ]
     events += [{"ev": "consume", "traj": t, "step": 1} for t in ("c", "d")]  # batch 1: c took 6 s
     assert straggler_latency(events) == 5.0
     assert straggler_latency([]) == 0.0
 
 
 def test_rounds_combine_by_median_with_every_audit_and_the_worst_staleness():
-    rows = [{"tokens_per_s": 100.0, "steps": 24, "audit_ok": True, "max_staleness": 2, "how": "x",
-             "ratio": None, "at_take": {"decoding": 1.0}},
-            {"tokens_per_s": 300.0, "steps": 24, "audit_ok": False, "max_staleness": 3, "how": "x",
-             "ratio": 1.0, "at_take": {"decoding": 3.0}},
-            {"tokens_per_s": 120.0, "steps": 24, "audit_ok": True, "max_staleness": 1, "how": "x",
-             "ratio": 2.0, "at_take": {"decoding": 2.0}}]
-    assert median_of_rounds(rows) == {"tokens_per_s": 120.0, "steps": 24, "audit_ok": False, "max_staleness": 3,
-                                      "how": "x", "ratio": None, "at_take": {"decoding": 2.0}}
+    rows = [
+        {
+            "tokens_per_s": 100.0,
+            "steps": 24,
+            "audit_ok": True,
+            "max_staleness": 2,
+            "how": "x",
+            "ratio": None,
+            "at_take": {"decoding": 1.0},
+        },
+        {
+            "tokens_per_s": 300.0,
+            "steps": 24,
+            "audit_ok": False,
+            "max_staleness": 3,
+            "how": "x",
+            "ratio": 1.0,
+            "at_take": {"decoding": 3.0},
+        },
+        {
+            "tokens_per_s": 120.0,
+            "steps": 24,
+            "audit_ok": True,
+            "max_staleness": 1,
+            "how": "x",
+            "ratio": 2.0,
+            "at_take": {"decoding": 2.0},
+        },
+    ]
+    assert median_of_rounds(rows) == {
+        "tokens_per_s": 120.0,
+        "steps": 24,
+        "audit_ok": False,
+        "max_staleness": 3,
+        "how": "x",
+        "ratio": None,
+        "at_take": {"decoding": 2.0},
+    }
     assert median_of_rounds(rows[:1]) == rows[0]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dora_jax import models
-from dora_jax.runtime import run_config
 from dora_jax.models.tokenizer import CharTokenizer
+from dora_jax.runtime import run_config
 from dora_jax.runtime.build import fresh_model_config, make_tokenizer
 from dora_jax.runtime.cold_start import cold_start
 from dora_jax.tasks import running_sums
@@ -37,8 +37,15 @@ def test_demonstrations_follow_the_configured_task():
     assert max(terms) == 7 and min(terms) == 0
     assert max(p.metadata["k"] for p in prompts) <= config.task.k_max
     rl_source = running_sums.RunningSumsSource(
-        running_sums.RunningSumsConfig(median_k=config.task.median_k, sigma=config.task.sigma,
-                                       k_max=config.task.k_max, max_term=7, seed=config.seed), tokenizer)
+        running_sums.RunningSumsConfig(
+            median_k=config.task.median_k,
+            sigma=config.task.sigma,
+            k_max=config.task.k_max,
+            max_term=7,
+            seed=config.seed,
+        ),
+        tokenizer,
+    )
     assert source.prompt(0).text != rl_source.prompt(0).text  # other prompts than the RL run's
 
     tokens, mask = demonstration_batch(demonstration_source(config, tokenizer), tokenizer, 4, pad_to=16)

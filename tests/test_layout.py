@@ -9,16 +9,30 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "dora_jax"
 # A package may import its own modules and those of lower layers, never a higher or equal one.
 LAYERS = {
     "core": 0,
-    "coordinator": 1, "parallel": 1,
-    "models": 2, "store": 2, "tasks": 2, "sim": 2,
-    "rollout": 3, "trainer": 3,
+    "coordinator": 1,
+    "parallel": 1,
+    "models": 2,
+    "store": 2,
+    "tasks": 2,
+    "sim": 2,
+    "rollout": 3,
+    "trainer": 3,
     "transport": 4,
     "runtime": 5,
     "cli": 6,  # the commands (and the role processes' mains); dora_jax/<name>.py hands over to them
     "bench": 7,  # a command package too (`python -m dora_jax.bench`), on the shared flags of cli
 }
-ENTRY_MODULES = {"train", "sft", "generate", "audit", "chaos", "launch_local", "serve_coordinator",
-                 "trainer_worker", "rollout_worker"}
+ENTRY_MODULES = {
+    "train",
+    "sft",
+    "generate",
+    "audit",
+    "chaos",
+    "launch_local",
+    "serve_coordinator",
+    "trainer_worker",
+    "rollout_worker",
+}
 JAX_FREE = {"core", "coordinator", "sim"}
 
 
@@ -57,8 +71,11 @@ def test_nothing_imports_upward_or_sideways():
 
 
 def test_the_control_plane_and_the_simulator_never_import_jax():
-    bad = [f"{path.relative_to(ROOT.parent)} imports {name}" for package, path, name in _imports()
-           if package in JAX_FREE and name.split(".")[0] in ("jax", "flax", "optax", "orbax")]
+    bad = [
+        f"{path.relative_to(ROOT.parent)} imports {name}"
+        for package, path, name in _imports()
+        if package in JAX_FREE and name.split(".")[0] in ("jax", "flax", "optax", "orbax")
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -43,3 +43,13 @@ def test_license_is_apache_2_0():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_ruff_lint_and_format_are_clean():
+    """The configuration in pyproject.toml ([tool.ruff]); `ruff check --fix . && ruff format .` fixes most."""
+    import subprocess
+    import sys
+
+    for args in (["check", "."], ["format", "--check", "."]):
+        done = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, f"ruff {' '.join(args)}:\n{done.stdout}{done.stderr}"

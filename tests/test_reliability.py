@@ -7,18 +7,28 @@ import os
 import pytest
 
 from dora_jax.cli import chaos
+from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.runtime import faults, run_config, runner
 from dora_jax.runtime.checkpoint import RunCheckpointer, abstract_like
-from dora_jax.coordinator.ledger import read_ledger
 from tests.test_train_smoke import CONFIG, tiny_config
 
 STEPS, TBS = 6, 8
 OVERRIDES = [
-    "--config.init.sft_steps=0", "--config.model.hidden_size=64", "--config.model.intermediate_size=128",
-    "--config.model.head_dim=16", "--config.rollout.num_slices=3", "--config.rollout.slots=4",
-    "--config.rollout.cache_length=128", "--config.rollout.max_prefill_length=64", "--config.rollout.max_new_tokens=40",
-    "--config.task.k_max=20", f"--config.coordinator.train_batch_size={TBS}", "--config.coordinator.rollout_batch_size=16",
-    "--config.trainer.micro_batch_size=8", "--config.log.tensorboard=False", f"--config.num_steps={STEPS}",
+    "--config.init.sft_steps=0",
+    "--config.model.hidden_size=64",
+    "--config.model.intermediate_size=128",
+    "--config.model.head_dim=16",
+    "--config.rollout.num_slices=3",
+    "--config.rollout.slots=4",
+    "--config.rollout.cache_length=128",
+    "--config.rollout.max_prefill_length=64",
+    "--config.rollout.max_new_tokens=40",
+    "--config.task.k_max=20",
+    f"--config.coordinator.train_batch_size={TBS}",
+    "--config.coordinator.rollout_batch_size=16",
+    "--config.trainer.micro_batch_size=8",
+    "--config.log.tensorboard=False",
+    f"--config.num_steps={STEPS}",
     "--config.checkpoint.every_steps=2",
 ]
 
@@ -89,7 +99,9 @@ def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, f
         changed.coordinator.rollout_batch_size = 8
     with pytest.raises(ValueError) as err:
         runner.run(run_config.parse(changed), str(tmp_path), progress=False)
-    assert "group_size: checkpoint 4, config 2" in str(err.value) and "coordinator.k_max: checkpoint 2, config 1" in str(err.value)
+    assert "group_size: checkpoint 4, config 2" in str(
+        err.value
+    ) and "coordinator.k_max: checkpoint 2, config 1" in str(err.value)
 
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
@@ -129,8 +141,9 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_the_rerun_finishes(tmp_path)
     import time
 
     steps = 30
-    command = chaos.train_command(CONFIG, str(tmp_path), [*OVERRIDES, f"--config.num_steps={steps}",
-                                                           "--config.checkpoint.every_steps=0"])
+    command = chaos.train_command(
+        CONFIG, str(tmp_path), [*OVERRIDES, f"--config.num_steps={steps}", "--config.checkpoint.every_steps=0"]
+    )
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 600

@@ -7,10 +7,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, logical_axes, split
+from dora_jax.parallel import sharding
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 
 
 def test_eight_fake_devices():
@@ -48,7 +50,9 @@ def test_rule_table_specs():
     assert sharding.logical_to_spec(("embed", "mlp"), (64, 128), mesh, rules) == P("fsdp", "tensor")
     assert sharding.logical_to_spec(("vocab", "embed"), (128, 64), mesh, rules) == P("tensor", "fsdp")
     # not divisible -> replicated along that dimension, never an error
-    assert sharding.logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 1, 16), mesh, rules) == P("fsdp", None, None)
+    assert sharding.logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 1, 16), mesh, rules) == P(
+        "fsdp", None, None
+    )
     with pytest.raises(ValueError, match=r"logical axis 'bogus' has no rule"):
         sharding.logical_to_spec(("bogus",), (4,), mesh, rules)
 
@@ -81,7 +85,9 @@ def test_sharded_forward_equals_unsharded_and_layouts_move():
         gate = rollout_params["layers"][1]["mlp"]["gate_EM"]
         assert gate.sharding.spec == P(None, "tensor") and set(gate.devices()) == set(mesh.devices.flat)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), rollout_params, params)
-        out = jax.jit(_forward, static_argnums=0)(graphdef, rollout_params, jax.device_put(ids, sharding.replicated(mesh)))
+        out = jax.jit(_forward, static_argnums=0)(
+            graphdef, rollout_params, jax.device_put(ids, sharding.replicated(mesh))
+        )
         np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-5, atol=1e-5)
 
 

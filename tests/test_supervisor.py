@@ -27,8 +27,15 @@ def _supervisor(max_rejoins=1):
     now = [0.0]
     coord = _Coordinator()
     threads = {i: _Thread(i) for i in range(3)}
-    sup = SliceSupervisor(coord, threads, _Thread, heartbeat_timeout_s=10.0, max_rejoins=max_rejoins,
-                          restart_delay_s=1.0, clock=lambda: now[0])
+    sup = SliceSupervisor(
+        coord,
+        threads,
+        _Thread,
+        heartbeat_timeout_s=10.0,
+        max_rejoins=max_rejoins,
+        restart_delay_s=1.0,
+        clock=lambda: now[0],
+    )
     return sup, coord, threads, now
 
 
@@ -60,7 +67,7 @@ def test_crashed_hung_and_coordinator_dropped_slices_are_all_restarted():
 
 def test_a_slice_past_max_rejoins_stays_down():
     sup, coord, threads, now = _supervisor(max_rejoins=1)
-    for round_ in range(2):
+    for _ in range(2):
         thread = threads[0]
         sup.dropped(0, "port call timed out")
         sup.check()

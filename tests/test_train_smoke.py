@@ -11,16 +11,17 @@ import sys
 
 import pytest
 
-from dora_jax.runtime import run_config, runner
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.runtime import run_config, runner
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "smoke.py")
 
 
 def tiny_config(mode: str, steps: int = 4):
-    from ml_collections import config_flags  # noqa: F401  (configs are plain modules)
     import importlib.util
+
+    from ml_collections import config_flags  # noqa: F401  (configs are plain modules)
 
     spec = importlib.util.spec_from_file_location("smoke", CONFIG)
     smoke = importlib.util.module_from_spec(spec)
@@ -70,7 +71,15 @@ def test_embedded_run_keeps_mode_invariants(mode, tmp_path):
     else:
         assert not interrupted and not mixed
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    for key in ("step", "reward_mean", "tokens_per_s", "staleness_max", "versions_in_flight", "trainer_wait_s", "bubble_ratio"):
+    for key in (
+        "step",
+        "reward_mean",
+        "tokens_per_s",
+        "staleness_max",
+        "versions_in_flight",
+        "trainer_wait_s",
+        "bubble_ratio",
+    ):
         assert key in rows[-1]
     assert os.listdir(tmp_path / "tb")
 
@@ -91,11 +100,23 @@ def test_bad_config_is_rejected_naming_the_field():
 
 @pytest.mark.slow
 def test_train_cli_writes_config_ledger_metrics_and_audits(tmp_path):
-    cmd = [sys.executable, "-m", "dora_jax.train", f"--config={CONFIG}", f"--workdir={tmp_path}",
-           "--config.num_steps=2", "--config.init.sft_steps=0", "--config.model.hidden_size=64",
-           "--config.model.intermediate_size=128", "--config.model.head_dim=16", "--config.rollout.num_slices=2",
-           "--config.coordinator.train_batch_size=16", "--config.coordinator.rollout_batch_size=32",
-           "--config.rollout.max_new_tokens=40", "--config.task.k_max=16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dora_jax.train",
+        f"--config={CONFIG}",
+        f"--workdir={tmp_path}",
+        "--config.num_steps=2",
+        "--config.init.sft_steps=0",
+        "--config.model.hidden_size=64",
+        "--config.model.intermediate_size=128",
+        "--config.model.head_dim=16",
+        "--config.rollout.num_slices=2",
+        "--config.coordinator.train_batch_size=16",
+        "--config.coordinator.rollout_batch_size=32",
+        "--config.rollout.max_new_tokens=40",
+        "--config.task.k_max=16",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

@@ -23,8 +23,9 @@ def main(cfg_dict, out_dir: str) -> dict:
         with cfg_dict.unlocked():
             cfg_dict.mode = mode
             cfg_dict.coordinator.k_max = k_max
-            cfg_dict.coordinator.rollout_batch_size = min(cfg_dict.coordinator.rollout_batch_size,
-                                                          (k_max + 1) * cfg_dict.coordinator.train_batch_size)
+            cfg_dict.coordinator.rollout_batch_size = min(
+                cfg_dict.coordinator.rollout_batch_size, (k_max + 1) * cfg_dict.coordinator.train_batch_size
+            )
             cfg_dict.init.checkpoint = checkpoint
         config = run_config.parse(cfg_dict)
         result = runner.run(config, os.path.join(out_dir, name), progress=False)
@@ -35,9 +36,14 @@ def main(cfg_dict, out_dir: str) -> dict:
             "max_staleness": result.audit.max_staleness,
         }
         print(f"{name:8s} final reward {_tail(curves[name]['reward']):.3f} wall {result.wall_s:.0f}s", flush=True)
-    summary = {name: {"final_reward_last3": _tail(c["reward"]), "wall_s": c["wall_s"][-1],
-                      "wall_s_to_sync_final": _time_to(c, _tail(curves["sync"]["reward"]))}
-               for name, c in curves.items()}
+    summary = {
+        name: {
+            "final_reward_last3": _tail(c["reward"]),
+            "wall_s": c["wall_s"][-1],
+            "wall_s_to_sync_final": _time_to(c, _tail(curves["sync"]["reward"])),
+        }
+        for name, c in curves.items()
+    }
     results = {"curves": curves, "summary": summary}
     with open(os.path.join(out_dir, "convergence.json"), "w") as f:
         json.dump(results, f, indent=1)

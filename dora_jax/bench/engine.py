@@ -16,14 +16,14 @@ import dataclasses
 import json
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from dora_jax.parallel import sharding
-from dora_jax.models import ModelConfig, init_model, moe_fields, split
 from dora_jax.core.records import Request, SamplingParams
+from dora_jax.models import ModelConfig, init_model, moe_fields, split
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 
@@ -57,15 +57,23 @@ class EngineBenchConfig:
 
 def _model_config(config: EngineBenchConfig) -> ModelConfig:
     moe = moe_fields(config)  # a Qwen3-MoE (with Qwen3's q/k norms) when num_experts > 0
-    return ModelConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                       intermediate_size=config.intermediate_size, num_layers=config.num_layers,
-                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                       qk_norm=bool(moe), **moe)
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        qk_norm=bool(moe),
+        **moe,
+    )
 
 
 def _engine(config: EngineBenchConfig, slots: int, mesh) -> RolloutEngine:
-    engine_config = EngineConfig(num_slots=slots, cache_length=config.cache_length,
-                                 max_prefill_length=config.max_prefill_length)
+    engine_config = EngineConfig(
+        num_slots=slots, cache_length=config.cache_length, max_prefill_length=config.max_prefill_length
+    )
     return RolloutEngine(_model_config(config), engine_config, mesh)
 
 
@@ -87,8 +95,12 @@ def _time_steps(engine: RolloutEngine, params, state, steps: int) -> tuple[float
 def _fill(engine: RolloutEngine, params, state, active: int, prompt_length: int, rng: np.random.Generator):
     for slot in range(active):
         prompt = rng.integers(0, engine.model_config.vocab_size, prompt_length).astype(np.int32)
-        prefix, _ = engine.prefill(params=params, padded_tokens=prompt, true_length=prompt_length,
-                                   sampling=SamplingParams(temperature=1.0, seed=slot))
+        prefix, _ = engine.prefill(
+            params=params,
+            padded_tokens=prompt,
+            true_length=prompt_length,
+            sampling=SamplingParams(temperature=1.0, seed=slot),
+        )
         state = engine.insert(prefix, state, slot)
     return state
 
@@ -98,13 +110,18 @@ def _measure_decode(config: EngineBenchConfig, engine, params, mesh, rng) -> lis
     for active in sorted({1, max(1, config.slots // 4), max(1, config.slots // 2), config.slots}):
         state = _fill(engine, params, engine.init_decode_state(), active, config.prompt_length, rng)
         step, state = _time_steps(engine, params, state, config.decode_steps)
-        point = {"active_slots": active, "occupancy": active / config.slots, "step_time_s": step,
-                 "tokens_per_s": active / step}
+        point = {
+            "active_slots": active,
+            "occupancy": active / config.slots,
+            "step_time_s": step,
+            "tokens_per_s": active / step,
+        }
         if config.batch_curve:
             sized = engine if active == config.slots else _engine(config, active, mesh)
             sized_params = sized.load_params(params)
-            point["batch_step_time_s"], _ = _time_steps(sized, sized_params, sized.init_decode_state(),
-                                                        config.decode_steps)
+            point["batch_step_time_s"], _ = _time_steps(
+                sized, sized_params, sized.init_decode_state(), config.decode_steps
+            )
         points.append(point)
     return points
 
@@ -177,8 +194,10 @@ def format_table(results: dict) -> str:
     lines = [f"{'active':>6} {'occupancy':>9} {'step ms':>8} {'tokens/s':>9} {'B-sized step ms':>15}"]
     for p in results["decode"]:
         sized = f"{1e3 * p['batch_step_time_s']:15.3f}" if "batch_step_time_s" in p else f"{'-':>15}"
-        lines.append(f"{p['active_slots']:6d} {p['occupancy']:9.2f} {1e3 * p['step_time_s']:8.3f} "
-                     f"{p['tokens_per_s']:9.0f} {sized}")
+        lines.append(
+            f"{p['active_slots']:6d} {p['occupancy']:9.2f} {1e3 * p['step_time_s']:8.3f} "
+            f"{p['tokens_per_s']:9.0f} {sized}"
+        )
     lines.append(f"{'bucket':>6} {'prefill ms':>10} {'tokens/s':>9}")
     lines += [f"{r['bucket']:6d} {1e3 * r['time_s']:10.3f} {r['tokens_per_s']:9.0f}" for r in results["prefill"]]
     lines.append(f"RolloutWorker.step() at full occupancy: {1e3 * results['decode'][-1]['worker_step_time_s']:.3f} ms")

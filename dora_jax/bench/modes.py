@@ -18,8 +18,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from dora_jax.runtime import run_config, runner
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.runtime import run_config, runner
 from dora_jax.runtime.build import build_setup
 
 MODES = ("sync", "one_step_off", "partial_rollout", "dora")
@@ -94,8 +94,11 @@ def take_profile(events) -> dict:
     if not snapshots:
         return {}
     mean = np.mean(np.asarray(snapshots, np.float64), axis=0)
-    return {"decoding": float(mean[0]), "finished_in_incomplete_groups": float(mean[1]),
-            "finished_in_complete_groups": float(mean[2])}
+    return {
+        "decoding": float(mean[0]),
+        "finished_in_incomplete_groups": float(mean[1]),
+        "finished_in_complete_groups": float(mean[2]),
+    }
 
 
 def straggler_latency(events) -> float:
@@ -166,14 +169,23 @@ def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution |
             config = dataclasses.replace(config, num_steps=min(config.num_steps, 3))
         workdir = os.path.join(out_dir, "warmup" if rnd is None else mode if rounds == 1 else f"{mode}_r{rnd}")
         setup = build_setup(config, workdir)
-        result = runner.run(config, workdir, setup=setup, scorer=ConstantScorer(), progress=False,
-                            forced_length=lambda prompt_id, i: lengths.draw(prompt_id, i, seed))
+        result = runner.run(
+            config,
+            workdir,
+            setup=setup,
+            scorer=ConstantScorer(),
+            progress=False,
+            forced_length=lambda prompt_id, i: lengths.draw(prompt_id, i, seed),
+        )
         if rnd is None:
             continue
         row = per_round[rnd][mode] = mode_result(result, config)
         timelines[mode] = result.timelines  # the last round's
-        print(f"round {rnd} {mode:16s} wall {result.wall_s:7.1f}s  tokens/s {row['tokens_per_s']:8.1f}  "
-              f"bubbles {row['bubble_ratio']:.2f}  audit {'ok' if result.audit.ok else 'VIOLATIONS'}", flush=True)
+        print(
+            f"round {rnd} {mode:16s} wall {result.wall_s:7.1f}s  tokens/s {row['tokens_per_s']:8.1f}  "
+            f"bubbles {row['bubble_ratio']:.2f}  audit {'ok' if result.audit.ok else 'VIOLATIONS'}",
+            flush=True,
+        )
     return {"rounds": per_round, "timelines": timelines, "lengths": dataclasses.asdict(lengths)}
 
 
@@ -205,10 +217,15 @@ def ratios(modes: dict) -> dict:
     def r(a, b, key="tokens_per_s"):
         return modes[a][key] / modes[b][key] if a in modes and b in modes and modes[b][key] else None
 
-    out = {"dora_vs_sync": r("dora", "sync"), "dora_vs_one_step_off": r("dora", "one_step_off"),
-           "dora_vs_partial_rollout": r("dora", "partial_rollout")}
+    out = {
+        "dora_vs_sync": r("dora", "sync"),
+        "dora_vs_one_step_off": r("dora", "one_step_off"),
+        "dora_vs_partial_rollout": r("dora", "partial_rollout"),
+    }
     if "sync" in modes and "dora" in modes and modes["dora"]["rollout_only_s_per_step"] > 0:
-        out["rollout_speedup_vs_sync"] = modes["sync"]["rollout_only_s_per_step"] / modes["dora"]["rollout_only_s_per_step"]
+        out["rollout_speedup_vs_sync"] = (
+            modes["sync"]["rollout_only_s_per_step"] / modes["dora"]["rollout_only_s_per_step"]
+        )
     return out
 
 
@@ -228,10 +245,16 @@ def bound(modes: dict, slot_rate: float) -> dict:
         train_s = work["train_busy_s"]
         train_how = "dora's own train-busy time (no sync run to time the trainer alone; contended, so generous)"
     seconds = rollout_s + train_s
-    return {"tokens_per_s": work["train_tokens"] / seconds, "rollout_s": rollout_s, "train_s": train_s,
-            "how": ("dora's generated tokens / the full-occupancy decode rate of one slice measured alone "
-                    f"(bench engine: all of this machine's cores on one slice), plus {train_how}; summed because "
-                    "trainer and rollout slices share the same 2 CPU cores")}
+    return {
+        "tokens_per_s": work["train_tokens"] / seconds,
+        "rollout_s": rollout_s,
+        "train_s": train_s,
+        "how": (
+            "dora's generated tokens / the full-occupancy decode rate of one slice measured alone "
+            f"(bench engine: all of this machine's cores on one slice), plus {train_how}; summed because "
+            "trainer and rollout slices share the same 2 CPU cores"
+        ),
+    }
 
 
 def write_timeline(timelines: dict, path: str) -> None:
@@ -246,11 +269,15 @@ def write_timeline(timelines: dict, path: str) -> None:
         start = tl["start"]
         for row, slice_timeline in enumerate(tl["slices"]):
             for s, e, version, active in _coalesce(slice_timeline):
-                ax.broken_barh([(s - start, e - s)], (row, 0.8), color=cmap((version or 0) % 10), alpha=0.3 + 0.7 * active)
+                ax.broken_barh(
+                    [(s - start, e - s)], (row, 0.8), color=cmap((version or 0) % 10), alpha=0.3 + 0.7 * active
+                )
         trainer_row = len(tl["slices"])
         for s, e, version in tl["trainer"]:
             ax.broken_barh([(s - start, e - s)], (trainer_row, 0.8), color=cmap(version % 10))
-        ax.set_yticks([i + 0.4 for i in range(trainer_row + 1)], [f"slice {i}" for i in range(trainer_row)] + ["trainer"])
+        ax.set_yticks(
+            [i + 0.4 for i in range(trainer_row + 1)], [f"slice {i}" for i in range(trainer_row)] + ["trainer"]
+        )
         ax.set_title(f"{mode}: colour = version, shade = slot occupancy, blank = idle", fontsize=9)
     axes[-1, 0].set_xlabel("seconds")
     fig.tight_layout()
@@ -277,17 +304,38 @@ def engine_bench_config(cfg_dict):
 
     m, r = cfg_dict.model, cfg_dict.rollout
     return EngineBenchConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=len(ALPHABET) + 3,
-        num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-        moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob, moe_dispatch=m.moe_dispatch,
-        slots=r.slots, cache_length=r.cache_length, max_prefill_length=r.max_prefill_length,
-        tensor_parallel=int(dict(cfg_dict.mesh.rollout).get("tensor", 1)))
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        vocab_size=len(ALPHABET) + 3,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        norm_topk_prob=m.norm_topk_prob,
+        moe_dispatch=m.moe_dispatch,
+        slots=r.slots,
+        cache_length=r.cache_length,
+        max_prefill_length=r.max_prefill_length,
+        tensor_parallel=int(dict(cfg_dict.mesh.rollout).get("tensor", 1)),
+    )
 
 
 def format_table(results: dict) -> str:
-    keys = ("wall_s", "steps", "tokens_per_s", "step_time_s", "rollout_only_share", "bubble_ratio",
-            "trainer_wait_s", "straggler_train_steps", "max_staleness", "audit_ok")
+    keys = (
+        "wall_s",
+        "steps",
+        "tokens_per_s",
+        "step_time_s",
+        "rollout_only_share",
+        "bubble_ratio",
+        "trainer_wait_s",
+        "straggler_train_steps",
+        "max_staleness",
+        "audit_ok",
+    )
     lines = ["mode             " + " ".join(f"{k:>18s}" for k in keys)]
     for mode, row in results["modes"].items():
         lines.append(f"{mode:16s} " + " ".join(f"{_fmt(row[k]):>18s}" for k in keys))
@@ -313,13 +361,22 @@ def main(cfg_dict, out_dir: str) -> dict:
     rounds = []
     for modes in measured["rounds"]:
         b = bound(modes, slot_rate)
-        rounds.append({"ratios": {**ratios(modes), "bound_vs_dora": b["tokens_per_s"] / modes["dora"]["tokens_per_s"]},
-                       "bound": b, "tokens_per_s": {mode: row["tokens_per_s"] for mode, row in modes.items()}})
-    results = {"modes": {mode: median_of_rounds([r[mode] for r in measured["rounds"]]) for mode in measured["rounds"][0]},
-               "bound": median_of_rounds([r["bound"] for r in rounds]),
-               "ratios": median_of_rounds([r["ratios"] for r in rounds]),
-               "rounds": rounds, "lengths": measured["lengths"], "engine_full_occupancy": full,
-               "bench_wall_s": time.perf_counter() - start}
+        rounds.append(
+            {
+                "ratios": {**ratios(modes), "bound_vs_dora": b["tokens_per_s"] / modes["dora"]["tokens_per_s"]},
+                "bound": b,
+                "tokens_per_s": {mode: row["tokens_per_s"] for mode, row in modes.items()},
+            }
+        )
+    results = {
+        "modes": {mode: median_of_rounds([r[mode] for r in measured["rounds"]]) for mode in measured["rounds"][0]},
+        "bound": median_of_rounds([r["bound"] for r in rounds]),
+        "ratios": median_of_rounds([r["ratios"] for r in rounds]),
+        "rounds": rounds,
+        "lengths": measured["lengths"],
+        "engine_full_occupancy": full,
+        "bench_wall_s": time.perf_counter() - start,
+    }
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     write_timeline(measured["timelines"], os.path.join(out_dir, "timeline.png"))

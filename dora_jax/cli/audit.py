@@ -28,11 +28,12 @@ def main(argv: list[str]) -> int:
     report = audit_workdir(argv[1])
     print(json.dumps(report.summary(), indent=1))
     violations = report.violations()
-    print(f"audit {'OK' if report.ok else 'FAILED'}: mode={report.mode} k_max={report.k_max} "
-          f"violations={violations} max_staleness={report.max_staleness} "
-          f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv}")
+    print(
+        f"audit {'OK' if report.ok else 'FAILED'}: mode={report.mode} k_max={report.k_max} "
+        f"violations={violations} max_staleness={report.max_staleness} "
+        f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv}"
+    )
     return 0 if report.ok else 1
-
 
 
 def run() -> None:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from absl import app, flags
 
@@ -46,8 +46,14 @@ def train_command(config: str, workdir: str, overrides: Sequence[str]) -> list[s
     return [sys.executable, "-m", "dora_jax.train", f"--config={config}", f"--workdir={workdir}", *overrides]
 
 
-def run_once(command: list[str], *, fault: Optional[str] = None, kill_after_s: Optional[float] = None,
-             timeout_s: float = 1800, log_path: Optional[str] = None) -> int:
+def run_once(
+    command: list[str],
+    *,
+    fault: str | None = None,
+    kill_after_s: float | None = None,
+    timeout_s: float = 1800,
+    log_path: str | None = None,
+) -> int:
     env = dict(os.environ)
     env.pop("DORA_FAULTS", None)
     if fault:
@@ -67,7 +73,7 @@ def run_once(command: list[str], *, fault: Optional[str] = None, kill_after_s: O
                 process.wait()
 
 
-def corrupt_latest_checkpoint(workdir: str) -> Optional[str]:
+def corrupt_latest_checkpoint(workdir: str) -> str | None:
     """Overwrites the data files of the newest finished checkpoint with garbage; returns its path."""
     root = os.path.join(workdir, "checkpoints")
     steps = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
@@ -82,9 +88,16 @@ def corrupt_latest_checkpoint(workdir: str) -> Optional[str]:
     return os.path.join(root, str(steps[-1]))
 
 
-def chaos(config: str, workdir: str, overrides: Sequence[str], plan: Sequence[tuple[str, int]], *,
-          random_delays: Optional[Sequence[float]] = None, corrupt_latest: bool = False,
-          timeout_s: float = 1800) -> dict:
+def chaos(
+    config: str,
+    workdir: str,
+    overrides: Sequence[str],
+    plan: Sequence[tuple[str, int]],
+    *,
+    random_delays: Sequence[float] | None = None,
+    corrupt_latest: bool = False,
+    timeout_s: float = 1800,
+) -> dict:
     """Runs the kills of `plan` (or after `random_delays`), then resumes to the end; returns a summary."""
     command = train_command(config, workdir, overrides)
     log_path = os.path.join(workdir, "chaos.log")
@@ -98,19 +111,35 @@ def chaos(config: str, workdir: str, overrides: Sequence[str], plan: Sequence[tu
         else:
             rc = run_once(command, fault=f"kill={point}:{count}", timeout_s=timeout_s, log_path=log_path)
             where = f"{point} #{count}"
-        kills.append({"where": where, "killed": rc == -signal.SIGKILL, "returncode": rc,
-                      "seconds": round(time.perf_counter() - start, 1), "metrics_rows": _rows(workdir)})
+        kills.append(
+            {
+                "where": where,
+                "killed": rc == -signal.SIGKILL,
+                "returncode": rc,
+                "seconds": round(time.perf_counter() - start, 1),
+                "metrics_rows": _rows(workdir),
+            }
+        )
     corrupted = corrupt_latest_checkpoint(workdir) if corrupt_latest else None
     start = time.perf_counter()
     final_rc = run_once(command, timeout_s=timeout_s, log_path=log_path)
     events = list(read_ledger(os.path.join(workdir, "ledger.jsonl")))
     report = audit(events)
     steps = sorted(row["step"] for row in _metric_rows(workdir))
-    return {"kills": kills, "corrupted": corrupted, "final_returncode": final_rc,
-            "final_seconds": round(time.perf_counter() - start, 1),
-            "resumes": [{k: e[k] for k in ("ledger_offset", "version", "in_flight", "prefix_tokens")}
-                        for e in events if e["ev"] == "resume"],
-            "steps": steps, "audit": report.summary(), "audit_ok": report.ok}
+    return {
+        "kills": kills,
+        "corrupted": corrupted,
+        "final_returncode": final_rc,
+        "final_seconds": round(time.perf_counter() - start, 1),
+        "resumes": [
+            {k: e[k] for k in ("ledger_offset", "version", "in_flight", "prefix_tokens")}
+            for e in events
+            if e["ev"] == "resume"
+        ],
+        "steps": steps,
+        "audit": report.summary(),
+        "audit_ok": report.ok,
+    }
 
 
 def _metric_rows(workdir: str) -> list[dict]:
@@ -143,13 +172,19 @@ def main(argv):
     if RANDOM_TIME.value:
         rng = random.Random(SEED.value)
         delays = [rng.uniform(20.0, 90.0) for _ in plan]
-    summary = chaos(config_path, cli.WORKDIR.value, overrides, plan, random_delays=delays,
-                    corrupt_latest=CORRUPT.value, timeout_s=TIMEOUT.value)
+    summary = chaos(
+        config_path,
+        cli.WORKDIR.value,
+        overrides,
+        plan,
+        random_delays=delays,
+        corrupt_latest=CORRUPT.value,
+        timeout_s=TIMEOUT.value,
+    )
     print(json.dumps(summary, indent=1))
     complete = summary["steps"] == list(range(c.num_steps))
     exactly = summary["audit"]["consumed"] == c.num_steps * c.coordinator.train_batch_size
     sys.exit(0 if summary["audit_ok"] and complete and exactly and summary["final_returncode"] == 0 else 1)
-
 
 
 def run() -> None:

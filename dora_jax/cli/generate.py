@@ -13,14 +13,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
-from dora_jax.parallel import sharding
+from dora_jax.core.records import Request, SamplingParams
 from dora_jax.models import read_config
 from dora_jax.models.tokenizer import HFTokenizer
-from dora_jax.core.records import Request, SamplingParams
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 
@@ -32,9 +32,15 @@ def _power_of_two_at_least(n: int, floor: int = 16) -> int:
     return size
 
 
-def generate(hf_path: str, *, prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-             max_new_tokens: int = 32, sampling: SamplingParams = SamplingParams(temperature=0.0),
-             tensor_parallel: int = 1) -> dict:
+def generate(
+    hf_path: str,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    prompt: str | None = None,
+    max_new_tokens: int = 32,
+    sampling: SamplingParams = SamplingParams(temperature=0.0),
+    tensor_parallel: int = 1,
+) -> dict:
     """One response from the checkpoint at `hf_path`; returns the dict `main` prints."""
     tokenizer = HFTokenizer(hf_path) if os.path.exists(os.path.join(hf_path, "tokenizer.json")) else None
     if (prompt_ids is None) == (prompt is None):
@@ -45,8 +51,11 @@ def generate(hf_path: str, *, prompt_ids: Sequence[int] | None = None, prompt: s
         prompt_ids = tokenizer.encode(prompt)
     prompt_ids = tuple(int(t) for t in prompt_ids)
     model_config = read_config(hf_path)
-    config = EngineConfig(num_slots=1, max_prefill_length=_power_of_two_at_least(len(prompt_ids)),
-                          cache_length=_power_of_two_at_least(len(prompt_ids) + max_new_tokens))
+    config = EngineConfig(
+        num_slots=1,
+        max_prefill_length=_power_of_two_at_least(len(prompt_ids)),
+        cache_length=_power_of_two_at_least(len(prompt_ids) + max_new_tokens),
+    )
     mesh = sharding.make_mesh(jax.devices()[:tensor_parallel], {"tensor": tensor_parallel})
     engine = RolloutEngine(model_config, config, mesh, tokenizer=tokenizer)
     eos_ids = model_config.eos_ids or (tokenizer.eos_ids if tokenizer is not None else ())
@@ -85,11 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     prompt_ids = None if args.prompt_ids is None else [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    result = generate(args.hf_path, prompt_ids=prompt_ids, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                      sampling=sampling, tensor_parallel=args.tensor_parallel)
+    result = generate(
+        args.hf_path,
+        prompt_ids=prompt_ids,
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        tensor_parallel=args.tensor_parallel,
+    )
     print(json.dumps(result), flush=True)
     return 0
-
 
 
 def run() -> None:

@@ -41,13 +41,21 @@ from dora_jax import cli
 
 PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
-HOSTS_PER_SLICE = flags.DEFINE_integer("hosts_per_slice", 1, "processes per rollout slice (> 1: each slice one "
-                                       "multi-controller JAX job over them); mesh.rollout's size must divide by it")
-TRAINER_HOSTS = flags.DEFINE_integer("trainer_hosts", 1, "processes of the trainer slice (> 1: one multi-controller "
-                                     "JAX job); mesh.trainer's size must divide by it")
+HOSTS_PER_SLICE = flags.DEFINE_integer(
+    "hosts_per_slice",
+    1,
+    "processes per rollout slice (> 1: each slice one "
+    "multi-controller JAX job over them); mesh.rollout's size must divide by it",
+)
+TRAINER_HOSTS = flags.DEFINE_integer(
+    "trainer_hosts",
+    1,
+    "processes of the trainer slice (> 1: one multi-controller JAX job); mesh.trainer's size must divide by it",
+)
 KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL this rollout worker mid-run")
-KILL_AFTER_S = flags.DEFINE_float("kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, "
-                                  "as soon as it holds requests")
+KILL_AFTER_S = flags.DEFINE_float(
+    "kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, as soon as it holds requests"
+)
 
 
 def main(argv):
@@ -59,8 +67,9 @@ def main(argv):
 
     config = run_config.parse(cli.CONFIG.value)  # a bad config fails here, before anything starts
     if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
-        raise app.UsageError(f"{workdir} already holds a run (ledger.jsonl); launch_local starts fresh runs only: "
-                             "give a new --workdir")
+        raise app.UsageError(
+            f"{workdir} already holds a run (ledger.jsonl); launch_local starts fresh runs only: give a new --workdir"
+        )
     if config.mesh.time_shared:
         raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
     trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
@@ -68,8 +77,13 @@ def main(argv):
     start = time.perf_counter()
     outcome = launch(config, workdir, _config_flags(sys.argv[1:]), trainer=trainer, rollout=rollout)
     wall = time.perf_counter() - start
-    summary = {"workdir": workdir, "processes": outcome["processes"], "wall_s": round(wall, 1),
-               "trainer_exit": outcome["trainer_exit"], "killed": outcome["killed"]}
+    summary = {
+        "workdir": workdir,
+        "processes": outcome["processes"],
+        "wall_s": round(wall, 1),
+        "trainer_exit": outcome["trainer_exit"],
+        "killed": outcome["killed"],
+    }
     ok = outcome["trainer_exit"] == 0
     if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
         from dora_jax.cli.audit import audit_workdir
@@ -103,14 +117,17 @@ def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]
         raise app.UsageError(f"--{flag}={hosts}; expected >= 1")
     if size % hosts:
         axis, length = next(iter(shape.items()), ("tensor", 1))
-        raise app.UsageError(f"--{flag}={hosts}: {field}={shape} has {size} devices, which do not split over "
-                             f"{hosts} processes; give the slice a multiple of {hosts} devices, e.g. "
-                             f"--config.{field}.{axis}={length * hosts}")
+        raise app.UsageError(
+            f"--{flag}={hosts}: {field}={shape} has {size} devices, which do not split over "
+            f"{hosts} processes; give the slice a multiple of {hosts} devices, e.g. "
+            f"--config.{field}.{axis}={length * hosts}"
+        )
     return hosts, size // hosts
 
 
-def launch(config, workdir: str, config_flags: list[str], *, trainer: tuple[int, int],
-           rollout: tuple[int, int]) -> dict:
+def launch(
+    config, workdir: str, config_flags: list[str], *, trainer: tuple[int, int], rollout: tuple[int, int]
+) -> dict:
     """Starts every process, supervises them until the trainer ends, tears them down. `trainer` and
     `rollout` are (hosts, devices per host) of the trainer slice and of each rollout slice."""
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
@@ -129,8 +146,14 @@ def launch(config, workdir: str, config_flags: list[str], *, trainer: tuple[int,
         children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, workdir)
         _spawn_slice(children, "trainer", "trainer_worker", [*common, f"--coordinator={address}"], trainer, workdir)
         for sid in range(config.rollout.num_slices):
-            _spawn_slice(children, f"rollout_{sid}", "rollout_worker",
-                         [*common, f"--coordinator={address}", f"--slice_id={sid}"], rollout, workdir)
+            _spawn_slice(
+                children,
+                f"rollout_{sid}",
+                "rollout_worker",
+                [*common, f"--coordinator={address}", f"--slice_id={sid}"],
+                rollout,
+                workdir,
+            )
         outcome["processes"] = len(children)
         _print(f"started {len(children)} processes (coordinator at {address}); logs in {workdir}/logs")
         _supervise(children, workdir, outcome, stop, config.num_steps)
@@ -154,13 +177,17 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
                 _print(f"the trainer exited with {outcome['trainer_exit']}:\n" + _tail(workdir, "trainer"))
             return
         if children["coordinator"].poll() is not None:
-            _print(f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(workdir, "coordinator"))
+            _print(
+                f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(workdir, "coordinator")
+            )
             return
         for name, child in children.items():
             if name.startswith("rollout") and child.poll() not in (None, 0) and name not in exits_seen:
                 exits_seen.add(name)
-                _print(f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
-                       + _tail(workdir, name, 5))
+                _print(
+                    f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
+                    + _tail(workdir, name, 5)
+                )
         if KILL_SLICE.value >= 0 and outcome["killed"] is None:
             holding = follower.poll()
             if dispatch_t is None and follower.dispatched:
@@ -168,8 +195,10 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
             if dispatch_t is not None and time.monotonic() - dispatch_t > KILL_AFTER_S.value and holding:
                 for victim in _slice_processes(children, f"rollout_{KILL_SLICE.value}"):
                     os.killpg(victim.pid, signal.SIGKILL)
-                outcome["killed"] = (f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
-                                     f"the first dispatch, holding {holding} requests by the ledger)")
+                outcome["killed"] = (
+                    f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
+                    f"the first dispatch, holding {holding} requests by the ledger)"
+                )
                 _print(f"killed {outcome['killed']}")
         steps = _steps_done(workdir)
         if steps != reported and steps % 5 == 0:
@@ -181,8 +210,9 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
         time.sleep(0.5)
 
 
-def _spawn_slice(children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int],
-                 workdir: str) -> None:
+def _spawn_slice(
+    children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int], workdir: str
+) -> None:
     """One slice: a single process `name`, or `hosts` processes (`name`, `name`_h1, ...) joined into
     one JAX job through their own jax.distributed coordinator (on process 0's free port)."""
     hosts, devices = hosts_devices
@@ -192,8 +222,13 @@ def _spawn_slice(children: dict, name: str, module: str, args: list[str], hosts_
     jax_coordinator = f"127.0.0.1:{_free_port()}"
     for host in range(hosts):
         host_name = name if host == 0 else f"{name}_h{host}"
-        children[host_name] = _spawn(host_name, module, [*args, f"--num_hosts={hosts}", f"--host_id={host}",
-                                                         f"--jax_coordinator={jax_coordinator}"], devices, workdir)
+        children[host_name] = _spawn(
+            host_name,
+            module,
+            [*args, f"--num_hosts={hosts}", f"--host_id={host}", f"--jax_coordinator={jax_coordinator}"],
+            devices,
+            workdir,
+        )
 
 
 def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
@@ -206,8 +241,14 @@ def _spawn(name: str, module: str, args: list[str], devices: int, workdir: str) 
     flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"])
     log = open(os.path.join(workdir, "logs", f"{name}.log"), "w")
-    return subprocess.Popen([sys.executable, "-m", f"dora_jax.{module}", *args], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    return subprocess.Popen(
+        [sys.executable, "-m", f"dora_jax.{module}", *args],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def _die_with_parent() -> None:
@@ -296,7 +337,6 @@ def _tail(workdir: str, name: str, lines: int = 20) -> str:
 
 def _print(message: str) -> None:
     print(f"[launch_local] {message}", file=sys.stderr, flush=True)
-
 
 
 def run() -> None:

@@ -17,17 +17,34 @@ from dora_jax import cli
 from dora_jax.transport.client import ClientTiming, config_hash
 
 COORDINATOR = flags.DEFINE_string("coordinator", None, "HOST:PORT of `python -m dora_jax.serve_coordinator`")
-VERSIONS = flags.DEFINE_string("versions", "", "root of the ParamStore's tensorstore tier shared by the trainer "
-                               "and rollout processes (a path or gs://...); default WORKDIR/versions")
-CONNECT_TIMEOUT_S = flags.DEFINE_float("connect_timeout_s", 300.0,
-                                       "exit with an error once the coordinator has not answered for this long")
+VERSIONS = flags.DEFINE_string(
+    "versions",
+    "",
+    "root of the ParamStore's tensorstore tier shared by the trainer "
+    "and rollout processes (a path or gs://...); default WORKDIR/versions",
+)
+CONNECT_TIMEOUT_S = flags.DEFINE_float(
+    "connect_timeout_s", 300.0, "exit with an error once the coordinator has not answered for this long"
+)
 CALL_TIMEOUT_S = flags.DEFINE_float("call_timeout_s", 30.0, "deadline of one call to the coordinator")
-NUM_HOSTS = flags.DEFINE_integer("num_hosts", 1, "hosts in this role's slice (> 1: the slice is one multi-controller "
-                                 "JAX job, jax.distributed.initialize over its own hosts)")
-HOST_ID = flags.DEFINE_integer("host_id", None, "this host's index in its slice, 0..num_hosts-1 (host 0 alone talks "
-                               "to the coordinator); default: 0 on one host, auto-detected on Cloud TPU")
-JAX_COORDINATOR = flags.DEFINE_string("jax_coordinator", "", "HOST:PORT where host 0 of this slice serves "
-                                      "jax.distributed (each slice its own); empty = auto-detect (Cloud TPU only)")
+NUM_HOSTS = flags.DEFINE_integer(
+    "num_hosts",
+    1,
+    "hosts in this role's slice (> 1: the slice is one multi-controller "
+    "JAX job, jax.distributed.initialize over its own hosts)",
+)
+HOST_ID = flags.DEFINE_integer(
+    "host_id",
+    None,
+    "this host's index in its slice, 0..num_hosts-1 (host 0 alone talks "
+    "to the coordinator); default: 0 on one host, auto-detected on Cloud TPU",
+)
+JAX_COORDINATOR = flags.DEFINE_string(
+    "jax_coordinator",
+    "",
+    "HOST:PORT where host 0 of this slice serves "
+    "jax.distributed (each slice its own); empty = auto-detect (Cloud TPU only)",
+)
 
 
 def quiet_library_logs() -> None:
@@ -76,23 +93,29 @@ def initialize_distributed(role: str) -> int:
     if num_hosts < 1:
         raise SystemExit(f"--num_hosts={num_hosts}; expected >= 1")
     if host_id is not None and not 0 <= host_id < num_hosts:
-        raise SystemExit(f"--host_id={host_id} is out of range for --num_hosts={num_hosts}; "
-                         f"expected 0..{num_hosts - 1}")
+        raise SystemExit(
+            f"--host_id={host_id} is out of range for --num_hosts={num_hosts}; expected 0..{num_hosts - 1}"
+        )
     import jax
 
     if num_hosts == 1:
         if jax.process_count() > 1:  # a multi-host TPU slice the runtime joined by itself
-            raise SystemExit(f"--num_hosts=1 but this JAX job has {jax.process_count()} processes: pass "
-                             f"--num_hosts={jax.process_count()} (host 0 talks to the coordinator, the others follow)")
+            raise SystemExit(
+                f"--num_hosts=1 but this JAX job has {jax.process_count()} processes: pass "
+                f"--num_hosts={jax.process_count()} (host 0 talks to the coordinator, the others follow)"
+            )
         return 0
 
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         if not JAX_COORDINATOR.value or host_id is None:
-            raise SystemExit(f"--num_hosts={num_hosts} on the CPU platform needs --jax_coordinator=HOST:PORT and "
-                             "--host_id (nothing to auto-detect them from off Cloud TPU)")
+            raise SystemExit(
+                f"--num_hosts={num_hosts} on the CPU platform needs --jax_coordinator=HOST:PORT and "
+                "--host_id (nothing to auto-detect them from off Cloud TPU)"
+            )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=JAX_COORDINATOR.value or None, num_processes=num_hosts,
-                               process_id=host_id)
+    jax.distributed.initialize(
+        coordinator_address=JAX_COORDINATOR.value or None, num_processes=num_hosts, process_id=host_id
+    )
     if jax.process_count() != num_hosts:
         raise SystemExit(f"--num_hosts={num_hosts} but the JAX job has {jax.process_count()} processes")
     return jax.process_index()

@@ -25,8 +25,9 @@ from dora_jax import cli
 from dora_jax.cli import roles
 
 SLICE_ID = flags.DEFINE_integer("slice_id", None, "this rollout slice's index, 0..rollout.num_slices-1")
-VERSION_WAIT_S = flags.DEFINE_float("version_wait_s", 3600.0, "how long to wait for the trainer's first version "
-                                    "(its SFT cold start runs meanwhile)")
+VERSION_WAIT_S = flags.DEFINE_float(
+    "version_wait_s", 3600.0, "how long to wait for the trainer's first version (its SFT cold start runs meanwhile)"
+)
 
 
 def main(argv):
@@ -69,12 +70,19 @@ def _build_worker(config, slice_id: int):
     try:
         mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.rollout))
     except ValueError as err:
-        raise SystemExit(f"mesh.rollout={dict(config.mesh.rollout)} over this slice's {jax.process_count()} "
-                         f"host(s): {err}") from None
-    engine = RolloutEngine(model_config, EngineConfig(num_slots=config.rollout.slots,
-                                                      cache_length=config.rollout.cache_length,
-                                                      max_prefill_length=config.rollout.max_prefill_length),
-                           mesh, tokenizer=tokenizer)
+        raise SystemExit(
+            f"mesh.rollout={dict(config.mesh.rollout)} over this slice's {jax.process_count()} host(s): {err}"
+        ) from None
+    engine = RolloutEngine(
+        model_config,
+        EngineConfig(
+            num_slots=config.rollout.slots,
+            cache_length=config.rollout.cache_length,
+            max_prefill_length=config.rollout.max_prefill_length,
+        ),
+        mesh,
+        tokenizer=tokenizer,
+    )
     eos = tuple(model_config.eos_ids) or tuple(tokenizer.eos_ids)
     return RolloutWorker(engine, slice_id=slice_id, eos_ids=eos)
 
@@ -86,8 +94,14 @@ def _host_channel(slice_id: int):
     import dora_jax
     from dora_jax.transport.host_mirror import HostChannel, check_same_slice
 
-    check_same_slice({"config_hash": roles.identity_hash(), "package_version": dora_jax.__version__,
-                      "slice_id": slice_id, "num_hosts": jax.process_count()})
+    check_same_slice(
+        {
+            "config_hash": roles.identity_hash(),
+            "package_version": dora_jax.__version__,
+            "slice_id": slice_id,
+            "num_hosts": jax.process_count(),
+        }
+    )
     return HostChannel()
 
 
@@ -106,8 +120,14 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
         return fetch_from_store(opened[0], engine.param_shardings, wait_s=60.0)(version)
 
     mirror = MirroredWorker(worker, _host_channel(slice_id), fetch) if jax.process_count() > 1 else None
-    agent = RolloutAgent(client, mirror or worker, mirror.fetch if mirror else fetch, roles.identity_hash(),
-                         silence_s=roles.CONNECT_TIMEOUT_S.value, log=lambda m: _log(slice_id, m))
+    agent = RolloutAgent(
+        client,
+        mirror or worker,
+        mirror.fetch if mirror else fetch,
+        roles.identity_hash(),
+        silence_s=roles.CONNECT_TIMEOUT_S.value,
+        log=lambda m: _log(slice_id, m),
+    )
     try:
         agent.register()  # refused or unreachable: fail now, before any wait or compile
         _log(slice_id, f"registered with the coordinator at {client.address}; waiting for the first version")
@@ -117,8 +137,9 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
             mirror.warmup(first)
         else:
             engine.warmup(fetch(first))
-        _log(slice_id, f"ready ({len(jax.devices())} devices on {jax.process_count()} host(s), "
-                       f"{worker.num_slots} slots)")
+        _log(
+            slice_id, f"ready ({len(jax.devices())} devices on {jax.process_count()} host(s), {worker.num_slots} slots)"
+        )
         outcome = agent.run()
     except BaseException as err:
         if mirror is not None:
@@ -156,8 +177,11 @@ def rollout_model_config(config, tokenizer):
 
     start = config.init.checkpoint or config.model.hf_path
     if start:
-        return models.read_config(start, dtype=models.dtype_from_name(config.model.dtype),
-                                  param_dtype=models.dtype_from_name(config.model.param_dtype))
+        return models.read_config(
+            start,
+            dtype=models.dtype_from_name(config.model.dtype),
+            param_dtype=models.dtype_from_name(config.model.param_dtype),
+        )
     return fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
 
 
@@ -170,8 +194,10 @@ def _open_store(root: str, wait_s: float):
             return ParamStore(TensorStoreTier(root, read_only=True))
         except FileNotFoundError:
             if time.monotonic() > deadline:
-                raise SystemExit(f"no param store at {root} after {wait_s:.0f}s: is the trainer running with the "
-                                 "same --workdir / --versions?") from None
+                raise SystemExit(
+                    f"no param store at {root} after {wait_s:.0f}s: is the trainer running with the "
+                    "same --workdir / --versions?"
+                ) from None
             time.sleep(0.5)
 
 
@@ -187,7 +213,6 @@ def _first_version(store, wait_s: float) -> int:
 def _log(slice_id: int, message: str, host_id: int = 0) -> None:
     host = f" host {host_id}" if host_id else ""
     print(f"[rollout {slice_id}{host}] {message}", file=sys.stderr, flush=True)
-
 
 
 def run() -> None:

@@ -23,10 +23,16 @@ from dora_jax import cli
 from dora_jax.cli import roles
 
 PORT = flags.DEFINE_integer("port", 50051, "port to serve on (all interfaces)")
-START_TIMEOUT_S = flags.DEFINE_float("start_timeout_s", 3600.0, "how long to wait for every role to join (the "
-                                     "trainer's SFT cold start and the first compiles happen meanwhile)")
-HEARTBEAT_TIMEOUT_S = flags.DEFINE_float("heartbeat_timeout_s", None, "a rollout worker silent this long is failed "
-                                         "(default: rollout.heartbeat_timeout_s of the config)")
+START_TIMEOUT_S = flags.DEFINE_float(
+    "start_timeout_s",
+    3600.0,
+    "how long to wait for every role to join (the trainer's SFT cold start and the first compiles happen meanwhile)",
+)
+HEARTBEAT_TIMEOUT_S = flags.DEFINE_float(
+    "heartbeat_timeout_s",
+    None,
+    "a rollout worker silent this long is failed (default: rollout.heartbeat_timeout_s of the config)",
+)
 COMMAND_TIMEOUT_S = flags.DEFINE_float("command_timeout_s", 600.0, "a command unanswered this long fails its slice")
 
 
@@ -52,16 +58,17 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
     import dora_jax
     from dora_jax.coordinator.coordinator import Coordinator
     from dora_jax.coordinator.ledger import Ledger
-    from dora_jax.tasks.reward_scorer import RewardPoolScorer
     from dora_jax.runtime.build import make_tokenizer
     from dora_jax.runtime.run_config import task_config
+    from dora_jax.tasks.reward_scorer import RewardPoolScorer
     from dora_jax.tasks.task import make_task
     from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
 
     identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
     heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
-    service = CoordinatorService(identity, Timing(heartbeat_timeout_s=heartbeat_timeout_s,
-                                                  command_timeout_s=COMMAND_TIMEOUT_S.value))
+    service = CoordinatorService(
+        identity, Timing(heartbeat_timeout_s=heartbeat_timeout_s, command_timeout_s=COMMAND_TIMEOUT_S.value)
+    )
     server, port = make_server(service, PORT.value)
     _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
     tokenizer = make_tokenizer(config)
@@ -80,8 +87,15 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
         ports, version = _wait_ready(service, stop)
         if ports is None:
             return 0
-        coord = Coordinator(config.coordinator, ports, next_prompt, RewardPoolScorer(pool, prompts, tokenizer.decode),
-                            ledger, initial_version=version, on_slice_dropped=service.slice_dropped)
+        coord = Coordinator(
+            config.coordinator,
+            ports,
+            next_prompt,
+            RewardPoolScorer(pool, prompts, tokenizer.decode),
+            ledger,
+            initial_version=version,
+            on_slice_dropped=service.slice_dropped,
+        )
         service.attach(coord, list(ports.values()))
         _log(f"all roles joined; dispatching from version {version}")
         coord.start()
@@ -123,7 +137,6 @@ def _stats(coord, service) -> dict:
 
 def _log(message: str) -> None:
     print(f"[coordinator] {message}", file=sys.stderr, flush=True)
-
 
 
 def run() -> None:

@@ -30,7 +30,6 @@ def main(argv):
     print(json.dumps({"checkpoint": os.path.join(workdir, "sft"), "params": model.config.hidden_size}))
 
 
-
 def run() -> None:
     """The `python -m dora_jax.sft` entry point."""
     app.run(main)

@@ -37,24 +37,34 @@ def main(argv):
 
     rows = read_metrics(result.workdir)  # every step of the run, resumed ones included
     curve = plot_reward_curve(result.workdir)
-    print(json.dumps({
-        "workdir": result.workdir, "mode": config.mode, "steps": result.steps, "wall_s": round(result.wall_s, 2),
-        "reward_first3": _mean(r["reward_mean"] for r in rows[:3]),
-        "reward_last3": _mean(r["reward_mean"] for r in rows[-3:]),
-        "resumed_from": result.resumed_from, "preempted": result.preempted,
-        "checkpoint_errors": result.checkpoint_errors,
-        "audit_ok": result.audit.ok, "violations": result.audit.violations(),
-        "max_staleness": summary["max_staleness"], "max_versions_in_flight": summary["max_versions_in_flight"],
-        "migrations_kv": summary["migrations_kv"], "trainer_wait_s": round(result.coordinator_stats["trainer_wait_s"], 2),
-        "reward_curve": curve,
-    }))
+    print(
+        json.dumps(
+            {
+                "workdir": result.workdir,
+                "mode": config.mode,
+                "steps": result.steps,
+                "wall_s": round(result.wall_s, 2),
+                "reward_first3": _mean(r["reward_mean"] for r in rows[:3]),
+                "reward_last3": _mean(r["reward_mean"] for r in rows[-3:]),
+                "resumed_from": result.resumed_from,
+                "preempted": result.preempted,
+                "checkpoint_errors": result.checkpoint_errors,
+                "audit_ok": result.audit.ok,
+                "violations": result.audit.violations(),
+                "max_staleness": summary["max_staleness"],
+                "max_versions_in_flight": summary["max_versions_in_flight"],
+                "migrations_kv": summary["migrations_kv"],
+                "trainer_wait_s": round(result.coordinator_stats["trainer_wait_s"], 2),
+                "reward_curve": curve,
+            }
+        )
+    )
     sys.exit(1 if not result.audit.ok else 75 if result.preempted else 0)
 
 
 def _mean(values):
     values = [v for v in values if v is not None and v == v]
     return round(sum(values) / len(values), 4) if values else None
-
 
 
 def run() -> None:

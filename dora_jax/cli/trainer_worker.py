@@ -76,7 +76,9 @@ def train(config, workdir: str, client) -> None:
     try:
         mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
     except ValueError as err:
-        raise SystemExit(f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}") from None
+        raise SystemExit(
+            f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}"
+        ) from None
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
     trainer.publish()
     report = _reporter(client, store) if leader else (lambda version, digests=None: None)
@@ -88,20 +90,34 @@ def train(config, workdir: str, client) -> None:
 
     def on_row(row: dict) -> None:
         if leader:
-            _log(f"step {trainer.version}/{config.num_steps} reward {row['reward_mean']:.3f} "
-                 f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}")
+            _log(
+                f"step {trainer.version}/{config.num_steps} reward {row['reward_mean']:.3f} "
+                f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}"
+            )
 
     try:
-        training_loop.train(trainer, source, num_steps=config.num_steps, pad_to=config.pad_to,
-                            pad_id=setup.tokenizer.pad_id, writer=writer, on_row=on_row, start=start)
+        training_loop.train(
+            trainer,
+            source,
+            num_steps=config.num_steps,
+            pad_to=config.pad_to,
+            pad_id=setup.tokenizer.pad_id,
+            writer=writer,
+            on_row=on_row,
+            start=start,
+        )
     except BaseException:
         source.abort()
         raise
     finally:
         if writer is not None:
             writer.close()
-    print(json.dumps({"steps": config.num_steps, "version": trainer.version,
-                      "wall_s": round(time.perf_counter() - start, 2)}), flush=True)
+    print(
+        json.dumps(
+            {"steps": config.num_steps, "version": trainer.version, "wall_s": round(time.perf_counter() - start, 2)}
+        ),
+        flush=True,
+    )
 
 
 def _host_channel():
@@ -110,8 +126,14 @@ def _host_channel():
     import dora_jax
     from dora_jax.transport.host_mirror import HostChannel, check_same_slice
 
-    check_same_slice({"config_hash": roles.identity_hash(), "package_version": dora_jax.__version__,
-                      "role": "trainer", "num_hosts": jax.process_count()})
+    check_same_slice(
+        {
+            "config_hash": roles.identity_hash(),
+            "package_version": dora_jax.__version__,
+            "role": "trainer",
+            "num_hosts": jax.process_count(),
+        }
+    )
     return HostChannel()
 
 
@@ -145,8 +167,10 @@ def _setup_and_store(config, workdir: str, channel):
         return setup, store
     channel.receive()
     if _runs_cold_start(config) and not os.path.exists(os.path.join(workdir, "sft", "DONE")):
-        raise SystemExit(f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
-                         "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)")
+        raise SystemExit(
+            f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
+            "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)"
+        )
     return build_setup(sft_view, workdir), ParamStore(TensorStoreTier(root))
 
 
@@ -198,8 +222,9 @@ def _reporter(client, store):
     from dora_jax.transport import dora_pb2 as pb
 
     def report(version: int, behaviour_digests=None) -> None:
-        request = pb.PublishedRequest(session=client.session, version=version,
-                                      behaviour_digests=behaviour_digests or {})
+        request = pb.PublishedRequest(
+            session=client.session, version=version, behaviour_digests=behaviour_digests or {}
+        )
         reply = client.call("ReportPublished", lambda t: client.stub.ReportPublished(request, timeout=t))
         store.retire_below(min(int(reply.oldest_needed), version))
 
@@ -212,15 +237,17 @@ def _take_batch(client, version: int):
 
     request = pb.TakeBatchRequest(session=client.session, trainer_version=version, wait_s=POLL_S.value)
     while True:
-        reply = client.call("TakeBatch", lambda t: client.stub.TakeBatch(request, timeout=t),
-                            timeout_s=POLL_S.value + client.timing.call_timeout_s)
+        reply = client.call(
+            "TakeBatch",
+            lambda t: client.stub.TakeBatch(request, timeout=t),
+            timeout_s=POLL_S.value + client.timing.call_timeout_s,
+        )
         if reply.ready:
             return reply
 
 
 def _log(message: str) -> None:
     print(f"[trainer] {message}", file=sys.stderr, flush=True)
-
 
 
 def run() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from dora_jax.core.modes import policy_for
 
@@ -73,8 +73,7 @@ class AuditReport:
 
     def summary(self) -> dict:
         data = dataclasses.asdict(self)
-        for key in ("c1_violations", "c2_violations", "c3_violations", "exactly_once_violations",
-                    "weights_violations"):
+        for key in ("c1_violations", "c2_violations", "c3_violations", "exactly_once_violations", "weights_violations"):
             data[key] = {"count": len(data[key]), "first": data[key][:3]}
         data["staleness_histogram"] = {str(k): v for k, v in sorted(self.staleness_histogram.items())}
         data["max_staleness"] = self.max_staleness
@@ -157,7 +156,8 @@ class _Walk:
         if seen and digest not in seen:
             first, first_who = next(iter(seen.items()))
             self.report.weights_violations.append(
-                f"version {version}: {who} params {digest}, but {first_who} params {first}")
+                f"version {version}: {who} params {digest}, but {first_who} params {first}"
+            )
         seen.setdefault(digest, who)
 
     def on_dispatch(self, event: dict) -> None:
@@ -165,7 +165,9 @@ class _Walk:
         if traj in self.version_of:
             report.redispatched += 1
             if self.version_of[traj] != version:
-                report.c1_violations.append(f"{traj}: re-dispatched under version {version}, first {self.version_of[traj]}")
+                report.c1_violations.append(
+                    f"{traj}: re-dispatched under version {version}, first {self.version_of[traj]}"
+                )
         else:
             report.dispatched += 1
             self.version_of[traj] = version
@@ -248,7 +250,8 @@ class _Walk:
                 report.stranded += 1
                 report.c2_violations.append(
                     f"{traj} (v{version}): never consumed, and after the take at trainer version "
-                    f"{self.trained_at} it can no longer be trained within staleness {self.bound}")
+                    f"{self.trained_at} it can no longer be trained within staleness {self.bound}"
+                )
 
 
 def _staleness_bound(report: AuditReport) -> int | None:

@@ -19,17 +19,18 @@ import queue
 import threading
 import time
 import zlib
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Protocol
 
 from dora_jax.coordinator import events, orchestrator
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
 from dora_jax.coordinator.transfer_queue import TransferQueue
-from dora_jax.core.modes import Supply, Switch, policy_for
 from dora_jax.core import records
-from dora_jax.core.window import staleness_bound, takes_for_newest, window_allows
+from dora_jax.core.modes import Supply, Switch, policy_for
 from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.window import staleness_bound, takes_for_newest, window_allows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ class CoordinatorConfig:
 
 
 class RewardScorer(Protocol):
-    def submit(self, trajectory: Trajectory) -> "Future[tuple[float, Optional[str]]]":
+    def submit(self, trajectory: Trajectory) -> Future[tuple[float, str | None]]:
         """Scores off the critical path; resolves to (reward, error or None)."""
 
 
@@ -121,9 +122,9 @@ class Coordinator:
         scorer: RewardScorer,
         ledger: Ledger,
         *,
-        forced_length: Optional[Callable[[str, int], Optional[int]]] = None,
+        forced_length: Callable[[str, int], int | None] | None = None,
         initial_version: int = 0,
-        on_slice_dropped: Optional[Callable[[int, str], None]] = None,
+        on_slice_dropped: Callable[[int, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`on_slice_dropped(slice_id, reason)` is told of every slice the coordinator drops, whoever
@@ -142,7 +143,7 @@ class Coordinator:
         self._clock = clock
         self.latest = initial_version  # newest published version
         self._taken_at = initial_version - 1  # trainer version of the last take
-        self.slice_version: dict[int, Optional[int]] = {sid: None for sid in self.ports}
+        self.slice_version: dict[int, int | None] = {sid: None for sid in self.ports}
         self.slice_trajs: dict[int, list[str]] = {sid: [] for sid in self.ports}
         self.requests: dict[str, Request] = {}  # in flight (dispatched, not finished)
         self.slice_of: dict[str, int] = {}
@@ -159,7 +160,7 @@ class Coordinator:
         self._redispatch: set[str] = set()  # backlog ids that were dispatched before
         self._unsent: set[str] = set()  # groups none of whose requests was ever sent: only these may be re-tagged
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
-        self._inbox: "queue.Queue[events.Event]" = queue.Queue()
+        self._inbox: queue.Queue[events.Event] = queue.Queue()
         # A plain lock: `_port_call` releases it around each call, which a re-entrant lock held
         # twice would not do.
         self._cond = threading.Condition(threading.Lock())
@@ -183,7 +184,7 @@ class Coordinator:
         """A (re)started slice joins with nothing loaded; the next rebalance gives it work."""
         self._inbox.put(events.SliceJoined(port))
 
-    def request_snapshot(self, extra: Optional[Callable[[], dict]] = None) -> "Future[dict]":
+    def request_snapshot(self, extra: Callable[[], dict] | None = None) -> Future[dict]:
         """`snapshot()` taken by the loop thread (it calls the ports); for other threads."""
         future: Future = Future()
         self._inbox.put(events.SnapshotRequested(extra, future))
@@ -198,8 +199,15 @@ class Coordinator:
         """Writes the run's header to the ledger and dispatches at the initial version."""
         with self._cond:
             cfg = self.config
-            self.ledger.write("run", mode=cfg.mode, k_max=cfg.window, rbs=cfg.rollout_batch_size,
-                              tbs=cfg.train_batch_size, group_size=cfg.group_size, slices=len(self.ports))
+            self.ledger.write(
+                "run",
+                mode=cfg.mode,
+                k_max=cfg.window,
+                rbs=cfg.rollout_batch_size,
+                tbs=cfg.train_batch_size,
+                group_size=cfg.group_size,
+                slices=len(self.ports),
+            )
             self._supply(initial=True)
             self._apply_switching()
 
@@ -226,7 +234,10 @@ class Coordinator:
             finished = events.Finished in kinds and (self.policy.switch != Switch.ORCHESTRATE or self._pressure())
             if new or finished:
                 self._apply_switching()  # pressure trigger; idle slices may switch and take the backlog
-            if self.policy.switch == Switch.ORCHESTRATE and self._clock() - self._last_rebalance > self.config.rebalance_period_s:
+            if (
+                self.policy.switch == Switch.ORCHESTRATE
+                and self._clock() - self._last_rebalance > self.config.rebalance_period_s
+            ):
                 self._apply_switching()  # periodic trigger
             self._cond.notify_all()
         return handled
@@ -317,14 +328,28 @@ class Coordinator:
             traj_id = f"{group_id}/{i}"
             sampling = dataclasses.replace(cfg.sampling, seed=zlib.crc32(f"{cfg.seed}:{traj_id}".encode()) & 0x7FFFFFFF)
             forced = self._forced_length(prompt_id, i) if self._forced_length else None
-            requests.append(Request(traj_id, group_id, str(prompt_id), tuple(int(t) for t in prompt_ids),
-                                    self.latest, cfg.max_new_tokens, sampling, tuple(cfg.stop_ids), forced))
+            requests.append(
+                Request(
+                    traj_id,
+                    group_id,
+                    str(prompt_id),
+                    tuple(int(t) for t in prompt_ids),
+                    self.latest,
+                    cfg.max_new_tokens,
+                    sampling,
+                    tuple(cfg.stop_ids),
+                    forced,
+                )
+            )
         return requests
 
     def _send(self, requests: Sequence[Request], slice_id: int) -> None:
         for request in requests:
             if request.version != self.slice_version[slice_id]:
-                raise RuntimeError(f"{request.traj_id} (v{request.version}) sent to slice {slice_id} serving v{self.slice_version[slice_id]}")
+                raise RuntimeError(
+                    f"{request.traj_id} (v{request.version}) sent to slice {slice_id} "
+                    f"serving v{self.slice_version[slice_id]}"
+                )
             self.requests[request.traj_id] = request
             self.slice_of[request.traj_id] = slice_id
             self.origin.setdefault(request.traj_id, slice_id)
@@ -332,9 +357,16 @@ class Coordinator:
             again = request.traj_id in self._redispatch
             self._redispatch.discard(request.traj_id)
             self._unsent.discard(request.group_id)
-            self.ledger.write("dispatch", traj=request.traj_id, group=request.group_id, prompt=request.prompt_id,
-                              version=request.version, slice=slice_id, **({"redispatch": True} if again else {}),
-                              **({"prefix_tokens": len(request.prefix_response_ids)} if request.prefix_response_ids else {}))
+            self.ledger.write(
+                "dispatch",
+                traj=request.traj_id,
+                group=request.group_id,
+                prompt=request.prompt_id,
+                version=request.version,
+                slice=slice_id,
+                **({"redispatch": True} if again else {}),
+                **({"prefix_tokens": len(request.prefix_response_ids)} if request.prefix_response_ids else {}),
+            )
             self.stats.dispatched += not again
             self.stats.redispatched += again
         if requests:
@@ -416,12 +448,20 @@ class Coordinator:
             self.backlog = [r for r in self.backlog if r.traj_id not in sent]
 
     def _serving(self, version: int) -> list[int]:
-        return [s for s in self.ports if self.slice_version[s] == version and s not in self.draining
-                and s not in self._failing]
+        return [
+            s
+            for s in self.ports
+            if self.slice_version[s] == version and s not in self.draining and s not in self._failing
+        ]
 
     def _views(self) -> list[orchestrator.SliceView]:
-        return [orchestrator.SliceView(sid, self.slice_version[sid], self.ports[sid].num_slots,
-                                       tuple(self.slice_trajs[sid])) for sid in self.ports if sid not in self.draining]
+        return [
+            orchestrator.SliceView(
+                sid, self.slice_version[sid], self.ports[sid].num_slots, tuple(self.slice_trajs[sid])
+            )
+            for sid in self.ports
+            if sid not in self.draining
+        ]
 
     def _orchestrate(self) -> None:
         self._absorb()
@@ -446,16 +486,26 @@ class Coordinator:
         self.backlog = old + list(backlog.values())
         for sid, requests in sorted(by_slice.items()):
             self._send(requests, sid)
-        self._migrate([m for m in plan.fills if m.src in self.ports and m.dst in self.ports
-                       and self.slice_version[m.src] == self.slice_version[m.dst]
-                       and m.traj_id in self.slice_trajs[m.src]])
+        self._migrate(
+            [
+                m
+                for m in plan.fills
+                if m.src in self.ports
+                and m.dst in self.ports
+                and self.slice_version[m.src] == self.slice_version[m.dst]
+                and m.traj_id in self.slice_trajs[m.src]
+            ]
+        )
 
     def _switch_idle(self) -> None:
         """sync / one_step_off / partial_rollout: a slice loads the newest version only when empty;
         the backlog goes to slices serving its version, least loaded first."""
         for sid in list(self.ports):
-            if sid not in self.draining and not self.slice_trajs[sid] and self.slice_version[sid] != self.latest and any(
-                r.version == self.latest for r in self.backlog
+            if (
+                sid not in self.draining
+                and not self.slice_trajs[sid]
+                and self.slice_version[sid] != self.latest
+                and any(r.version == self.latest for r in self.backlog)
             ):
                 self._load(sid, self.latest)
         remaining = []
@@ -478,8 +528,9 @@ class Coordinator:
             return False
         self.slice_version[slice_id] = version
         self.stats.switches += 1
-        self.ledger.write("load_version", slice=slice_id, version=version,
-                          **({"digest": digest} if isinstance(digest, str) else {}))
+        self.ledger.write(
+            "load_version", slice=slice_id, version=version, **({"digest": digest} if isinstance(digest, str) else {})
+        )
         return True
 
     def _port_call(self, slice_id: int, method: str, *args, default=None):
@@ -550,7 +601,9 @@ class Coordinator:
                 traj_id = item.request.traj_id if isinstance(item, SlotState) else item.traj_id
                 version = item.request.version if isinstance(item, SlotState) else item.version
                 if self.slice_version[dst] != version:
-                    raise RuntimeError(f"{traj_id} (v{version}) routed to slice {dst} serving v{self.slice_version[dst]}")
+                    raise RuntimeError(
+                        f"{traj_id} (v{version}) routed to slice {dst} serving v{self.slice_version[dst]}"
+                    )
                 self.slice_trajs[src].remove(traj_id)
                 self.slice_trajs[dst].append(traj_id)
                 self.slice_of[traj_id] = dst
@@ -567,7 +620,9 @@ class Coordinator:
         for sid, trajs in self.slice_trajs.items():
             v = self.slice_version[sid]
             if len(trajs) > self.ports[sid].num_slots and any(
-                self.slice_version[o] == v and len(self.slice_trajs[o]) < self.ports[o].num_slots for o in self.ports if o != sid
+                self.slice_version[o] == v and len(self.slice_trajs[o]) < self.ports[o].num_slots
+                for o in self.ports
+                if o != sid
             ):
                 return True
             if not trajs and v != self.latest:
@@ -590,8 +645,14 @@ class Coordinator:
                 continue
             for request in requests:
                 self.stats.interrupts += 1
-                self.ledger.write("interrupt", traj=request.traj_id, version=request.version, to_version=self.latest,
-                                  tokens=len(request.prefix_response_ids), slice=sid)
+                self.ledger.write(
+                    "interrupt",
+                    traj=request.traj_id,
+                    version=request.version,
+                    to_version=self.latest,
+                    tokens=len(request.prefix_response_ids),
+                    slice=sid,
+                )
                 self.slice_trajs[sid].append(request.traj_id)
             if requests:
                 self._port_call(sid, "import_", requests)
@@ -608,9 +669,16 @@ class Coordinator:
         sid = self.slice_of.pop(traj.traj_id)
         self.slice_trajs[sid].remove(traj.traj_id)
         self.stats.finished += 1
-        self.ledger.write("finish", traj=traj.traj_id, version=traj.version, versions_seen=list(traj.versions_seen),
-                          tokens=traj.num_tokens, reason=traj.finish_reason.value, slice=slice_id,
-                          **({"error": traj.error} if traj.error else {}))
+        self.ledger.write(
+            "finish",
+            traj=traj.traj_id,
+            version=traj.version,
+            versions_seen=list(traj.versions_seen),
+            tokens=traj.num_tokens,
+            reason=traj.finish_reason.value,
+            slice=slice_id,
+            **({"error": traj.error} if traj.error else {}),
+        )
         self._score(traj)
 
     def _score(self, traj: Trajectory) -> None:
@@ -621,7 +689,7 @@ class Coordinator:
         future = self._scorer.submit(traj)
         future.add_done_callback(lambda f, t=traj: self._inbox.put(events.Scored(t, *_result(f))))
 
-    def _on_scored(self, traj: Trajectory, reward: float, error: Optional[str]) -> None:
+    def _on_scored(self, traj: Trajectory, reward: float, error: str | None) -> None:
         if self.unscored.pop(traj.traj_id, None) is None:
             raise RuntimeError(f"{traj.traj_id} scored but not awaiting a reward")
         group = self.groups[traj.group_id]
@@ -643,8 +711,9 @@ class Coordinator:
         # Whole groups that were never sent (no dispatch line yet) move to the newest version,
         # where new work belongs. The rest of the backlog keeps its version (C1): requests put back
         # from a dead slice or restored from a checkpoint, and groups partly sent already.
-        self.backlog = [dataclasses.replace(r, version=version) if r.group_id in self._unsent else r
-                        for r in self.backlog]
+        self.backlog = [
+            dataclasses.replace(r, version=version) if r.group_id in self._unsent else r for r in self.backlog
+        ]
         for group_id in self._unsent:
             self.groups[group_id].version = version
         self._count_versions_in_flight()
@@ -654,7 +723,7 @@ class Coordinator:
         self._apply_switching()
 
     # ------------------------------------------------------------------ checkpoints
-    def snapshot(self, extra: Optional[Callable[[], dict]] = None) -> dict:
+    def snapshot(self, extra: Callable[[], dict] | None = None) -> dict:
         """The coordinator's state as JSON, consistent with the ledger's first `ledger_offset`
         lines. In-flight requests carry their tokens so far (the ports' `progress`) as a prefix;
         finished groups, partly scored groups and trajectories awaiting a reward are kept whole.
@@ -664,7 +733,7 @@ class Coordinator:
         with self._cond:
             return self._snapshot(extra)
 
-    def _snapshot(self, extra: Optional[Callable[[], dict]]) -> dict:
+    def _snapshot(self, extra: Callable[[], dict] | None) -> dict:
         self._absorb()
         progress: dict[str, Request] = {}
         for sid in list(self.ports):
@@ -672,17 +741,23 @@ class Coordinator:
                 progress.update(self._port_call(sid, "progress", default={}) or {})
         # Nothing below releases the lock: the state and the ledger offset are read together.
         extra_state = extra() if extra else {}
-        dispatched = [progress.get(t, r) if progress.get(t, r).version == r.version else r
-                      for t, r in self.requests.items()]
+        dispatched = [
+            progress.get(t, r) if progress.get(t, r).version == r.version else r for t, r in self.requests.items()
+        ]
         return {
             "latest": self.latest,
             "next_group": self._next_group,
             "dispatched": [records.request_to_json(r) for r in dispatched],
             "backlog": [records.request_to_json(r) for r in self.backlog],
             "redispatch": sorted(self._redispatch),
-            "groups": {gid: {"version": g.version, "size": g.size,
-                             "scored": [records.scored_to_json(x) for x in g.scored.values()]}
-                       for gid, g in self.groups.items()},
+            "groups": {
+                gid: {
+                    "version": g.version,
+                    "size": g.size,
+                    "scored": [records.scored_to_json(x) for x in g.scored.values()],
+                }
+                for gid, g in self.groups.items()
+            },
             "unscored": [records.trajectory_to_json(t) for t in self.unscored.values()],
             "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
             "stats": dataclasses.asdict(self.stats),
@@ -690,22 +765,31 @@ class Coordinator:
             "extra": extra_state,
         }
 
-    def restore(self, state: Optional[dict]) -> None:
+    def restore(self, state: dict | None) -> None:
         """Continues from `snapshot()`, before `start()` and with nothing loaded on the slices:
         writes the ledger's `resume` event (voiding what the lost process wrote after the
         snapshot), re-dispatches in-flight requests under their own version, re-scores. With no
         state (a run that died before its first checkpoint) everything before is voided."""
         with self._cond:
             if state is None:
-                self.ledger.write("resume", ledger_offset=0, version=self.latest, in_flight=0, backlog=0,
-                                  unconsumed_groups=0, prefix_tokens=0)
+                self.ledger.write(
+                    "resume",
+                    ledger_offset=0,
+                    version=self.latest,
+                    in_flight=0,
+                    backlog=0,
+                    unconsumed_groups=0,
+                    prefix_tokens=0,
+                )
                 return
             self.latest = int(state["latest"])
             self._taken_at = self.latest  # not known: assume taken, the smaller window (never more than C3 allows)
             self._next_group = int(state["next_group"])
             for gid, g in state["groups"].items():
                 scored = [records.scored_from_json(x) for x in g["scored"]]
-                self.groups[gid] = _GroupState(int(g["version"]), int(g["size"]), {x.trajectory.traj_id: x for x in scored})
+                self.groups[gid] = _GroupState(
+                    int(g["version"]), int(g["size"]), {x.trajectory.traj_id: x for x in scored}
+                )
                 self._group_samples += int(g["size"])
             for g in state["queue"]:
                 self.queue.put(records.group_from_json(g))
@@ -713,10 +797,15 @@ class Coordinator:
             dispatched = [records.request_from_json(r) for r in state["dispatched"]]
             self.backlog = dispatched + [records.request_from_json(r) for r in state["backlog"]]
             self._redispatch = set(state["redispatch"]) | {r.traj_id for r in dispatched}
-            self.ledger.write("resume", ledger_offset=int(state["ledger_offset"]), version=self.latest,
-                              in_flight=len(dispatched), backlog=len(state["backlog"]),
-                              unconsumed_groups=len(self.queue) + len(self.groups),
-                              prefix_tokens=sum(len(r.prefix_response_ids) for r in dispatched))
+            self.ledger.write(
+                "resume",
+                ledger_offset=int(state["ledger_offset"]),
+                version=self.latest,
+                in_flight=len(dispatched),
+                backlog=len(state["backlog"]),
+                unconsumed_groups=len(self.queue) + len(self.groups),
+                prefix_tokens=sum(len(r.prefix_response_ids) for r in dispatched),
+            )
             for data in state["unscored"]:
                 self._score(records.trajectory_from_json(data))
 
@@ -730,7 +819,7 @@ class Coordinator:
                 self._cond.wait(0.05)
 
     # ------------------------------------------------------------------ trainer side
-    def try_take_batch(self, trainer_version: int) -> Optional[list[Group]]:
+    def try_take_batch(self, trainer_version: int) -> list[Group] | None:
         """TBS samples, oldest version first, if the version window lets the trainer advance from
         `trainer_version` to `trainer_version + 1`; None otherwise. Caller holds no lock."""
         with self._cond:
@@ -747,15 +836,21 @@ class Coordinator:
             self._taken_at = trainer_version
             for group in batch:
                 for sample in group.samples:
-                    self.ledger.write("consume", traj=sample.trajectory.traj_id, group=group.group_id,
-                                      version=sample.trajectory.version, step=trainer_version,
-                                      trainer_version=trainer_version)
+                    self.ledger.write(
+                        "consume",
+                        traj=sample.trajectory.traj_id,
+                        group=group.group_id,
+                        version=sample.trajectory.version,
+                        step=trainer_version,
+                        trainer_version=trainer_version,
+                    )
                     self.stats.consumed += 1
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
             return batch
 
-    def take_batch(self, trainer_version: int, timeout: float | None = None,
-                   cancel: Optional[threading.Event] = None) -> Optional[list[Group]]:
+    def take_batch(
+        self, trainer_version: int, timeout: float | None = None, cancel: threading.Event | None = None
+    ) -> list[Group] | None:
         """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s.
         None once the coordinator is closed or `cancel` is set (nothing is taken then)."""
         start = time.monotonic()
@@ -782,7 +877,7 @@ def _as_request(item) -> Request:
     )
 
 
-def _result(future: Future) -> tuple[float, Optional[str]]:
+def _result(future: Future) -> tuple[float, str | None]:
     try:
         reward, error = future.result()
     except Exception as err:  # the scorer itself failed: mask the sample, keep the run

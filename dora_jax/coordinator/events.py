@@ -8,8 +8,9 @@ that dispatches on their type.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any
 
 from dora_jax.core.records import Trajectory
 
@@ -28,7 +29,7 @@ class Scored:
 
     trajectory: Trajectory
     reward: float
-    error: Optional[str]
+    error: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,8 @@ class SliceJoined:
 class SnapshotRequested:
     """Another thread wants `snapshot()`: it reads the ports' progress, so the loop takes it."""
 
-    extra: Optional[Callable[[], dict]]
-    result: "Future[dict]"
+    extra: Callable[[], dict] | None
+    result: Future[dict]
 
 
 Event = Finished | Scored | Published | Taken | SliceFailed | SliceJoined | SnapshotRequested

@@ -7,11 +7,12 @@ events. Commands on one port are executed in order; each call returns once the w
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, Union
+from collections.abc import Sequence
+from typing import Protocol
 
 from dora_jax.core.records import Request, SlotState
 
-Migratable = Union[SlotState, Request]  # an admitted request moves with its KV; a queued one as is
+Migratable = SlotState | Request  # an admitted request moves with its KV; a queued one as is
 
 
 class PortError(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 from dora_jax.core.records import Group
 

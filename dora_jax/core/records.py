@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
 
 import numpy as np
 
@@ -43,7 +42,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_ids: tuple[int, ...] = ()
-    forced_length: Optional[int] = None  # stop at exactly this many tokens, ignoring EOS
+    forced_length: int | None = None  # stop at exactly this many tokens, ignoring EOS
     # Tokens already generated before a re-dispatch (resume / partial rollout): re-prefilled.
     prefix_response_ids: tuple[int, ...] = ()
     prefix_logprobs: tuple[float, ...] = ()
@@ -88,7 +87,7 @@ class Trajectory:
     versions_seen: tuple[int, ...]  # sorted set of versions that actually sampled its tokens
     finish_reason: FinishReason
     slice_id: int = -1
-    error: Optional[str] = None
+    error: str | None = None
     dispatch_t: float = 0.0
     finish_t: float = 0.0
     num_migrations: int = 0
@@ -104,7 +103,7 @@ class ScoredTrajectory:
 
     trajectory: Trajectory
     reward: float
-    reward_error: Optional[str] = None
+    reward_error: str | None = None
 
     @property
     def valid(self) -> bool:

@@ -4,7 +4,7 @@ v .. v + K, where K is the mode's bound."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from dora_jax.core.modes import Mode, policy_for
 

@@ -21,7 +21,21 @@ _LENGTH = flags.DEFINE_integer("length", 64, "sequence length")
 
 def main(argv):
     del argv
-    model = load_hf(_HF_PATH.value) if _HF_PATH.value else init_model(ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32))
+    model = (
+        load_hf(_HF_PATH.value)
+        if _HF_PATH.value
+        else init_model(
+            ModelConfig(
+                vocab_size=256,
+                hidden_size=128,
+                intermediate_size=256,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=32,
+            )
+        )
+    )
     graphdef, params = split(model)
     cfg = model.config
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH.value, _LENGTH.value)), jnp.int32)
@@ -29,11 +43,19 @@ def main(argv):
     jax.block_until_ready(forward(params, ids))
     start = time.perf_counter()
     logits = jax.block_until_ready(forward(params, ids))
-    print(json.dumps({
-        "model_type": cfg.model_type, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-        "devices": [str(d) for d in jax.devices()], "logits_shape": list(logits.shape),
-        "forward_s": round(time.perf_counter() - start, 5), "finite": bool(jnp.isfinite(logits).all()),
-    }))
+    print(
+        json.dumps(
+            {
+                "model_type": cfg.model_type,
+                "layers": cfg.num_layers,
+                "hidden": cfg.hidden_size,
+                "devices": [str(d) for d in jax.devices()],
+                "logits_shape": list(logits.shape),
+                "forward_s": round(time.perf_counter() - start, 5),
+                "finite": bool(jnp.isfinite(logits).all()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

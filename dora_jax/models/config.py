@@ -73,31 +73,39 @@ class ModelConfig:
                 f"model_type={self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         # save_hf must write what transformers (and load_hf) read back for this model_type.
         if self.qk_norm != (self.model_type in _QK_NORM_TYPES):
-            raise ValueError(f"qk_norm={self.qk_norm} does not match model_type={self.model_type!r} "
-                             f"(q/k RMSNorm is what makes a Qwen3; expected qk_norm == (model_type in {_QK_NORM_TYPES}))")
+            raise ValueError(
+                f"qk_norm={self.qk_norm} does not match model_type={self.model_type!r} "
+                f"(q/k RMSNorm is what makes a Qwen3; expected qk_norm == (model_type in {_QK_NORM_TYPES}))"
+            )
         self._check_moe()
         if self.model_type == "qwen2" and (not self.attention_bias or self.attention_out_bias):
-            raise ValueError("model_type='qwen2' has q/k/v biases and no o_proj bias: expected "
-                             "attention_bias=True, attention_out_bias=False")
+            raise ValueError(
+                "model_type='qwen2' has q/k/v biases and no o_proj bias: expected "
+                "attention_bias=True, attention_out_bias=False"
+            )
         if self.model_type != "qwen2" and self.attention_bias != self.attention_out_bias:
-            raise ValueError(f"model_type={self.model_type!r} biases all of q/k/v/o or none: attention_bias="
-                             f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must match")
+            raise ValueError(
+                f"model_type={self.model_type!r} biases all of q/k/v/o or none: attention_bias="
+                f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must match"
+            )
         if self.rope.kind not in ("default", "llama3"):
             raise ValueError(f"rope kind {self.rope.kind!r} not supported; expected 'default' or 'llama3'")
 
     def _check_moe(self):
         if (self.num_experts > 0) != (self.model_type == "qwen3_moe"):
-            raise ValueError(f"num_experts={self.num_experts} does not match model_type={self.model_type!r} "
-                             "(experts are what makes a qwen3_moe; expected num_experts >= 1 exactly for qwen3_moe)")
+            raise ValueError(
+                f"num_experts={self.num_experts} does not match model_type={self.model_type!r} "
+                "(experts are what makes a qwen3_moe; expected num_experts >= 1 exactly for qwen3_moe)"
+            )
         if not self.num_experts:
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok}; expected 1..num_experts={self.num_experts}")
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok}; expected 1..num_experts={self.num_experts}"
+            )
         if self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size}; expected >= 1")
         if self.decoder_sparse_step < 1:
@@ -110,10 +118,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """HF Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @property
@@ -209,9 +218,12 @@ class ModelConfig:
             hf["attention_bias"] = self.attention_bias
         if self.model_type == "qwen3_moe":
             hf.update(
-                num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
             )
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
@@ -225,9 +237,14 @@ def moe_fields(m) -> dict:
     names them the same (the run config's `model`, `EngineBenchConfig`); {} when num_experts = 0."""
     if not m.num_experts:
         return {}
-    return dict(model_type="qwen3_moe", num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-                moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
-                moe_dispatch=m.moe_dispatch)
+    return dict(
+        model_type="qwen3_moe",
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        norm_topk_prob=m.norm_topk_prob,
+        moe_dispatch=m.moe_dispatch,
+    )
 
 
 def _as_eos(value):
@@ -240,8 +257,10 @@ def _moe_from_hf(hf: dict, source: str) -> dict:
     """The ModelConfig fields of a HF qwen3_moe config (transformers writes the expert count as
     `num_local_experts`, the Hub's configs as `num_experts`)."""
     if hf.get("shared_expert_intermediate_size"):
-        raise ValueError(f"{source}: shared_expert_intermediate_size={hf['shared_expert_intermediate_size']} "
-                         "(shared experts) is not supported for qwen3_moe; expected 0 or absent")
+        raise ValueError(
+            f"{source}: shared_expert_intermediate_size={hf['shared_expert_intermediate_size']} "
+            "(shared experts) is not supported for qwen3_moe; expected 0 or absent"
+        )
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
     if num_experts is None:
         raise ValueError(f"{source}: required field 'num_experts' (or 'num_local_experts') is missing")
@@ -266,9 +285,7 @@ def _rope_from_hf(hf: dict, source: str) -> RopeConfig:
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind != "llama3":
-        raise ValueError(
-            f"{source}: rope type {kind!r} is not supported; expected 'default' or 'llama3'"
-        )
+        raise ValueError(f"{source}: rope type {kind!r} is not supported; expected 'default' or 'llama3'")
     try:
         return RopeConfig(
             theta=theta,

@@ -37,7 +37,7 @@ class KVCache:
     v_LBSKD: jax.Array
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
         shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
         dtype = dtype or config.dtype
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -104,8 +104,11 @@ class Attention(nnx.Module):
         else:  # write the new rows at their positions, attend over the whole cache
             start_B = positions_BT[:, 0]
             write = jax.vmap(
-                lambda c_LSKD, u_TKD, p: jax.lax.dynamic_update_slice(c_LSKD, u_TKD[None].astype(c_LSKD.dtype), (layer, p, 0, 0)),
-                in_axes=(1, 0, 0), out_axes=1,
+                lambda c_LSKD, u_TKD, p: jax.lax.dynamic_update_slice(
+                    c_LSKD, u_TKD[None].astype(c_LSKD.dtype), (layer, p, 0, 0)
+                ),
+                in_axes=(1, 0, 0),
+                out_axes=1,
             )
             new_cache = (write(cache[0], k_BTKD, start_B), write(cache[1], v_BTKD, start_B))
             keys_BSKD, values_BSKD = new_cache[0][layer], new_cache[1][layer]
@@ -177,10 +180,19 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head_EV = _param(_normal(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype), ("embed", "vocab"))
+            self.lm_head_EV = _param(
+                _normal(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype), ("embed", "vocab")
+            )
 
-    def __call__(self, input_ids_BT, positions_BT=None, *, cache: KVCache | None = None, return_kv: bool = False,
-                 return_routing: bool = False):
+    def __call__(
+        self,
+        input_ids_BT,
+        positions_BT=None,
+        *,
+        cache: KVCache | None = None,
+        return_kv: bool = False,
+        return_routing: bool = False,
+    ):
         """Logits (float32) for every input position.
 
         Without `cache`: a causal forward over the T tokens (positions default to 0..T-1); with

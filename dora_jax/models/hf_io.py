@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.models.config import ModelConfig
 from dora_jax.models.decoder import Decoder, init_model
+from dora_jax.parallel import sharding as sharding_lib
 
 # Tensors transformers keeps as buffers in some versions; never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,8 +34,10 @@ def _weight_map(cfg: ModelConfig, fused_experts: frozenset[int] = frozenset()):
     """[(hf_names, path, to_ours, to_hf)] for every parameter of `cfg`'s decoder: `to_ours` maps
     the list of HF arrays to ours, `to_hf` ours to the list. MoE layers in `fused_experts` read
     the fused 3D expert tensors."""
-    entries = [((name,), ours, lambda ws, f=to_ours: f(ws[0]), lambda w, f=to_hf: [f(w)])
-               for name, ours, to_ours, to_hf in _single_map(cfg)]
+    entries = [
+        ((name,), ours, lambda ws, f=to_ours: f(ws[0]), lambda w, f=to_hf: [f(w)])
+        for name, ours, to_ours, to_hf in _single_map(cfg)
+    ]
     for i in range(cfg.num_layers):
         if cfg.is_moe_layer(i):
             entries += _expert_map(cfg, i, fused=i in fused_experts)
@@ -60,7 +63,7 @@ def _expert_map(cfg: ModelConfig, i: int, *, fused: bool):
 def _split_gate_up(w_X2ME, M: int, half: int):
     if w_X2ME.ndim != 3 or w_X2ME.shape[1] != 2 * M:
         return w_X2ME  # the caller's shape check names the tensor
-    return w_X2ME[:, half * M:(half + 1) * M, :].transpose(0, 2, 1)
+    return w_X2ME[:, half * M : (half + 1) * M, :].transpose(0, 2, 1)
 
 
 def _single_map(cfg: ModelConfig):
@@ -77,7 +80,10 @@ def _single_map(cfg: ModelConfig):
     def bias(*shape):
         return (lambda w: w.reshape(shape), lambda w: w.reshape(-1))
 
-    entries = [("model.embed_tokens.weight", ("embed_VE",), *same), ("model.norm.weight", ("final_norm", "scale"), *same)]
+    entries = [
+        ("model.embed_tokens.weight", ("embed_VE",), *same),
+        ("model.norm.weight", ("final_norm", "scale"), *same),
+    ]
     if not cfg.tie_word_embeddings:
         entries.append(("lm_head.weight", ("lm_head_EV",), lambda w: w.T, lambda w: w.T))
     for i in range(cfg.num_layers):
@@ -251,4 +257,3 @@ def _save_bf16(tensors: dict[str, np.ndarray], file: str) -> None:
     from safetensors.flax import save_file
 
     save_file({k: jnp.asarray(v, jnp.bfloat16) for k, v in tensors.items()}, file, metadata={"format": "pt"})
-

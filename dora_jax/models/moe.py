@@ -95,8 +95,12 @@ class MoE(nnx.Module):
         logits_NX = jnp.einsum("ne,ex->nx", x_NE, self.router_EX[...].astype(dt), preferred_element_type=jnp.float32)
         probs_NX, weights_NK, experts_NK = route(logits_NX, self.k, self.norm_topk_prob)
         y_NE = self.compute(
-            x_NE, weights_NK.astype(dt), experts_NK,
-            self.gate_XEM[...].astype(dt), self.up_XEM[...].astype(dt), self.down_XME[...].astype(dt),
+            x_NE,
+            weights_NK.astype(dt),
+            experts_NK,
+            self.gate_XEM[...].astype(dt),
+            self.up_XEM[...].astype(dt),
+            self.down_XME[...].astype(dt),
         )
         routing = Routing(probs_BTX=probs_NX.reshape(B, T, -1), experts_BTK=experts_NK.reshape(B, T, -1))
         return y_NE.reshape(B, T, E), routing

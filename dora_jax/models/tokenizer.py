@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jinja2
 import jinja2.sandbox

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -31,9 +32,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from dora_jax.parallel import sharding as sharding_lib
-from dora_jax.models import KV_CACHE_AXES, KVCache, ModelConfig, abstract_model, load_hf, logical_axes, split
 from dora_jax.core.records import Request, SamplingParams, SlotState
+from dora_jax.models import KV_CACHE_AXES, KVCache, ModelConfig, abstract_model, load_hf, logical_axes, split
+from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.rollout import sampling
 
 _PREFIX_KV_AXES = ("layers", "length", "kv_heads", "head_dim")
@@ -55,7 +56,9 @@ class EngineConfig:
             if value < 1 or value & (value - 1):
                 raise ValueError(f"engine.{name}={value}; expected a power of two")
         if self.min_prefill_bucket > self.max_prefill_length:
-            raise ValueError(f"engine.min_prefill_bucket={self.min_prefill_bucket} > max_prefill_length={self.max_prefill_length}")
+            raise ValueError(
+                f"engine.min_prefill_bucket={self.min_prefill_bucket} > max_prefill_length={self.max_prefill_length}"
+            )
         if self.max_prefill_length > self.cache_length:
             raise ValueError(f"engine.max_prefill_length={self.max_prefill_length} > cache_length={self.cache_length}")
         if self.num_slots < 1:
@@ -80,9 +83,11 @@ class EngineConfig:
         start = length - chunks[-1]
         bucket = next(b for b in self.prefill_buckets if b >= chunks[-1])
         if start + bucket > self.cache_length:
-            raise ValueError(f"{length} tokens prefill in chunks of max_prefill_length={self.max_prefill_length}; "
-                             f"the last ({chunks[-1]} tokens, padded to {bucket}) after {start} overflows "
-                             f"cache_length={self.cache_length}")
+            raise ValueError(
+                f"{length} tokens prefill in chunks of max_prefill_length={self.max_prefill_length}; "
+                f"the last ({chunks[-1]} tokens, padded to {bucket}) after {start} overflows "
+                f"cache_length={self.cache_length}"
+            )
         return chunks
 
     def rows_bucket(self, rows: int) -> int:
@@ -140,39 +145,63 @@ class ResultTokens:
             if isinstance(array, jax.Array):
                 array.copy_to_host_async()
 
-    def convert_to_numpy(self) -> "ResultTokens":
+    def convert_to_numpy(self) -> ResultTokens:
         return jax.tree.map(np.asarray, jax.device_get(self))
 
 
-def _prefill_step(graphdef, config: EngineConfig, params, tokens_T, prior, start, true_length, key_data_2,
-                  temperature, top_p, top_k, sample_first, *, sampler):
+def _prefill_step(
+    graphdef,
+    config: EngineConfig,
+    params,
+    tokens_T,
+    prior,
+    start,
+    true_length,
+    key_data_2,
+    temperature,
+    top_p,
+    top_k,
+    sample_first,
+    *,
+    sampler,
+):
     """Writes tokens_T at rows start.. of a fresh R-row cache (after `prior` rows) and samples."""
     model = nnx.merge(graphdef, params)
     T = tokens_T.shape[0]
     rows = (0 if prior is None else prior[0].shape[1]) + T
     cache = KVCache.zeros(model.config, batch=1, length=config.rows_bucket(rows))
     if prior is not None:
-        cache = KVCache(*(jax.lax.dynamic_update_slice(c, p[:, None].astype(c.dtype), (0, 0, 0, 0, 0))
-                          for c, p in zip((cache.k_LBSKD, cache.v_LBSKD), prior)))
+        cache = KVCache(
+            *(
+                jax.lax.dynamic_update_slice(c, p[:, None].astype(c.dtype), (0, 0, 0, 0, 0))
+                for c, p in zip((cache.k_LBSKD, cache.v_LBSKD), prior)
+            )
+        )
     positions_1T = (start + jnp.arange(T, dtype=jnp.int32))[None]
     logits_1TV, cache = model(tokens_T[None], positions_1T, cache=cache)
     logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], true_length - 1, keepdims=True)
     end = start + true_length
-    token_1, logp_1, sample_logp_1 = _pick(logits_1V, key_data_2[None], end[None], temperature[None],
-                                           top_p[None], top_k[None], sampler)
+    token_1, logp_1, sample_logp_1 = _pick(
+        logits_1V, key_data_2[None], end[None], temperature[None], top_p[None], top_k[None], sampler
+    )
     pending = jax.lax.dynamic_index_in_dim(tokens_T, true_length - 1, keepdims=False)
     prefix = Prefix(
-        k_LRKD=cache.k_LBSKD[:, 0], v_LRKD=cache.v_LBSKD[:, 0],
+        k_LRKD=cache.k_LBSKD[:, 0],
+        v_LRKD=cache.v_LBSKD[:, 0],
         length=jnp.where(sample_first, end, end - 1).astype(jnp.int32),
         token=jnp.where(sample_first, token_1[0], pending).astype(jnp.int32),
-        logp=jnp.where(sample_first, logp_1[0], 0.0), key_data=key_data_2,
-        temperature=temperature, top_p=top_p, top_k=top_k,
+        logp=jnp.where(sample_first, logp_1[0], 0.0),
+        key_data=key_data_2,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
         generated=sample_first.astype(jnp.int32),
     )
     valid = sample_first.astype(jnp.int32)
     result = ResultTokens(
         data=jnp.stack([prefix.token, valid, prefix.generated])[None],
-        log_prob=prefix.logp[None, None], sample_log_prob=jnp.where(sample_first, sample_logp_1, 0.0)[None],
+        log_prob=prefix.logp[None, None],
+        sample_log_prob=jnp.where(sample_first, sample_logp_1, 0.0)[None],
     )
     return prefix, result
 
@@ -187,7 +216,9 @@ def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, s
 
 def _insert_step(prefix: Prefix, state: DecodeState, slot):
     def rows(cache_LBSKD, rows_LRKD):
-        return jax.lax.dynamic_update_slice(cache_LBSKD, rows_LRKD[:, None].astype(cache_LBSKD.dtype), (0, slot, 0, 0, 0))
+        return jax.lax.dynamic_update_slice(
+            cache_LBSKD, rows_LRKD[:, None].astype(cache_LBSKD.dtype), (0, slot, 0, 0, 0)
+        )
 
     def put(vector, value):
         value = jnp.asarray(value, vector.dtype).reshape((1,) + vector.shape[1:])
@@ -195,9 +226,12 @@ def _insert_step(prefix: Prefix, state: DecodeState, slot):
 
     return DecodeState(
         cache=KVCache(rows(state.cache.k_LBSKD, prefix.k_LRKD), rows(state.cache.v_LBSKD, prefix.v_LRKD)),
-        position_B=put(state.position_B, prefix.length), token_B=put(state.token_B, prefix.token),
-        generated_B=put(state.generated_B, prefix.generated), key_data_B2=put(state.key_data_B2, prefix.key_data),
-        temperature_B=put(state.temperature_B, prefix.temperature), top_p_B=put(state.top_p_B, prefix.top_p),
+        position_B=put(state.position_B, prefix.length),
+        token_B=put(state.token_B, prefix.token),
+        generated_B=put(state.generated_B, prefix.generated),
+        key_data_B2=put(state.key_data_B2, prefix.key_data),
+        temperature_B=put(state.temperature_B, prefix.temperature),
+        top_p_B=put(state.top_p_B, prefix.top_p),
         top_k_B=put(state.top_k_B, prefix.top_k),
     )
 
@@ -206,12 +240,14 @@ def _generate_step(graphdef, params, state: DecodeState, *, sampler):
     model = nnx.merge(graphdef, params)
     logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
     next_B = state.position_B + 1
-    tokens_B, logp_B, sample_logp_B = _pick(logits_B1V[:, 0], state.key_data_B2, next_B, state.temperature_B,
-                                            state.top_p_B, state.top_k_B, sampler)
+    tokens_B, logp_B, sample_logp_B = _pick(
+        logits_B1V[:, 0], state.key_data_B2, next_B, state.temperature_B, state.top_p_B, state.top_k_B, sampler
+    )
     generated_B = state.generated_B + 1
     # Free slots keep stepping on garbage; clamping keeps their writes inside the cache.
-    state = state.replace(cache=cache, position_B=jnp.minimum(next_B, cache.length - 1), token_B=tokens_B,
-                          generated_B=generated_B)
+    state = state.replace(
+        cache=cache, position_B=jnp.minimum(next_B, cache.length - 1), token_B=tokens_B, generated_B=generated_B
+    )
     data = jnp.stack([tokens_B, jnp.ones_like(tokens_B), generated_B], axis=1)
     return state, ResultTokens(data=data, log_prob=logp_B[:, None], sample_log_prob=sample_logp_B[:, None])
 
@@ -219,41 +255,67 @@ def _generate_step(graphdef, params, state: DecodeState, *, sampler):
 def _read_slot(state: DecodeState, slot, *, rows: int):
     cut = lambda c: jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(c, slot, 1, False), 0, rows, 1)
     at = lambda v: jax.lax.dynamic_index_in_dim(v, slot, 0, False)
-    return (cut(state.cache.k_LBSKD), cut(state.cache.v_LBSKD), at(state.position_B), at(state.token_B),
-            at(state.key_data_B2))
+    return (
+        cut(state.cache.k_LBSKD),
+        cut(state.cache.v_LBSKD),
+        at(state.position_B),
+        at(state.token_B),
+        at(state.key_data_B2),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _programs(model_config, config, mesh, rules, graphdef, state_shardings, prefix_shardings):
     """The jitted programs of one (model, sizes, mesh, rules): (init, prefill, insert, generate, read)."""
     replicated = sharding_lib.replicated(mesh)
     result_shardings = ResultTokens(data=replicated, log_prob=replicated, sample_log_prob=replicated)
     return (
         jax.jit(functools.partial(_zero_state, config, model_config), out_shardings=state_shardings),
-        jax.jit(functools.partial(_prefill_step, graphdef, config), static_argnames=("sampler",),
-                out_shardings=(prefix_shardings, result_shardings)),
+        jax.jit(
+            functools.partial(_prefill_step, graphdef, config),
+            static_argnames=("sampler",),
+            out_shardings=(prefix_shardings, result_shardings),
+        ),
         jax.jit(_insert_step, donate_argnums=(1,), out_shardings=state_shardings),
-        jax.jit(functools.partial(_generate_step, graphdef), static_argnames=("sampler",), donate_argnums=(1,),
-                out_shardings=(state_shardings, result_shardings)),
+        jax.jit(
+            functools.partial(_generate_step, graphdef),
+            static_argnames=("sampler",),
+            donate_argnums=(1,),
+            out_shardings=(state_shardings, result_shardings),
+        ),
         # Replicated: every process of a multi-host slice can fetch the slot to host.
         jax.jit(_read_slot, static_argnames=("rows",), out_shardings=replicated),
     )
 
 
 def _empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
-    kv = np.zeros((model_config.num_layers, rows, model_config.num_kv_heads, model_config.head_dim),
-                  jnp.dtype(model_config.dtype))
-    return Prefix(kv, kv, np.int32(0), np.int32(0), np.float32(0), np.zeros((2,), np.uint32), np.float32(0),
-                  np.float32(1), np.int32(0), np.int32(0))
+    kv = np.zeros(
+        (model_config.num_layers, rows, model_config.num_kv_heads, model_config.head_dim), jnp.dtype(model_config.dtype)
+    )
+    return Prefix(
+        kv,
+        kv,
+        np.int32(0),
+        np.int32(0),
+        np.float32(0),
+        np.zeros((2,), np.uint32),
+        np.float32(0),
+        np.float32(1),
+        np.int32(0),
+        np.int32(0),
+    )
 
 
 def _zero_state(config: EngineConfig, model_config: ModelConfig) -> DecodeState:
     B = config.num_slots
     return DecodeState(
         cache=KVCache.zeros(model_config, batch=B, length=config.cache_length),
-        position_B=jnp.zeros((B,), jnp.int32), token_B=jnp.zeros((B,), jnp.int32),
-        generated_B=jnp.zeros((B,), jnp.int32), key_data_B2=jnp.zeros((B, 2), jnp.uint32),
-        temperature_B=jnp.zeros((B,), jnp.float32), top_p_B=jnp.ones((B,), jnp.float32),
+        position_B=jnp.zeros((B,), jnp.int32),
+        token_B=jnp.zeros((B,), jnp.int32),
+        generated_B=jnp.zeros((B,), jnp.int32),
+        key_data_B2=jnp.zeros((B, 2), jnp.uint32),
+        temperature_B=jnp.zeros((B,), jnp.float32),
+        top_p_B=jnp.ones((B,), jnp.float32),
         top_k_B=jnp.zeros((B,), jnp.int32),
     )
 
@@ -262,8 +324,14 @@ class RolloutEngine:
     """JetStream-style engine for one rollout slice: `mesh` with `rules` (tensor parallel weights,
     KV heads over `tensor`, slots over `data`)."""
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, mesh: Mesh,
-                 rules: sharding_lib.Rules = sharding_lib.ROLLOUT_RULES, tokenizer: Any = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        mesh: Mesh,
+        rules: sharding_lib.Rules = sharding_lib.ROLLOUT_RULES,
+        tokenizer: Any = None,
+    ):
         self.model_config, self.config, self._mesh, self._rules = model_config, config, mesh, rules
         self.tokenizer = tokenizer
         abstract = abstract_model(model_config)
@@ -275,9 +343,9 @@ class RolloutEngine:
         self._prefix_shardings = self._prefix_sharding_tree()
         # Engines with the same model, sizes and mesh share compiled programs (a worker per
         # time-shared slice, a re-created engine) instead of compiling them again.
-        (self._init_jit, self._prefill_jit, self._insert_jit, self._generate_jit,
-         self._read_jit) = _programs(model_config, config, mesh, rules, self._graphdef, self._state_shardings,
-                                     self._prefix_shardings)
+        (self._init_jit, self._prefill_jit, self._insert_jit, self._generate_jit, self._read_jit) = _programs(
+            model_config, config, mesh, rules, self._graphdef, self._state_shardings, self._prefix_shardings
+        )
 
     # ------------------------------------------------------------------ shardings
     def _spec(self, names: Sequence[str | None], shape) -> NamedSharding:
@@ -292,7 +360,9 @@ class RolloutEngine:
 
     def _prefix_sharding_tree(self) -> Prefix:
         cfg = self.model_config
-        kv = self._spec(_PREFIX_KV_AXES, (cfg.num_layers, self.config.min_prefill_bucket, cfg.num_kv_heads, cfg.head_dim))
+        kv = self._spec(
+            _PREFIX_KV_AXES, (cfg.num_layers, self.config.min_prefill_bucket, cfg.num_kv_heads, cfg.head_dim)
+        )
         rep = sharding_lib.replicated(self._mesh)
         return Prefix(kv, kv, rep, rep, rep, rep, rep, rep, rep, rep)
 
@@ -335,8 +405,13 @@ class RolloutEngine:
         if (params is None) == (hf_path is None):
             raise ValueError("load_params needs exactly one of params= or hf_path=")
         if hf_path is not None:
-            model = load_hf(hf_path, self.model_config.dtype, param_dtype=self.model_config.param_dtype,
-                            mesh=self._mesh, rules=self._rules)
+            model = load_hf(
+                hf_path,
+                self.model_config.dtype,
+                param_dtype=self.model_config.param_dtype,
+                mesh=self._mesh,
+                rules=self._rules,
+            )
             params = split(model)[1]
         if jax.tree.structure(params) != self._param_structure:
             raise ValueError("params tree does not match this engine's model config (different architecture?)")
@@ -350,9 +425,18 @@ class RolloutEngine:
         """All slots empty (zeros), born with the slice's shardings."""
         return self._init_jit()
 
-    def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens, true_length: int,
-                sampler: Callable | None = None, rng: Any = None, sampling: SamplingParams | None = None,
-                sample_first: bool = True) -> tuple[Prefix, ResultTokens]:
+    def prefill(
+        self,
+        *,
+        params,
+        existing_prefix: Prefix | None = None,
+        padded_tokens,
+        true_length: int,
+        sampler: Callable | None = None,
+        rng: Any = None,
+        sampling: SamplingParams | None = None,
+        sample_first: bool = True,
+    ) -> tuple[Prefix, ResultTokens]:
         """KV rows for `padded_tokens[:true_length]` (appended after `existing_prefix` if given) and
         the first sampled token with its log-prob.
 
@@ -378,27 +462,51 @@ class RolloutEngine:
             start = int(length.addressable_data(0) if isinstance(length, jax.Array) else length)
             prior = (existing_prefix.k_LRKD, existing_prefix.v_LRKD)
             if start + bucket > self.config.cache_length:  # the prefix's rows past `start` are padding
-                raise ValueError(f"existing_prefix ({start} tokens) + {bucket} (the bucket of {true_length} tokens) "
-                                 f"exceed cache_length={self.config.cache_length}")
+                raise ValueError(
+                    f"existing_prefix ({start} tokens) + {bucket} (the bucket of {true_length} tokens) "
+                    f"exceed cache_length={self.config.cache_length}"
+                )
         return self._prefill_jit(
-            params, padded, prior, np.int32(start), np.int32(true_length), self._key_data(rng, sampling_params),
-            np.float32(sampling_params.temperature), np.float32(sampling_params.top_p), np.int32(sampling_params.top_k),
-            np.bool_(sample_first), sampler=sampler)
+            params,
+            padded,
+            prior,
+            np.int32(start),
+            np.int32(true_length),
+            self._key_data(rng, sampling_params),
+            np.float32(sampling_params.temperature),
+            np.float32(sampling_params.top_p),
+            np.int32(sampling_params.top_k),
+            np.bool_(sample_first),
+            sampler=sampler,
+        )
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Puts `prefix` into `slot` (its previous occupant is overwritten); donates decode_state."""
         self._check_slot(slot)
         if prefix.k_LRKD.shape[1] > self.config.cache_length:
-            raise ValueError(f"prefix has {prefix.k_LRKD.shape[1]} rows, more than cache_length={self.config.cache_length}")
+            raise ValueError(
+                f"prefix has {prefix.k_LRKD.shape[1]} rows, more than cache_length={self.config.cache_length}"
+            )
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
-    def generate(self, params, decode_state: DecodeState, sampler: Callable | None = None) -> tuple[DecodeState, ResultTokens]:
+    def generate(
+        self, params, decode_state: DecodeState, sampler: Callable | None = None
+    ) -> tuple[DecodeState, ResultTokens]:
         """One decode step over every slot; donates decode_state."""
         return self._generate_jit(params, decode_state, sampler=sampler)
 
     # ------------------------------------------------------------------ migration
-    def export_slot(self, decode_state: DecodeState, slot: int, *, request: Request, response_ids: Sequence[int],
-                    logprobs: Sequence[float], token_versions: Sequence[int], version: int) -> SlotState:
+    def export_slot(
+        self,
+        decode_state: DecodeState,
+        slot: int,
+        *,
+        request: Request,
+        response_ids: Sequence[int],
+        logprobs: Sequence[float],
+        token_versions: Sequence[int],
+        version: int,
+    ) -> SlotState:
         """The slot's device state (KV rows 0..position-1 on host, position, pending token, RNG key)
         joined with the host-side record the caller keeps; checked against each other."""
         self._check_slot(slot)
@@ -409,13 +517,22 @@ class RolloutEngine:
         k, v, position, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
         position = int(position)
         if not response_ids or int(token) != response_ids[-1] or position != expected:
-            raise ValueError(f"slot {slot} holds position {position} / token {int(token)} but the record expects "
-                             f"position {expected} / token {response_ids[-1] if response_ids else None}")
+            raise ValueError(
+                f"slot {slot} holds position {position} / token {int(token)} but the record expects "
+                f"position {expected} / token {response_ids[-1] if response_ids else None}"
+            )
         return SlotState(
-            request=request, k_LSKD=np.asarray(k[:, :position]), v_LSKD=np.asarray(v[:, :position]),
-            position=position, last_token=int(token), response_ids=tuple(int(t) for t in response_ids),
-            logprobs=tuple(float(x) for x in logprobs), token_versions=tuple(int(x) for x in token_versions),
-            rng_key=np.asarray(key_data, np.uint32), version=int(version))
+            request=request,
+            k_LSKD=np.asarray(k[:, :position]),
+            v_LSKD=np.asarray(v[:, :position]),
+            position=position,
+            last_token=int(token),
+            response_ids=tuple(int(t) for t in response_ids),
+            logprobs=tuple(float(x) for x in logprobs),
+            token_versions=tuple(int(x) for x in token_versions),
+            rng_key=np.asarray(key_data, np.uint32),
+            version=int(version),
+        )
 
     def import_slot(self, decode_state: DecodeState, slot: int, state: SlotState) -> DecodeState:
         """Writes an exported slot into `slot`; decoding continues with no prefill (donates decode_state)."""
@@ -424,24 +541,39 @@ class RolloutEngine:
         if state.k_LSKD.shape != expected or state.v_LSKD.shape != expected:
             raise ValueError(f"slot state KV has shape {state.k_LSKD.shape}, expected {expected} for this model")
         if state.position + 1 > self.config.cache_length:
-            raise ValueError(f"slot state position {state.position} does not fit cache_length={self.config.cache_length}")
+            raise ValueError(
+                f"slot state position {state.position} does not fit cache_length={self.config.cache_length}"
+            )
         params = self._check_sampling(state.request.sampling)
         rows = self.config.rows_bucket(max(state.position, 1))
         pad = ((0, 0), (0, rows - state.position), (0, 0), (0, 0))
         prefix = Prefix(
-            k_LRKD=np.pad(state.k_LSKD, pad), v_LRKD=np.pad(state.v_LSKD, pad), length=np.int32(state.position),
-            token=np.int32(state.last_token), logp=np.float32(0.0), key_data=np.asarray(state.rng_key, np.uint32),
-            temperature=np.float32(params.temperature), top_p=np.float32(params.top_p), top_k=np.int32(params.top_k),
-            generated=np.int32(len(state.response_ids)))
+            k_LRKD=np.pad(state.k_LSKD, pad),
+            v_LRKD=np.pad(state.v_LSKD, pad),
+            length=np.int32(state.position),
+            token=np.int32(state.last_token),
+            logp=np.float32(0.0),
+            key_data=np.asarray(state.rng_key, np.uint32),
+            temperature=np.float32(params.temperature),
+            top_p=np.float32(params.top_p),
+            top_k=np.int32(params.top_k),
+            generated=np.int32(len(state.response_ids)),
+        )
         prefix = jax.device_put(prefix, self._prefix_shardings)
         return self.insert(prefix, decode_state, slot)
 
     # ------------------------------------------------------------------ helpers
     def compile_counts(self) -> dict[str, int]:
         """Compiled programs per jitted function (for no-recompile checks)."""
-        return {name: fn._cache_size() for name, fn in (
-            ("prefill", self._prefill_jit), ("insert", self._insert_jit), ("generate", self._generate_jit),
-            ("read_slot", self._read_jit))}
+        return {
+            name: fn._cache_size()
+            for name, fn in (
+                ("prefill", self._prefill_jit),
+                ("insert", self._insert_jit),
+                ("generate", self._generate_jit),
+                ("read_slot", self._read_jit),
+            )
+        }
 
     def warmup(self, params, *, migration: bool = True) -> None:
         """Compiles generate, every prefill bucket and the second chunk of a two-chunk prefill (a
@@ -454,13 +586,19 @@ class RolloutEngine:
         first = prefix  # the largest bucket's: a full first chunk
         for bucket in self.config.prefill_buckets:
             if self.config.max_prefill_length + bucket <= self.config.cache_length:
-                prefix, _ = self.prefill(params=params, existing_prefix=first, padded_tokens=np.zeros((bucket,), np.int32),
-                                         true_length=bucket)
+                prefix, _ = self.prefill(
+                    params=params,
+                    existing_prefix=first,
+                    padded_tokens=np.zeros((bucket,), np.int32),
+                    true_length=bucket,
+                )
                 state = self.insert(prefix, state, 0)
         state, result = self.generate(params, state)
         rows = sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}) if migration else []
         for size in rows:
-            state = self.insert(jax.device_put(_empty_prefix(self.model_config, size), self._prefix_shardings), state, 0)
+            state = self.insert(
+                jax.device_put(_empty_prefix(self.model_config, size), self._prefix_shardings), state, 0
+            )
             jax.block_until_ready(self._read_jit(state, np.int32(0), rows=size))
         jax.block_until_ready((state, result))
 
@@ -486,7 +624,9 @@ class RolloutEngine:
     def _check_ids(self, ids: np.ndarray, field: str) -> None:
         bad = ids[(ids < 0) | (ids >= self.model_config.vocab_size)]
         if bad.size:
-            raise ValueError(f"{field} holds token id {int(bad[0])} outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise ValueError(
+                f"{field} holds token id {int(bad[0])} outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
 
     @staticmethod
     def _check_sampling(params: SamplingParams) -> SamplingParams:

@@ -16,7 +16,8 @@ our engine refuses (too long, token ids outside the vocabulary) is answered with
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import jax
@@ -59,9 +60,14 @@ class TokenizerAdapter(tokenizer_api.Tokenizer):
         if self._tokenizer is None:
             raise ValueError("this server has no tokenizer; send token_content, not text_content")
         return token_utils.pad_tokens(
-            np.asarray(self._tokenizer.encode(s), np.int32), self.bos_id, self.pad_id,
-            is_bos=kwargs.pop("is_bos", True), prefill_lengths=kwargs.pop("prefill_lengths", None),
-            max_prefill_length=kwargs.pop("max_prefill_length", None), jax_padding=kwargs.pop("jax_padding", True))
+            np.asarray(self._tokenizer.encode(s), np.int32),
+            self.bos_id,
+            self.pad_id,
+            is_bos=kwargs.pop("is_bos", True),
+            prefill_lengths=kwargs.pop("prefill_lengths", None),
+            max_prefill_length=kwargs.pop("max_prefill_length", None),
+            jax_padding=kwargs.pop("jax_padding", True),
+        )
 
     def decode(self, token_ids: list[int], **kwargs) -> str:
         return "" if self._tokenizer is None else self._tokenizer.decode(token_ids)
@@ -87,28 +93,45 @@ class JetStreamEngine(engine_api.Engine):
     """A RolloutEngine as a JetStream 0.2.2 Engine. `params` (already loaded with
     `engine.load_params`) are what `load_params()` returns, as JetStream's server calls it bare."""
 
-    def __init__(self, engine: RolloutEngine, params: Any = None, *, sampling: SamplingParams | None = None,
-                 eos_ids: Sequence[int] | None = None):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        params: Any = None,
+        *,
+        sampling: SamplingParams | None = None,
+        eos_ids: Sequence[int] | None = None,
+    ):
         self.engine = engine
         self._params = params
         self._sampling = sampling or engine.config.default_sampling
         eos = engine.model_config.eos_ids if eos_ids is None else tuple(eos_ids)
-        self._tokenizer = TokenizerAdapter(engine.get_tokenizer(), bos_id=engine.model_config.bos_token_id,
-                                           eos_ids=eos)
+        self._tokenizer = TokenizerAdapter(engine.get_tokenizer(), bos_id=engine.model_config.bos_token_id, eos_ids=eos)
 
-    def prefill(self, *, params, existing_prefix: Prefix | None = None, padded_tokens, true_length: int,
-                sampler=None) -> Prefix:
+    def prefill(
+        self, *, params, existing_prefix: Prefix | None = None, padded_tokens, true_length: int, sampler=None
+    ) -> Prefix:
         tokens = np.asarray(padded_tokens).reshape(-1)[:true_length]
         if tokens.size and tokens[0] == _NO_BOS:
             tokens = tokens[1:]
         try:
-            prefix, _ = self.engine.prefill(params=params, existing_prefix=existing_prefix, padded_tokens=tokens,
-                                            true_length=len(tokens), sampler=sampler, sampling=self._sampling,
-                                            sample_first=False)
+            prefix, _ = self.engine.prefill(
+                params=params,
+                existing_prefix=existing_prefix,
+                padded_tokens=tokens,
+                true_length=len(tokens),
+                sampler=sampler,
+                sampling=self._sampling,
+                sample_first=False,
+            )
         except ValueError as err:
             logging.error("JetStream request refused (answered with no tokens): %s", err)
-            prefix, _ = self.engine.prefill(params=params, padded_tokens=np.zeros((1,), np.int32), true_length=1,
-                                            sampling=self._sampling, sample_first=False)
+            prefix, _ = self.engine.prefill(
+                params=params,
+                padded_tokens=np.zeros((1,), np.int32),
+                true_length=1,
+                sampling=self._sampling,
+                sample_first=False,
+            )
             prefix = prefix.replace(generated=jax.device_put(np.int32(_NEVER), prefix.generated.sharding))
         return prefix
 
@@ -118,8 +141,12 @@ class JetStreamEngine(engine_api.Engine):
     def generate(self, params, decode_state: DecodeState, sampler=None):
         decode_state, result = self.engine.generate(params, decode_state, sampler)
         return decode_state, engine_api.ResultTokens(
-            data=result.data, tokens_idx=result.tokens_idx, valid_idx=result.valid_idx,
-            length_idx=result.length_idx, samples_per_slot=result.samples_per_slot)
+            data=result.data,
+            tokens_idx=result.tokens_idx,
+            valid_idx=result.valid_idx,
+            length_idx=result.length_idx,
+            samples_per_slot=result.samples_per_slot,
+        )
 
     def free_resource(self, slot: int) -> Any:
         return self.engine.free_resource(slot)
@@ -167,13 +194,19 @@ class JetStreamEngine(engine_api.Engine):
 def make_driver(engine: JetStreamEngine) -> orchestrator.Driver:
     """JetStream's Driver with `engine` for both prefill and generate (interleaved mode)."""
     params = engine.load_params()
-    return orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[params],
-                               generate_params=[params], interleaved_mode=True)
+    return orchestrator.Driver(
+        prefill_engines=[engine],
+        generate_engines=[engine],
+        prefill_params=[params],
+        generate_params=[params],
+        interleaved_mode=True,
+    )
 
 
 def serve(engine: JetStreamEngine, port: int, *, credentials=None, threads: int = 16) -> server_lib.JetStreamServer:
     """Starts JetStream's gRPC server (its Orchestrator service) on `port`; `.stop()` ends it."""
-    server = server_lib.JetStreamServer(make_driver(engine), threads, port,
-                                        credentials or grpc.insecure_server_credentials())
+    server = server_lib.JetStreamServer(
+        make_driver(engine), threads, port, credentials or grpc.insecure_server_credentials()
+    )
     server.start()
     return server

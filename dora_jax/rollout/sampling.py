@@ -95,9 +95,7 @@ def sample(
     greedy_B = temperature_B <= 0
     scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
     needs_filter = jnp.any(((top_k_B > 0) | (top_p_B < 1.0)) & ~greedy_B)
-    scaled_BV = jax.lax.cond(
-        needs_filter, lambda x: filter_logits(x, top_k_B, top_p_B), lambda x: x, scaled_BV
-    )
+    scaled_BV = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k_B, top_p_B), lambda x: x, scaled_BV)
     sample_logps_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
     drawn_B = _inverse_cdf(jnp.exp(sample_logps_BV), token_uniforms(key_data_B2, position_B))
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)

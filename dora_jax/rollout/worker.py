@@ -23,14 +23,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
 
-from dora_jax.store.digest import params_digest
 from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
 from dora_jax.rollout.engine import RolloutEngine, check_sampling
+from dora_jax.store.digest import params_digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +73,24 @@ def as_redispatch(state: SlotState) -> Request:
     """The Request that resumes `state` by re-prefill (prompt + tokens so far), e.g. on a worker
     serving another version (partial rollout) or after the source slice failed."""
     return dataclasses.replace(
-        state.request, prefix_response_ids=state.response_ids, prefix_logprobs=state.logprobs,
-        prefix_versions=state.token_versions)
+        state.request,
+        prefix_response_ids=state.response_ids,
+        prefix_logprobs=state.logprobs,
+        prefix_versions=state.token_versions,
+    )
 
 
 class RolloutWorker:
     """Continuous batching over one engine; `eos_ids` default to the model config's."""
 
-    def __init__(self, engine: RolloutEngine, *, slice_id: int = 0, eos_ids: Sequence[int] | None = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        *,
+        slice_id: int = 0,
+        eos_ids: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self._engine = engine
         self.slice_id = slice_id
         self._eos = frozenset(engine.model_config.eos_ids if eos_ids is None else eos_ids)
@@ -147,7 +156,8 @@ class RolloutWorker:
         if self.num_active and not allow_active:
             raise RuntimeError(
                 f"worker {self.slice_id}: {self.num_active} requests are active on version {self._version}; "
-                f"finish or export them before loading version {version}, or pass allow_active=True")
+                f"finish or export them before loading version {version}, or pass allow_active=True"
+            )
         self._params = None  # free the old version first: never two full copies on the slice
         self._params = self._engine.load_params(params)
         self._version = int(version)
@@ -161,9 +171,19 @@ class RolloutWorker:
         problem = self._validate(request)
         if problem:
             self._count(rejected=1)
-            self._rejected.append(self._trajectory(
-                _Active(request, list(request.prefix_response_ids), list(request.prefix_logprobs),
-                        list(request.prefix_versions), now), FinishReason.REJECTED, error=problem))
+            self._rejected.append(
+                self._trajectory(
+                    _Active(
+                        request,
+                        list(request.prefix_response_ids),
+                        list(request.prefix_logprobs),
+                        list(request.prefix_versions),
+                        now,
+                    ),
+                    FinishReason.REJECTED,
+                    error=problem,
+                )
+            )
             return
         self._queue.append((request, now))
 
@@ -178,15 +198,21 @@ class RolloutWorker:
         limit = request.max_new_tokens if request.forced_length is None else request.forced_length
         checks = (
             (request.max_new_tokens < 1, f"max_new_tokens={request.max_new_tokens}; expected >= 1"),
-            (request.forced_length is not None and not 1 <= request.forced_length <= request.max_new_tokens,
-             f"forced_length={request.forced_length}; expected 1..max_new_tokens={request.max_new_tokens}"),
+            (
+                request.forced_length is not None and not 1 <= request.forced_length <= request.max_new_tokens,
+                f"forced_length={request.forced_length}; expected 1..max_new_tokens={request.max_new_tokens}",
+            ),
             (not request.prompt_ids, "prompt_ids is empty"),
-            (len(request.prompt_ids) + request.max_new_tokens > cfg.cache_length,
-             f"max_new_tokens={request.max_new_tokens} with {len(request.prompt_ids)} prompt tokens exceeds "
-             f"cache_length={cfg.cache_length}"),
-            (not len(prefix) == len(request.prefix_logprobs) == len(request.prefix_versions),
-             f"prefix_response_ids has {len(prefix)} tokens but prefix_logprobs {len(request.prefix_logprobs)} "
-             f"and prefix_versions {len(request.prefix_versions)}"),
+            (
+                len(request.prompt_ids) + request.max_new_tokens > cfg.cache_length,
+                f"max_new_tokens={request.max_new_tokens} with {len(request.prompt_ids)} prompt tokens exceeds "
+                f"cache_length={cfg.cache_length}",
+            ),
+            (
+                not len(prefix) == len(request.prefix_logprobs) == len(request.prefix_versions),
+                f"prefix_response_ids has {len(prefix)} tokens but prefix_logprobs {len(request.prefix_logprobs)} "
+                f"and prefix_versions {len(request.prefix_versions)}",
+            ),
             (len(prefix) >= limit, f"prefix_response_ids has {len(prefix)} tokens; the request stops at {limit}"),
         )
         for failed, message in checks:
@@ -227,11 +253,21 @@ class RolloutWorker:
             for chunk in self._engine.config.prefill_chunks(len(ids)):  # one chunk unless a long prompt or prefix
                 begin += chunk
                 prefix, first = self._engine.prefill(
-                    params=self._params, existing_prefix=prefix, padded_tokens=ids[begin - chunk:begin],
-                    true_length=chunk, sampling=request.sampling, sample_first=sample_first or begin < len(ids))
+                    params=self._params,
+                    existing_prefix=prefix,
+                    padded_tokens=ids[begin - chunk : begin],
+                    true_length=chunk,
+                    sampling=request.sampling,
+                    sample_first=sample_first or begin < len(ids),
+                )
             self._state = self._engine.insert(prefix, self._state, slot)
-            self._slots[slot] = _Active(request, list(request.prefix_response_ids), list(request.prefix_logprobs),
-                                        list(request.prefix_versions), dispatch_t)
+            self._slots[slot] = _Active(
+                request,
+                list(request.prefix_response_ids),
+                list(request.prefix_logprobs),
+                list(request.prefix_versions),
+                dispatch_t,
+            )
             self._count(prefills=1, prefill_tokens=len(ids))
             if sample_first:
                 firsts.append((slot, first))
@@ -278,11 +314,21 @@ class RolloutWorker:
     def _trajectory(self, record: _Active, reason: FinishReason, error: str | None = None) -> Trajectory:
         request = record.request
         return Trajectory(
-            traj_id=request.traj_id, group_id=request.group_id, prompt_id=request.prompt_id,
-            prompt_ids=request.prompt_ids, response_ids=tuple(record.response_ids), logprobs=tuple(record.logprobs),
-            version=request.version, versions_seen=tuple(sorted(set(record.versions))), finish_reason=reason,
-            slice_id=self.slice_id, error=error, dispatch_t=record.dispatch_t, finish_t=self._clock(),
-            num_migrations=record.num_migrations)
+            traj_id=request.traj_id,
+            group_id=request.group_id,
+            prompt_id=request.prompt_id,
+            prompt_ids=request.prompt_ids,
+            response_ids=tuple(record.response_ids),
+            logprobs=tuple(record.logprobs),
+            version=request.version,
+            versions_seen=tuple(sorted(set(record.versions))),
+            finish_reason=reason,
+            slice_id=self.slice_id,
+            error=error,
+            dispatch_t=record.dispatch_t,
+            finish_t=self._clock(),
+            num_migrations=record.num_migrations,
+        )
 
     # ------------------------------------------------------------------ migration
     def export_requests(self, traj_ids: Iterable[str] | None = None) -> list[SlotState]:
@@ -291,15 +337,25 @@ class RolloutWorker:
         if wanted is not None:
             unknown = wanted - set(self.active_traj_ids)
             if unknown:
-                raise ValueError(f"worker {self.slice_id} has no in-flight request {sorted(unknown)} "
-                                 f"(queued ones leave with take_queued)")
+                raise ValueError(
+                    f"worker {self.slice_id} has no in-flight request {sorted(unknown)} "
+                    f"(queued ones leave with take_queued)"
+                )
         exported = []
         for slot, record in enumerate(self._slots):
             if record is None or (wanted is not None and record.request.traj_id not in wanted):
                 continue
-            exported.append(self._engine.export_slot(
-                self._state, slot, request=record.request, response_ids=record.response_ids,
-                logprobs=record.logprobs, token_versions=record.versions, version=self._version))
+            exported.append(
+                self._engine.export_slot(
+                    self._state,
+                    slot,
+                    request=record.request,
+                    response_ids=record.response_ids,
+                    logprobs=record.logprobs,
+                    token_versions=record.versions,
+                    version=self._version,
+                )
+            )
             self._slots[slot] = None
             self._engine.free_resource(slot)
             self._count(exports=1)
@@ -312,8 +368,11 @@ class RolloutWorker:
         for record in self._slots:
             if record is not None:
                 out[record.request.traj_id] = dataclasses.replace(
-                    record.request, prefix_response_ids=tuple(record.response_ids),
-                    prefix_logprobs=tuple(record.logprobs), prefix_versions=tuple(record.versions))
+                    record.request,
+                    prefix_response_ids=tuple(record.response_ids),
+                    prefix_logprobs=tuple(record.logprobs),
+                    prefix_versions=tuple(record.versions),
+                )
         return out
 
     def take_queued(self, traj_ids: Iterable[str] | None = None) -> list[Request]:
@@ -328,20 +387,30 @@ class RolloutWorker:
     def import_requests(self, states: Sequence[SlotState]) -> None:
         """Continues exported requests here with no prefill; they must match this worker's version."""
         if len(states) > self.num_free_slots:
-            raise ValueError(f"worker {self.slice_id} has {self.num_free_slots} free slots; cannot import {len(states)}")
+            raise ValueError(
+                f"worker {self.slice_id} has {self.num_free_slots} free slots; cannot import {len(states)}"
+            )
         for state in states:
             self._check_new_id(state.request.traj_id)
             if state.version != self._version:
-                raise ValueError(f"slot state of {state.request.traj_id!r} is version {state.version}; worker "
-                                 f"{self.slice_id} serves version {self._version} (migrate only within a version)")
+                raise ValueError(
+                    f"slot state of {state.request.traj_id!r} is version {state.version}; worker "
+                    f"{self.slice_id} serves version {self._version} (migrate only within a version)"
+                )
             problem = self._validate(state.request, prefill=False)
             if problem:
                 raise ValueError(f"cannot import {state.request.traj_id!r}: {problem}")
         for state in states:
             slot = self._slots.index(None)
             self._state = self._engine.import_slot(self._state, slot, state)
-            self._slots[slot] = _Active(state.request, list(state.response_ids), list(state.logprobs),
-                                        list(state.token_versions), self._clock(), num_migrations=1)
+            self._slots[slot] = _Active(
+                state.request,
+                list(state.response_ids),
+                list(state.logprobs),
+                list(state.token_versions),
+                self._clock(),
+                num_migrations=1,
+            )
             self._count(imports=1)
 
 

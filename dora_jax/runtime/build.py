@@ -43,11 +43,21 @@ def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.Mo
     m = config.model
     moe = models.moe_fields(m) or dict(model_type="qwen3")
     return models.ModelConfig(
-        **moe, qk_norm=True, vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-        tie_word_embeddings=True, max_position_embeddings=config.rollout.cache_length,
-        dtype=models.dtype_from_name(m.dtype), param_dtype=models.dtype_from_name(m.param_dtype),
-        eos_token_id=tuple(eos_ids), bos_token_id=CharTokenizer.BOS,
+        **moe,
+        qk_norm=True,
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        tie_word_embeddings=True,
+        max_position_embeddings=config.rollout.cache_length,
+        dtype=models.dtype_from_name(m.dtype),
+        param_dtype=models.dtype_from_name(m.param_dtype),
+        eos_token_id=tuple(eos_ids),
+        bos_token_id=CharTokenizer.BOS,
     )
 
 
@@ -64,5 +74,14 @@ def build_setup(config: RunConfig, workdir: str) -> Setup:
         model = cold_start(config, model_config, tokenizer, workdir)
     graphdef, params = models.split(model)
     eos = tuple(model.config.eos_ids) or tuple(tokenizer.eos_ids)
-    return Setup(model.config, graphdef, params, models.logical_axes(model), tokenizer, task, eos,
-                 int(config.task.reward_workers), float(config.task.reward_timeout_s))
+    return Setup(
+        model.config,
+        graphdef,
+        params,
+        models.logical_axes(model),
+        tokenizer,
+        task,
+        eos,
+        int(config.task.reward_workers),
+        float(config.task.reward_timeout_s),
+    )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -56,10 +56,10 @@ class RunCheckpointer:
         self._manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
-        options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True, cleanup_tmp_directories=True,
-                                               enable_async_checkpointing=self._async)
-        return ocp.CheckpointManager(self.directory, options=options,
-                                     item_names=("trainer", "versions", "meta"))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self._keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=self._async
+        )
+        return ocp.CheckpointManager(self.directory, options=options, item_names=("trainer", "versions", "meta"))
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -74,7 +74,9 @@ class RunCheckpointer:
                 items["versions"] = ocp.args.StandardSave({f"v{v}": p for v, p in sorted(versions.items())})
             saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as err:
-            raise CheckpointError(f"checkpoint of step {step} in {self.directory} failed: {type(err).__name__}: {err}") from err
+            raise CheckpointError(
+                f"checkpoint of step {step} in {self.directory} failed: {type(err).__name__}: {err}"
+            ) from err
         if not saved:
             raise CheckpointError(f"checkpoint of step {step} in {self.directory} was not saved (step already exists?)")
 
@@ -84,15 +86,20 @@ class RunCheckpointer:
         except Exception as err:
             raise CheckpointError(f"checkpoint in {self.directory} failed: {type(err).__name__}: {err}") from err
 
-    def restore_latest(self, trainer_abstract_fn, version_abstract_fn) -> Optional[Restored]:
+    def restore_latest(self, trainer_abstract_fn, version_abstract_fn) -> Restored | None:
         """The newest checkpoint that restores, or None. `trainer_abstract_fn()` gives the
         TrainState of ShapeDtypeStructs (with shardings); `version_abstract_fn()` one version's."""
         for step in reversed(self.steps()):
             try:
                 return self._restore(step, trainer_abstract_fn, version_abstract_fn)
             except Exception as err:
-                log.warning("checkpoint step %d in %s does not restore (%s: %s); using the previous one",
-                            step, self.directory, type(err).__name__, err)
+                log.warning(
+                    "checkpoint step %d in %s does not restore (%s: %s); using the previous one",
+                    step,
+                    self.directory,
+                    type(err).__name__,
+                    err,
+                )
                 self._set_aside(step)
         return None
 

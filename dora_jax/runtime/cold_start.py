@@ -55,19 +55,29 @@ def demonstration_source(config: RunConfig, tokenizer) -> running_sums.RunningSu
     return running_sums.RunningSumsSource(task, tokenizer)
 
 
-def sft_running_sums(model: models.Decoder, tokenizer, config: RunConfig, *, log_path: str | None = None) -> models.Decoder:
+def sft_running_sums(
+    model: models.Decoder, tokenizer, config: RunConfig, *, log_path: str | None = None
+) -> models.Decoder:
     """Trains `model` for `config.init.sft_steps` updates on running-sums demonstrations."""
-    slices = sharding.split_devices(dict(config.mesh.trainer), dict(config.mesh.rollout), config.rollout.num_slices,
-                                    time_shared=config.mesh.time_shared)
+    slices = sharding.split_devices(
+        dict(config.mesh.trainer),
+        dict(config.mesh.rollout),
+        config.rollout.num_slices,
+        time_shared=config.mesh.time_shared,
+    )
     mesh = slices.trainer
     graphdef, params = models.split(model)
     param_shardings = sharding.tree_shardings(models.logical_axes(model), params, mesh, sharding.TRAINER_RULES)
     params = jax.device_put(params, param_shardings)
     steps = config.init.sft_steps
-    schedule = optax.warmup_cosine_decay_schedule(0.0, config.init.sft_lr, max(steps // 10, 1), steps, config.init.sft_lr * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.init.sft_lr, max(steps // 10, 1), steps, config.init.sft_lr * 0.1
+    )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     opt_state = jax.jit(tx.init)(params)
-    batch_sharding = sharding.logical_sharding(("batch", None), (config.init.sft_batch_size, 1), mesh, sharding.TRAINER_RULES)
+    batch_sharding = sharding.logical_sharding(
+        ("batch", None), (config.init.sft_batch_size, 1), mesh, sharding.TRAINER_RULES
+    )
 
     @jax.jit
     def step(params, opt_state, tokens_BT, mask_BT):
@@ -94,8 +104,9 @@ def cold_start(config: RunConfig, model_config: models.ModelConfig, tokenizer, w
     """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint."""
     path = os.path.join(workdir, "sft")
     if os.path.exists(os.path.join(path, "DONE")):
-        return models.load_hf(path, dtype=model_config.dtype, param_dtype=model_config.param_dtype,
-                              moe_dispatch=model_config.moe_dispatch)
+        return models.load_hf(
+            path, dtype=model_config.dtype, param_dtype=model_config.param_dtype, moe_dispatch=model_config.moe_dispatch
+        )
     model = models.init_model(model_config, seed=config.seed)
     if config.init.sft_steps <= 0 or config.task.kind != "running_sums":
         return model

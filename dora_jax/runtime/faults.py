@@ -22,10 +22,9 @@ import collections
 import errno
 import os
 import signal
-from typing import Optional
 
 _hits: collections.Counter[str] = collections.Counter()
-_parsed: Optional[dict] = None
+_parsed: dict | None = None
 POINTS = ("rollout", "train_step", "checkpoint_save")
 
 

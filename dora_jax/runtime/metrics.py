@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 
 class MetricsWriter:
@@ -64,8 +64,10 @@ def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str |
     steps = [r["step"] for r in rows]
     rewards = [r["reward_mean"] for r in rows]
     window = max(5, len(rewards) // 20)
-    smoothed = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-                for i in range(len(rewards))]
+    smoothed = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(steps, rewards, marker=".", linewidth=1, alpha=0.6, label="reward_mean per step")
     ax.plot(steps, smoothed, linewidth=2, label=f"running mean ({window} steps)")

@@ -7,6 +7,7 @@ was expected. Nothing downstream sees the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+
 import ml_collections
 
 from dora_jax.coordinator.coordinator import CoordinatorConfig
@@ -76,7 +77,7 @@ class RunConfig:
     mesh: MeshSpec
     rollout: RolloutSpec
     coordinator: CoordinatorConfig
-    trainer: "object"  # dora_jax.trainer.TrainerConfig (imported lazily: it pulls in JAX)
+    trainer: object  # dora_jax.trainer.TrainerConfig (imported lazily: it pulls in JAX)
     pad_to: int
     checkpoint_every: int
     checkpoint_keep: int
@@ -105,20 +106,34 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         raise ValueError(f"num_steps={c.num_steps}; expected >= 1")
     r = c.rollout
     sampling = SamplingParams(temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k))
-    rollout = RolloutSpec(int(r.num_slices), int(r.slots), int(r.cache_length), int(r.max_prefill_length),
-                          sampling, int(r.max_new_tokens), float(r.get("heartbeat_timeout_s", 120.0)),
-                          int(r.get("max_rejoins", 2)))
+    rollout = RolloutSpec(
+        int(r.num_slices),
+        int(r.slots),
+        int(r.cache_length),
+        int(r.max_prefill_length),
+        sampling,
+        int(r.max_new_tokens),
+        float(r.get("heartbeat_timeout_s", 120.0)),
+        int(r.get("max_rejoins", 2)),
+    )
     if rollout.heartbeat_timeout_s <= 0:
         raise ValueError(f"rollout.heartbeat_timeout_s={rollout.heartbeat_timeout_s}; expected > 0")
     if int(c.checkpoint.get("keep", 3)) < 1:
         raise ValueError(f"checkpoint.keep={c.checkpoint.keep}; expected >= 1 (checkpoints to keep)")
     if rollout.max_new_tokens >= rollout.cache_length:
-        raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} must be < rollout.cache_length={rollout.cache_length}")
+        raise ValueError(
+            f"rollout.max_new_tokens={rollout.max_new_tokens} must be < rollout.cache_length={rollout.cache_length}"
+        )
     k = c.coordinator
     coordinator = CoordinatorConfig(
-        mode=mode, k_max=int(k.k_max), rollout_batch_size=int(k.rollout_batch_size),
-        train_batch_size=int(k.train_batch_size), group_size=int(k.group_size),
-        max_new_tokens=rollout.max_new_tokens, sampling=sampling, seed=int(c.seed),
+        mode=mode,
+        k_max=int(k.k_max),
+        rollout_batch_size=int(k.rollout_batch_size),
+        train_batch_size=int(k.train_batch_size),
+        group_size=int(k.group_size),
+        max_new_tokens=rollout.max_new_tokens,
+        sampling=sampling,
+        seed=int(c.seed),
         rebalance_period_s=float(k.rebalance_period_s),
     )
     coordinator.validate(rollout.num_slices)
@@ -133,22 +148,46 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
             f"coordinator.train_batch_size={coordinator.train_batch_size} must be a multiple of "
             f"trainer.micro_batch_size * trainer.num_updates = {rows}"
         )
-    mesh = MeshSpec(_mesh_shape(c.mesh.trainer, "mesh.trainer"), _mesh_shape(c.mesh.rollout, "mesh.rollout"),
-                    bool(c.mesh.time_shared), int(c.mesh.fake_cpu_devices))
+    mesh = MeshSpec(
+        _mesh_shape(c.mesh.trainer, "mesh.trainer"),
+        _mesh_shape(c.mesh.rollout, "mesh.rollout"),
+        bool(c.mesh.time_shared),
+        int(c.mesh.fake_cpu_devices),
+    )
     m = c.model
-    model = ModelSpec(str(m.hf_path), int(m.num_layers), int(m.hidden_size), int(m.intermediate_size),
-                      int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype), str(m.param_dtype),
-                      num_experts=int(m.get("num_experts", 0)), num_experts_per_tok=int(m.get("num_experts_per_tok", 0)),
-                      moe_intermediate_size=int(m.get("moe_intermediate_size", 0)),
-                      norm_topk_prob=bool(m.get("norm_topk_prob", False)), moe_dispatch=str(m.get("moe_dispatch", "grouped")))
+    model = ModelSpec(
+        str(m.hf_path),
+        int(m.num_layers),
+        int(m.hidden_size),
+        int(m.intermediate_size),
+        int(m.num_heads),
+        int(m.num_kv_heads),
+        int(m.head_dim),
+        str(m.dtype),
+        str(m.param_dtype),
+        num_experts=int(m.get("num_experts", 0)),
+        num_experts_per_tok=int(m.get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(m.get("moe_intermediate_size", 0)),
+        norm_topk_prob=bool(m.get("norm_topk_prob", False)),
+        moe_dispatch=str(m.get("moe_dispatch", "grouped")),
+    )
     if model.moe_dispatch not in ("dense", "grouped"):
         raise ValueError(f"model.moe_dispatch={model.moe_dispatch!r}; expected 'dense' or 'grouped'")
     i = c.init
     init = InitSpec(str(i.checkpoint), int(i.sft_steps), int(i.sft_batch_size), float(i.sft_lr))
     return RunConfig(
-        mode=mode, num_steps=int(c.num_steps), seed=int(c.seed), model=model, init=init,
-        task=ml_collections.FrozenConfigDict(c.task), mesh=mesh, rollout=rollout, coordinator=coordinator,
-        trainer=trainer, pad_to=pad_to, checkpoint_every=int(c.checkpoint.every_steps),
+        mode=mode,
+        num_steps=int(c.num_steps),
+        seed=int(c.seed),
+        model=model,
+        init=init,
+        task=ml_collections.FrozenConfigDict(c.task),
+        mesh=mesh,
+        rollout=rollout,
+        coordinator=coordinator,
+        trainer=trainer,
+        pad_to=pad_to,
+        checkpoint_every=int(c.checkpoint.every_steps),
         checkpoint_keep=int(c.checkpoint.get("keep", 3)),
         tensorboard=bool(c.log.tensorboard),
     )
@@ -157,8 +196,9 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
 def task_config(config: RunConfig) -> TaskConfig:
     t = config.task
     if t.kind == "running_sums":
-        rs = running_sums.RunningSumsConfig(median_k=t.median_k, sigma=t.sigma, k_max=t.k_max,
-                                            max_term=int(t.get("max_term", 2)), seed=config.seed)
+        rs = running_sums.RunningSumsConfig(
+            median_k=t.median_k, sigma=t.sigma, k_max=t.k_max, max_term=int(t.get("max_term", 2)), seed=config.seed
+        )
         return TaskConfig(kind="running_sums", running_sums=rs)
     source = SourceConfig(**{k: v for k, v in t.source.items()}, seed=config.seed)
     return TaskConfig(kind=t.kind, source=source)

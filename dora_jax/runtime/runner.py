@@ -28,24 +28,23 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
-
-from dora_jax.runtime import faults, training_loop
-from dora_jax.parallel import sharding
-from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
-from dora_jax.runtime.metrics import MetricsWriter
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
-from dora_jax.tasks.reward_scorer import RewardPoolScorer
-from dora_jax.runtime.run_config import RunConfig
+from dora_jax.runtime import faults, training_loop
 from dora_jax.runtime.build import Setup, build_setup
-from dora_jax.store import InProcessTier, ParamStore, StoreError
+from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
+from dora_jax.runtime.metrics import MetricsWriter
+from dora_jax.runtime.run_config import RunConfig
 from dora_jax.runtime.supervisor import SliceSupervisor
+from dora_jax.store import InProcessTier, ParamStore, StoreError
 from dora_jax.tasks.prompt import Prompt
+from dora_jax.tasks.reward_scorer import RewardPoolScorer
 from dora_jax.trainer import Trainer
 from dora_jax.transport.in_process import WorkerThread
 
@@ -63,15 +62,23 @@ class RunResult:
     slice_busy_s: list[float]
     train_busy_s: float
     timelines: dict
-    resumed_from: Optional[int] = None  # checkpoint step this process started from (0: from scratch)
+    resumed_from: int | None = None  # checkpoint step this process started from (0: from scratch)
     preempted: bool = False  # stopped early on request (SIGTERM), after a checkpoint
     checkpoint_errors: list = dataclasses.field(default_factory=list)
     checkpoint_s: list = dataclasses.field(default_factory=list)  # seconds the trainer spent per save
 
 
-def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progress: bool = True,
-        forced_length: Optional[Callable[[str, int], Optional[int]]] = None,
-        scorer=None, write_config: Optional[dict] = None, preempt: Optional[threading.Event] = None) -> RunResult:
+def run(
+    config: RunConfig,
+    workdir: str,
+    *,
+    setup: Setup | None = None,
+    progress: bool = True,
+    forced_length: Callable[[str, int], int | None] | None = None,
+    scorer=None,
+    write_config: dict | None = None,
+    preempt: threading.Event | None = None,
+) -> RunResult:
     """Runs (or resumes) to `config.num_steps` training steps; see the module docstring. Setting
     `preempt` stops the run at the next step boundary with a checkpoint."""
     os.makedirs(workdir, exist_ok=True)
@@ -81,8 +88,12 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(write_config, f, indent=1, default=str)
     setup = setup or build_setup(config, workdir)
-    slices = sharding.split_devices(dict(config.mesh.trainer), dict(config.mesh.rollout), config.rollout.num_slices,
-                                    time_shared=config.mesh.time_shared)
+    slices = sharding.split_devices(
+        dict(config.mesh.trainer),
+        dict(config.mesh.rollout),
+        config.rollout.num_slices,
+        time_shared=config.mesh.time_shared,
+    )
     store = ParamStore(InProcessTier())
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, slices.trainer, config.trainer, store)
     checkpointer = RunCheckpointer(directory_of(workdir), keep=config.checkpoint_keep)
@@ -90,8 +101,10 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     restored = None
     if resuming:
         repair_torn_tail(ledger_path)
-        restored = checkpointer.restore_latest(lambda: abstract_like(trainer.state, trainer.state_shardings),
-                                               lambda: abstract_like(trainer.params, trainer.param_shardings))
+        restored = checkpointer.restore_latest(
+            lambda: abstract_like(trainer.state, trainer.state_shardings),
+            lambda: abstract_like(trainer.params, trainer.param_shardings),
+        )
         if restored is not None:
             check_resumable(restored.meta["fingerprint"], fingerprint(config, setup))
             trainer.load_state(restored.trainer_state, restored.meta["trainer_version"])
@@ -101,8 +114,11 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             prompts.update({k: _prompt_from_json(v) for k, v in restored.meta["prompts"].items()})
     trainer.publish()
     trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
-    engine_config = EngineConfig(num_slots=config.rollout.slots, cache_length=config.rollout.cache_length,
-                                 max_prefill_length=config.rollout.max_prefill_length)
+    engine_config = EngineConfig(
+        num_slots=config.rollout.slots,
+        cache_length=config.rollout.cache_length,
+        max_prefill_length=config.rollout.max_prefill_length,
+    )
     ledger = Ledger(ledger_path)
 
     def next_prompt():
@@ -122,17 +138,32 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
         engine = RolloutEngine(setup.model_config, engine_config, mesh, tokenizer=setup.tokenizer)
         shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
         engine.warmup(store.get(trainer.version, shardings))
-        slice_parts.append((lambda e=engine, sid=slice_id: RolloutWorker(e, slice_id=sid, eos_ids=setup.eos_ids),
-                            lambda v, sh=shardings, sid=slice_id: _fetch(store, v, sh, sid, load_faults)))
+        slice_parts.append(
+            (
+                lambda e=engine, sid=slice_id: RolloutWorker(e, slice_id=sid, eos_ids=setup.eos_ids),
+                lambda v, sh=shardings, sid=slice_id: _fetch(store, v, sh, sid, load_faults),
+            )
+        )
         threads[slice_id] = _start_slice(slice_parts[slice_id], holder, config)
     supervisor_ref: list[SliceSupervisor] = []
-    coord = Coordinator(config.coordinator, dict(threads), next_prompt, scorer, ledger,
-                        forced_length=forced_length, initial_version=trainer.version,
-                        on_slice_dropped=lambda sid, why: supervisor_ref[0].dropped(sid, why))
+    coord = Coordinator(
+        config.coordinator,
+        dict(threads),
+        next_prompt,
+        scorer,
+        ledger,
+        forced_length=forced_length,
+        initial_version=trainer.version,
+        on_slice_dropped=lambda sid, why: supervisor_ref[0].dropped(sid, why),
+    )
     holder.append(coord)
-    supervisor = SliceSupervisor(coord, threads, lambda sid: _start_slice(slice_parts[sid], holder, config),
-                                 heartbeat_timeout_s=config.rollout.heartbeat_timeout_s,
-                                 max_rejoins=config.rollout.max_rejoins)
+    supervisor = SliceSupervisor(
+        coord,
+        threads,
+        lambda sid: _start_slice(slice_parts[sid], holder, config),
+        heartbeat_timeout_s=config.rollout.heartbeat_timeout_s,
+        max_rejoins=config.rollout.max_rejoins,
+    )
     supervisor_ref.append(supervisor)
     if resuming:
         coord.restore(restored.meta["coordinator"] if restored else None)
@@ -159,13 +190,14 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
     loop.start()
     checkpoint_errors, checkpoint_s = [], []
     bar = _progress(config.num_steps - start_step, progress)
-    preempting = (lambda: preempt is not None and preempt.is_set())
+    preempting = lambda: preempt is not None and preempt.is_set()
 
     def save_checkpoint() -> None:
         t0 = time.perf_counter()
         try:
-            _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fingerprint(config, setup),
-                             loop.is_alive)
+            _save_checkpoint(
+                checkpointer, trainer, store, coord, setup, prompts, fingerprint(config, setup), loop.is_alive
+            )
         except (CheckpointError, OSError) as err:  # e.g. disk full: keep running on the previous one
             log.warning("%s; the previous checkpoint stays in use", err)
             checkpoint_errors.append(str(err))
@@ -176,7 +208,9 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             if kind == "load_error":
                 load_faults.add(sid)
             else:
-                threads[sid].inject_failure("hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}"))
+                threads[sid].inject_failure(
+                    "hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}")
+                )
         if (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0) or preempting():
             save_checkpoint()
             return {"checkpoint_s": checkpoint_s[-1]}
@@ -186,12 +220,22 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", versions=row["versions_in_flight"])
 
-    source = CoordinatorSource(coord, store, all_threads, cancel=preempt,
-                               loop_error=lambda: loop_error[0] if loop_error else None)
+    source = CoordinatorSource(
+        coord, store, all_threads, cancel=preempt, loop_error=lambda: loop_error[0] if loop_error else None
+    )
     try:
-        loop_result = training_loop.train(trainer, source, num_steps=config.num_steps, pad_to=config.pad_to,
-                                          pad_id=setup.tokenizer.pad_id, writer=metrics_writer,
-                                          after_step=after_step, on_row=on_row, should_stop=preempting, start=start)
+        loop_result = training_loop.train(
+            trainer,
+            source,
+            num_steps=config.num_steps,
+            pad_to=config.pad_to,
+            pad_id=setup.tokenizer.pad_id,
+            writer=metrics_writer,
+            after_step=after_step,
+            on_row=on_row,
+            should_stop=preempting,
+            start=start,
+        )
         rows = loop_result.rows
         preempted = trainer.version < config.num_steps
         if preempted and not (rows and "checkpoint_s" in rows[-1]):
@@ -213,15 +257,30 @@ def run(config: RunConfig, workdir: str, *, setup: Optional[Setup] = None, progr
             pool.close()
     wall = time.perf_counter() - start
     report = audit(read_ledger(ledger_path))
-    timelines = {"start": start, "slices": [t.timeline for t in all_threads], "trainer": loop_result.timeline,
-                 "slot_totals": _slot_totals(all_threads)[:2]}
+    timelines = {
+        "start": start,
+        "slices": [t.timeline for t in all_threads],
+        "trainer": loop_result.timeline,
+        "slot_totals": _slot_totals(all_threads)[:2],
+    }
     stats = dataclasses.asdict(coord.stats)
     stats["slice_drops"] = [f"slice {sid}: {why}" for sid, why in supervisor.drops]
     stats["slice_restarts"] = dict(supervisor.rejoins)
-    return RunResult(workdir, wall, len(rows), rows, report, stats,
-                     [t.busy_s for t in all_threads], loop_result.train_busy_s, timelines,
-                     resumed_from=(restored.step if restored else 0) if resuming else None, preempted=preempted,
-                     checkpoint_errors=checkpoint_errors, checkpoint_s=checkpoint_s)
+    return RunResult(
+        workdir,
+        wall,
+        len(rows),
+        rows,
+        report,
+        stats,
+        [t.busy_s for t in all_threads],
+        loop_result.train_busy_s,
+        timelines,
+        resumed_from=(restored.step if restored else 0) if resuming else None,
+        preempted=preempted,
+        checkpoint_errors=checkpoint_errors,
+        checkpoint_s=checkpoint_s,
+    )
 
 
 class CoordinatorSource:
@@ -232,7 +291,7 @@ class CoordinatorSource:
         self._coord, self._store, self._threads = coord, store, threads  # threads grows as slices restart
         self._cancel, self._loop_error = cancel, loop_error
 
-    def take(self, trainer_version: int) -> Optional[training_loop.TakenBatch]:
+    def take(self, trainer_version: int) -> training_loop.TakenBatch | None:
         groups = self._coord.take_batch(trainer_version, cancel=self._cancel)
         if groups is None:
             if self._cancel is not None and self._cancel.is_set():
@@ -247,10 +306,14 @@ class CoordinatorSource:
 
     def counters(self) -> dict:
         slot_steps, idle, generated = _slot_totals(self._threads)
-        return {"slot_steps": slot_steps, "idle_slot_steps": idle, "generated_tokens": generated,
-                "trainer_wait_s": self._coord.stats.trainer_wait_s,
-                "versions_in_flight": len(self._coord.versions_in_flight()),
-                "migrations_kv": self._coord.stats.migrations_kv}
+        return {
+            "slot_steps": slot_steps,
+            "idle_slot_steps": idle,
+            "generated_tokens": generated,
+            "trainer_wait_s": self._coord.stats.trainer_wait_s,
+            "versions_in_flight": len(self._coord.versions_in_flight()),
+            "migrations_kv": self._coord.stats.migrations_kv,
+        }
 
 
 def _fetch(store: ParamStore, version: int, shardings, slice_id: int, load_faults: set[int]):
@@ -263,16 +326,28 @@ def _fetch(store: ParamStore, version: int, shardings, slice_id: int, load_fault
 
 def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
     make_worker, fetch = parts
-    return WorkerThread(make_worker(), fetch, lambda sid, trajs: holder[0].post_finished(sid, trajs),
-                        command_timeout_s=config.rollout.heartbeat_timeout_s)
+    return WorkerThread(
+        make_worker(),
+        fetch,
+        lambda sid, trajs: holder[0].post_finished(sid, trajs),
+        command_timeout_s=config.rollout.heartbeat_timeout_s,
+    )
 
 
 # --------------------------------------------------------------------------- checkpoints
 def fingerprint(config: RunConfig, setup: Setup) -> dict:
     """What a resumed run may not change."""
-    model = {k: str(v) for k, v in dataclasses.asdict(setup.model_config).items() if k != "moe_dispatch"}  # same numbers
-    return {"model": model, "mode": config.mode, "group_size": config.coordinator.group_size,
-            "k_max": config.coordinator.k_max, "task": str(config.task.kind), "seed": config.seed}
+    model = {
+        k: str(v) for k, v in dataclasses.asdict(setup.model_config).items() if k != "moe_dispatch"
+    }  # same numbers
+    return {
+        "model": model,
+        "mode": config.mode,
+        "group_size": config.coordinator.group_size,
+        "k_max": config.coordinator.k_max,
+        "task": str(config.task.kind),
+        "seed": config.seed,
+    }
 
 
 def check_resumable(saved: dict, current: dict) -> None:
@@ -285,8 +360,10 @@ def check_resumable(saved: dict, current: dict) -> None:
         if saved["model"].get(key) != value:
             problems.append(f"model.{key}: checkpoint {saved['model'].get(key)}, config {value}")
     if current["k_max"] < saved["k_max"]:
-        problems.append(f"coordinator.k_max: checkpoint {saved['k_max']}, config {current['k_max']} (a smaller "
-                        "window could strand trajectories admitted under the larger one)")
+        problems.append(
+            f"coordinator.k_max: checkpoint {saved['k_max']}, config {current['k_max']} (a smaller "
+            "window could strand trajectories admitted under the larger one)"
+        )
     if problems:
         raise ValueError("cannot resume this workdir with this config; differences:\n  " + "\n  ".join(problems))
 
@@ -305,8 +382,13 @@ def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, lo
     needed |= {g["version"] for g in state["groups"].values()} | {t["version"] for t in state["unscored"]}
     needed.discard(trainer.version)
     live = {r["prompt_id"] for r in requests} | {t["prompt_id"] for t in state["unscored"]}
-    meta = {"coordinator": state, "trainer_version": trainer.version, "versions": sorted(needed),
-            "prompts": {pid: _prompt_to_json(prompts[pid]) for pid in sorted(live)}, "fingerprint": fp}
+    meta = {
+        "coordinator": state,
+        "trainer_version": trainer.version,
+        "versions": sorted(needed),
+        "prompts": {pid: _prompt_to_json(prompts[pid]) for pid in sorted(live)},
+        "fingerprint": fp,
+    }
     versions = {v: store.get(v, trainer.param_shardings, copy=False) for v in needed}
     faults.before_checkpoint_save()
     checkpointer.save(trainer.version, trainer.state, versions, meta)
@@ -346,8 +428,11 @@ def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:
 
 def _slot_totals(threads) -> tuple[int, int, int]:
     counters = [t.worker.counters for t in threads]
-    return (sum(c.slot_steps for c in counters), sum(c.idle_slot_steps for c in counters),
-            sum(c.generated_tokens for c in counters))
+    return (
+        sum(c.slot_steps for c in counters),
+        sum(c.idle_slot_steps for c in counters),
+        sum(c.generated_tokens for c in counters),
+    )
 
 
 def _progress(total: int, enabled: bool):

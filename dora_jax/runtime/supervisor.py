@@ -15,15 +15,23 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 
 class SliceSupervisor:
-    def __init__(self, coordinator, threads: dict, start_slice: Callable[[int], object], *,
-                 heartbeat_timeout_s: float, max_rejoins: int, restart_delay_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        coordinator,
+        threads: dict,
+        start_slice: Callable[[int], object],
+        *,
+        heartbeat_timeout_s: float,
+        max_rejoins: int,
+        restart_delay_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """`threads`: slice id -> WorkerThread, updated in place on restarts; `start_slice(sid)`
         starts a fresh worker thread for the slice."""
         self._coord = coordinator
@@ -34,7 +42,7 @@ class SliceSupervisor:
         self._max_rejoins = max_rejoins
         self._restart_delay_s = restart_delay_s
         self._clock = clock
-        self._dropped: "queue.SimpleQueue[tuple[int, str]]" = queue.SimpleQueue()
+        self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         self._reported: set[int] = set()  # posted as failed, not dropped yet
         self._down: set[int] = set()  # dropped, not rejoined
         self._restart_at: dict[int, float] = {}
@@ -55,8 +63,11 @@ class SliceSupervisor:
             if thread.error is None and not hung:
                 continue
             self._reported.add(sid)
-            reason = (f"{type(thread.error).__name__}: {thread.error}" if thread.error is not None
-                      else f"TimeoutError: no heartbeat for {self._heartbeat_timeout_s:.0f}s")
+            reason = (
+                f"{type(thread.error).__name__}: {thread.error}"
+                if thread.error is not None
+                else f"TimeoutError: no heartbeat for {self._heartbeat_timeout_s:.0f}s"
+            )
             self._coord.post_slice_failed(sid, reason)
         while not self._dropped.empty():
             self._on_dropped(*self._dropped.get(), now)
@@ -73,8 +84,12 @@ class SliceSupervisor:
             log.warning("rollout slice %d dropped (%s); restarting it", sid, reason)
             self._restart_at[sid] = now + self._restart_delay_s
         else:
-            log.warning("rollout slice %d dropped (%s); not restarted: rollout.max_rejoins=%d reached",
-                        sid, reason, self._max_rejoins)
+            log.warning(
+                "rollout slice %d dropped (%s); not restarted: rollout.max_rejoins=%d reached",
+                sid,
+                reason,
+                self._max_rejoins,
+            )
 
     def _restart(self, sid: int, now: float) -> None:
         if self.threads[sid].alive:  # hung inside a step: its engine is not free yet

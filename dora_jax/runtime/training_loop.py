@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
+from dora_jax.core.records import Group, TrainBatch
 from dora_jax.runtime import faults
 from dora_jax.runtime.metrics import MetricsWriter
-from dora_jax.core.records import Group, TrainBatch
 from dora_jax.trainer import Trainer, make_train_batch
 
 COUNTERS = ("slot_steps", "idle_slot_steps", "generated_tokens")  # rollout totals; rows show the step's delta
@@ -31,7 +32,7 @@ class TakenBatch:
 
 
 class BatchSource(Protocol):
-    def take(self, trainer_version: int) -> Optional[TakenBatch]:
+    def take(self, trainer_version: int) -> TakenBatch | None:
         """Blocks for the batch that takes the trainer from `trainer_version` to the next; None
         when the run is to stop (a preemption) with nothing taken."""
 
@@ -50,10 +51,19 @@ class LoopResult:
     stopped_early: bool  # the source returned no batch before num_steps
 
 
-def train(trainer: Trainer, source: BatchSource, *, num_steps: int, pad_to: int, pad_id: int,
-          writer: Optional[MetricsWriter] = None, after_step: Optional[Callable[[int], dict]] = None,
-          on_row: Optional[Callable[[dict], None]] = None, should_stop: Optional[Callable[[], bool]] = None,
-          start: Optional[float] = None) -> LoopResult:
+def train(
+    trainer: Trainer,
+    source: BatchSource,
+    *,
+    num_steps: int,
+    pad_to: int,
+    pad_id: int,
+    writer: MetricsWriter | None = None,
+    after_step: Callable[[int], dict] | None = None,
+    on_row: Callable[[dict], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    start: float | None = None,
+) -> LoopResult:
     """Trains from the trainer's version to `num_steps`. `after_step(step)` runs once the step is
     published (checkpoints, faults) and returns extra row fields; `on_row(row)` sees each row;
     `should_stop()` (a preemption) ends the loop after a step."""
@@ -90,8 +100,15 @@ def train(trainer: Trainer, source: BatchSource, *, num_steps: int, pad_to: int,
     return result
 
 
-def step_row(step: int, batch: TrainBatch, metrics, stats: Mapping[str, float], last: Mapping[str, float],
-             start: float, wait_s: float) -> dict:
+def step_row(
+    step: int,
+    batch: TrainBatch,
+    metrics,
+    stats: Mapping[str, float],
+    last: Mapping[str, float],
+    start: float,
+    wait_s: float,
+) -> dict:
     """One metrics row: the batch, the step's metrics, and the rollout counters since the last row."""
     delta = {k: stats.get(k, 0) - last.get(k, 0) for k in COUNTERS}
     valid = batch.valid_B > 0

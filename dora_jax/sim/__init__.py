@@ -10,6 +10,13 @@ from dora_jax.sim.simulate import ModeResult, simulate
 from dora_jax.sim.workload import WorkloadSpec
 
 __all__ = [
-    "ClusterSpec", "DecodeModel", "Mode", "ModeResult", "Placement", "WorkloadSpec",
-    "fit_decode", "make_cluster", "simulate",
+    "ClusterSpec",
+    "DecodeModel",
+    "Mode",
+    "ModeResult",
+    "Placement",
+    "WorkloadSpec",
+    "fit_decode",
+    "make_cluster",
+    "simulate",
 ]

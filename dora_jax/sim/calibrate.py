@@ -67,15 +67,15 @@ def fit_t0(costs: CostModel, target: SyncTarget, workload: WorkloadSpec, iters: 
     return (lo * hi) ** 0.5
 
 
-def calibrate(costs: CostModel, workload: WorkloadSpec,
-              targets: Sequence[SyncTarget]) -> tuple[CostModel, dict]:
+def calibrate(costs: CostModel, workload: WorkloadSpec, targets: Sequence[SyncTarget]) -> tuple[CostModel, dict]:
     """Fits trainer constants to both targets and t0 to the first; validates on the second."""
     a, b = targets[0], targets[1]
     fixed, per_token = solve_train(a, b, workload)
     costs = dataclasses.replace(costs, train_fixed_s=fixed, train_s_per_token=per_token)
     costs = with_t0(costs, fit_t0(costs, a, workload))
     check = dict(
-        fitted_rollout_s=sync_rollout_s(costs, a.accelerators, workload), target_rollout_s=a.rollout_s,
+        fitted_rollout_s=sync_rollout_s(costs, a.accelerators, workload),
+        target_rollout_s=a.rollout_s,
         predicted_rollout_s_at_second_size=sync_rollout_s(costs, b.accelerators, workload),
         paper_rollout_s_at_second_size=b.rollout_s,
     )

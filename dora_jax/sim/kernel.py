@@ -116,18 +116,35 @@ class Snapshot:
 class Sim:
     """One simulated run of one mode: `run()` until the trainer has published `steps` versions."""
 
-    def __init__(self, cluster: ClusterSpec, workload: WorkloadSpec, config: CoordinatorConfig, steps: int,
-                 chunk_tokens: float, *, coordinator_tick_s: float = 0.0, kv_migration: bool = True,
-                 lengths: LengthSource | None = None, ledger_path: str | None = None):
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        workload: WorkloadSpec,
+        config: CoordinatorConfig,
+        steps: int,
+        chunk_tokens: float,
+        *,
+        coordinator_tick_s: float = 0.0,
+        kv_migration: bool = True,
+        lengths: LengthSource | None = None,
+        ledger_path: str | None = None,
+    ):
         if config.train_batch_size != workload.batch_samples or config.group_size != workload.samples_per_prompt:
             raise ValueError("the coordinator's train_batch_size and group_size must match the workload")
         self.cluster, self.workload, self.steps = cluster, workload, steps
         self.clock = VirtualClock()
         self.queue = EventQueue()
         self.ports = {
-            sid: SimSlice(sid, cluster, prompt_tokens=workload.prompt_tokens,
-                          samples_per_prompt=workload.samples_per_prompt, chunk_tokens=chunk_tokens,
-                          clock=self.clock, on_change=self._changed, kv_migration=kv_migration)
+            sid: SimSlice(
+                sid,
+                cluster,
+                prompt_tokens=workload.prompt_tokens,
+                samples_per_prompt=workload.samples_per_prompt,
+                chunk_tokens=chunk_tokens,
+                clock=self.clock,
+                on_change=self._changed,
+                kv_migration=kv_migration,
+            )
             for sid in range(cluster.num_groups)
         }
         self._epoch = dict.fromkeys(self.ports, 0)  # invalidates a slice's superseded finish events
@@ -136,8 +153,15 @@ class Sim:
             os.remove(ledger_path)  # the Ledger appends; a simulated run starts its own
         self.ledger = Ledger(ledger_path, clock=self.clock)
         prompts = Prompts(lengths if lengths is not None else LengthStream(workload))
-        self.coordinator = Coordinator(config, self.ports, prompts.next_prompt, InstantReward(), self.ledger,
-                                       forced_length=prompts.forced_length, clock=self.clock)
+        self.coordinator = Coordinator(
+            config,
+            self.ports,
+            prompts.next_prompt,
+            InstantReward(),
+            self.ledger,
+            forced_length=prompts.forced_length,
+            clock=self.clock,
+        )
         self._timer = config.rebalance_period_s
         self._timer_on = self.coordinator.policy.switch == Switch.ORCHESTRATE and self._timer < float("inf")
         self._tick = coordinator_tick_s  # 0: the coordinator applies every event at once
@@ -275,15 +299,17 @@ class Sim:
         for port in self.ports.values():
             port.settle(now)
         costs = [p.costs for p in self.ports.values()]
-        self.snapshots.append(Snapshot(
-            t=now,
-            step=self.steps_done,
-            rollout_only_s=self._rollout_only_s,
-            train_busy_s=self._train_busy_s,
-            colocated_train_s=self._lent_s,
-            busy_slot_s=sum(c.busy_slot_s for c in costs),
-            tokens=self.tokens_consumed,
-            migration_s=sum(c.migration_s for c in costs),
-            prefill_tokens=sum(c.prefill_tokens for c in costs),
-            weight_loads=sum(c.weight_loads for c in costs),
-        ))
+        self.snapshots.append(
+            Snapshot(
+                t=now,
+                step=self.steps_done,
+                rollout_only_s=self._rollout_only_s,
+                train_busy_s=self._train_busy_s,
+                colocated_train_s=self._lent_s,
+                busy_slot_s=sum(c.busy_slot_s for c in costs),
+                tokens=self.tokens_consumed,
+                migration_s=sum(c.migration_s for c in costs),
+                prefill_tokens=sum(c.prefill_tokens for c in costs),
+                weight_loads=sum(c.weight_loads for c in costs),
+            )
+        )

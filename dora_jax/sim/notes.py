@@ -26,17 +26,26 @@ def _setting_notes(n: str, setting: dict, paper: dict) -> list[str]:
     modes, ratios = setting["modes"], setting["ratios"]
     notes = []
     order = " < ".join(_winner_order(modes))
-    paper_steps = {m: v["paper"] for k, v in paper.items() if k.startswith("step_time_min.")
-                   for m in [k.split(".", 1)[1]] if v["paper"] is not None}
+    paper_steps = {
+        m: v["paper"]
+        for k, v in paper.items()
+        if k.startswith("step_time_min.")
+        for m in [k.split(".", 1)[1]]
+        if v["paper"] is not None
+    }
     paper_order = " < ".join(sorted(paper_steps, key=paper_steps.get))
     notes.append(f"{n} GPUs: step time order (fastest first) ours {order}; paper {paper_order}.")
     for key in ("dora_vs_sync", "rollout_speedup_vs_sync"):
         if key in paper:
-            notes.append(f"{n} GPUs: {key} ours {paper[key]['ours']} vs paper {paper[key]['paper']} "
-                         f"({_within(paper[key]['ours'], paper[key]['paper'])}).")
+            notes.append(
+                f"{n} GPUs: {key} ours {paper[key]['ours']} vs paper {paper[key]['paper']} "
+                f"({_within(paper[key]['ours'], paper[key]['paper'])})."
+            )
     best = ratios.get("dora_vs_best_other_async")
-    notes.append(f"{n} GPUs: dora vs best other async ours {best} (paper 1.11-1.47; at this size the "
-                 f"paper's tables give {_paper_best(paper)}).")
+    notes.append(
+        f"{n} GPUs: dora vs best other async ours {best} (paper 1.11-1.47; at this size the "
+        f"paper's tables give {_paper_best(paper)})."
+    )
     d = modes.get("dora", {})
     if d:
         notes.append(
@@ -44,40 +53,48 @@ def _setting_notes(n: str, setting: dict, paper: dict) -> list[str]:
             f"{paper.get('rollout_only_share.dora', {}).get('paper')}): its trainer waits "
             f"{d['trainer_wait_s']:.0f} s per step, bubble ratio {d['bubble_ratio']:.3f}, "
             f"KV migration {100 * d['migration_share']:.1f}% of rollout group-time "
-            f"(paper: request transfer 2-3.6% of step time), audit_ok={d['audit_ok']}.")
+            f"(paper: request transfer 2-3.6% of step time), audit_ok={d['audit_ok']}."
+        )
     ablation = setting.get("kv_reuse_ablation")
     if ablation:
-        notes.append(f"{n} GPUs: moving KV caches instead of re-prefilling migrated requests saves "
-                     f"{100 * ablation['rollout_time_saving']:.1f}% of rollout group-time "
-                     f"({ablation['prefill_tokens_saved']:,} prefill tokens; step "
-                     f"{ablation['step_time_s_with_re_prefill']:.0f} s -> "
-                     f"{ablation['step_time_s_with_kv_migration']:.0f} s). Paper: ~9% of rollout "
-                     f"time; the model migrates less (migration share above) and prefills at "
-                     f"~33K tokens/s per group.")
+        notes.append(
+            f"{n} GPUs: moving KV caches instead of re-prefilling migrated requests saves "
+            f"{100 * ablation['rollout_time_saving']:.1f}% of rollout group-time "
+            f"({ablation['prefill_tokens_saved']:,} prefill tokens; step "
+            f"{ablation['step_time_s_with_re_prefill']:.0f} s -> "
+            f"{ablation['step_time_s_with_kv_migration']:.0f} s). Paper: ~9% of rollout "
+            f"time; the model migrates less (migration share above) and prefills at "
+            f"~33K tokens/s per group."
+        )
     p = modes.get("partial_rollout")
     if p:
-        notes.append(f"{n} GPUs: partial_rollout audit_ok={p['audit_ok']}: the mode does not promise C1, "
-                     f"and {p['audit']['c1_violations']} trajectories mix versions "
-                     f"({p['interrupts']} interrupts); staleness from the dispatch version is at most "
-                     f"{p['max_staleness']} (K = {p['staleness_bound']}). Its re-prefill costs "
-                     f"{100 * p['prefill_share']:.1f}% of rollout slice-time; mixing versions costs "
-                     f"nothing in the model, so colocated partial rollout (all GPUs for both phases) "
-                     f"is dora's closest rival.")
+        notes.append(
+            f"{n} GPUs: partial_rollout audit_ok={p['audit_ok']}: the mode does not promise C1, "
+            f"and {p['audit']['c1_violations']} trajectories mix versions "
+            f"({p['interrupts']} interrupts); staleness from the dispatch version is at most "
+            f"{p['max_staleness']} (K = {p['staleness_bound']}). Its re-prefill costs "
+            f"{100 * p['prefill_share']:.1f}% of rollout slice-time; mixing versions costs "
+            f"nothing in the model, so colocated partial rollout (all GPUs for both phases) "
+            f"is dora's closest rival."
+        )
     return notes
 
 
 def _sweep_notes(scaling: dict) -> list[str]:
     rows = scaling.get("accelerators", {})
-    lost = [f"{n} ({min(r['modes'], key=lambda m: r['modes'][m]['step_time_s'])} faster)"
-            for n, r in rows.items()
-            if min(r["modes"], key=lambda m: r["modes"][m]["step_time_s"]) != "dora"]
+    lost = [
+        f"{n} ({min(r['modes'], key=lambda m: r['modes'][m]['step_time_s'])} faster)"
+        for n, r in rows.items()
+        if min(r["modes"], key=lambda m: r["modes"][m]["step_time_s"]) != "dora"
+    ]
     if not rows:
         return []
     first, last = next(iter(rows.values())), list(rows.values())[-1]
-    return [f"Scaling sweep: dora_vs_sync goes {first['ratios'].get('dora_vs_sync')} -> "
-            f"{last['ratios'].get('dora_vs_sync')} from {next(iter(rows))} to {list(rows)[-1]} "
-            f"accelerators; dora is the fastest mode everywhere"
-            + (f" except at {', '.join(lost)}." if lost else ".")]
+    return [
+        f"Scaling sweep: dora_vs_sync goes {first['ratios'].get('dora_vs_sync')} -> "
+        f"{last['ratios'].get('dora_vs_sync')} from {next(iter(rows))} to {list(rows)[-1]} "
+        f"accelerators; dora is the fastest mode everywhere" + (f" except at {', '.join(lost)}." if lost else ".")
+    ]
 
 
 def _paper_best(paper: dict) -> str:
@@ -104,10 +121,16 @@ def make_notes(results: dict) -> list[str]:
     for n, setting in results["settings"].items():
         notes += _setting_notes(n, setting, results["paper"].get(f"gpus_{n}", {}))
     mean = results["workload"]["mean_response"]
-    sync_rollout = " -> ".join(f"{s['modes']['sync']['rollout_only_s_per_step']:.0f} s"
-                               for s in results["settings"].values() if "sync" in s["modes"])
-    sync_bubbles = ", ".join(f"{s['modes']['sync']['bubble_ratio']:.2f} at {n}"
-                             for n, s in results["settings"].items() if "sync" in s["modes"])
+    sync_rollout = " -> ".join(
+        f"{s['modes']['sync']['rollout_only_s_per_step']:.0f} s"
+        for s in results["settings"].values()
+        if "sync" in s["modes"]
+    )
+    sync_bubbles = ", ".join(
+        f"{s['modes']['sync']['bubble_ratio']:.2f} at {n}"
+        for n, s in results["settings"].items()
+        if "sync" in s["modes"]
+    )
     notes += [
         f"Absolute tokens/s run ~{mean / _PAPER_IMPLIED_TOKENS_PER_SAMPLE:.2f}x the paper's in every "
         f"mode: the log-normal with median 2.4K has mean {mean:.0f} response tokens, while the "

@@ -19,33 +19,48 @@ DEFINITIONS = dict(
     tokens_per_s="response tokens trained in the window / window seconds",
     rollout_only_share="share of the window with some rollout request active and the trainer idle",
     bubble_ratio="idle slot-seconds / slot-seconds of the rollout slices (time-weighted; "
-                 "colocated slices are not counted while they train)",
+    "colocated slices are not counted while they train)",
     trainer_wait_s="trainer idle seconds per measured step",
     max_staleness="max over consumed samples of trainer version - the version the sample was dispatched with",
     audit_ok="the project's auditor (dora_jax.coordinator.audit, as `python -m dora_jax.audit` on the run's "
-             "ledger) finds no violation of what the mode promises: C2 (nothing dropped or stranded), C3 "
-             "(staleness <= bound, groups of one version), exactly once, weights, and C1 except for "
-             "partial_rollout, which does not promise it",
+    "ledger) finds no violation of what the mode promises: C2 (nothing dropped or stranded), C3 "
+    "(staleness <= bound, groups of one version), exactly once, weights, and C1 except for "
+    "partial_rollout, which does not promise it",
     policy="every mode is the shipped coordinator (dora_jax.core.modes, dora_jax.coordinator) driving simulated "
-           "slices and trainer; the simulator models time and cost only",
+    "slices and trainer; the simulator models time and cost only",
     rollout_speedup_vs_sync="sync rollout-only seconds per step / dora rollout-only seconds per step",
     bound="step work with every slot busy and nobody waiting: max(rollout work, train work) on the "
-          "split DORA uses (rollout and trainer are distinct hardware)",
+    "split DORA uses (rollout and trainer are distinct hardware)",
 )
 
 
-def _simulate(sc: Scenario, mode: Mode, accelerators: int, workload: WorkloadSpec, steps: int,
-              warmup: int, **kwargs) -> ModeResult:
+def _simulate(
+    sc: Scenario, mode: Mode, accelerators: int, workload: WorkloadSpec, steps: int, warmup: int, **kwargs
+) -> ModeResult:
     return simulate(
-        sc.placements.cluster(sc.costs, mode, accelerators, workload), workload, mode,
-        sc.options.k_max, steps=steps, warmup=warmup, rbs=sc.options.rbs(workload),
-        chunk_tokens=sc.options.chunk_tokens, rebalance_period_s=sc.options.rebalance_period_s,
-        coordinator_tick_s=sc.options.coordinator_tick_s, **kwargs,
+        sc.placements.cluster(sc.costs, mode, accelerators, workload),
+        workload,
+        mode,
+        sc.options.k_max,
+        steps=steps,
+        warmup=warmup,
+        rbs=sc.options.rbs(workload),
+        chunk_tokens=sc.options.chunk_tokens,
+        rebalance_period_s=sc.options.rebalance_period_s,
+        coordinator_tick_s=sc.options.coordinator_tick_s,
+        **kwargs,
     )
 
 
-def run_setting(sc: Scenario, accelerators: int, workload: WorkloadSpec, steps: int, warmup: int,
-                ledger_dir: str | None = None, ablation: bool = False) -> dict:
+def run_setting(
+    sc: Scenario,
+    accelerators: int,
+    workload: WorkloadSpec,
+    steps: int,
+    warmup: int,
+    ledger_dir: str | None = None,
+    ablation: bool = False,
+) -> dict:
     """Every mode of the scenario on `accelerators` GPUs; returns the setting's results block.
 
     With `ablation`, DORA also runs with re-prefill instead of KV-cache migration.
@@ -57,7 +72,8 @@ def run_setting(sc: Scenario, accelerators: int, workload: WorkloadSpec, steps: 
         ledger = os.path.join(ledger_dir, f"{accelerators}gpus_{mode.value}.ledger.jsonl") if ledger_dir else None
         results[mode] = _simulate(sc, mode, accelerators, workload, steps, warmup, ledger_path=ledger)
         placement[mode.value] = dict(
-            placement=cluster.placement.value, rollout_groups=cluster.num_groups,
+            placement=cluster.placement.value,
+            rollout_groups=cluster.num_groups,
             rollout_accelerators=cluster.rollout_accelerators,
             train_accelerators=cluster.train_accelerators,
         )
@@ -76,8 +92,7 @@ def run_setting(sc: Scenario, accelerators: int, workload: WorkloadSpec, steps: 
             step_time_s_with_re_prefill=round(plain.step_time_s, 2),
             # Rollout group-time that re-prefilling migrated requests would cost, net of the KV
             # transfers that replace it (both as shares of rollout group-time).
-            rollout_time_saving=round(plain.prefill_share - with_kv.prefill_share
-                                      - with_kv.migration_share, 4),
+            rollout_time_saving=round(plain.prefill_share - with_kv.prefill_share - with_kv.migration_share, 4),
             prefill_tokens_saved=round(plain.prefill_tokens - with_kv.prefill_tokens),
         )
     return out
@@ -91,12 +106,14 @@ def _bound(sc: Scenario, accelerators: int, workload: WorkloadSpec) -> dict:
     return dict(
         tokens_per_s=round(tokens / max(rollout, train), 1),
         step_time_s=round(max(rollout, train), 2),
-        how=(f"split {accelerators - n_train} rollout / {n_train} trainer GPUs; per step: rollout "
-             f"work with every slot busy ({rollout:.0f} s = mean tokens x t(S)/S + prompt prefill, "
-             f"over {(accelerators - n_train) // sc.costs.accelerators_per_group} groups) and train "
-             f"work ({train:.0f} s) on distinct hardware -> max of the two, nobody waiting; the "
-             f"work is a mean batch, so a mode whose measured batches hold more tokens (dora's "
-             f"oldest-first consumption leaves long samples for later steps) can edge past it"),
+        how=(
+            f"split {accelerators - n_train} rollout / {n_train} trainer GPUs; per step: rollout "
+            f"work with every slot busy ({rollout:.0f} s = mean tokens x t(S)/S + prompt prefill, "
+            f"over {(accelerators - n_train) // sc.costs.accelerators_per_group} groups) and train "
+            f"work ({train:.0f} s) on distinct hardware -> max of the two, nobody waiting; the "
+            f"work is a mean batch, so a mode whose measured batches hold more tokens (dora's "
+            f"oldest-first consumption leaves long samples for later steps) can edge past it"
+        ),
     )
 
 
@@ -104,8 +121,9 @@ def _ratios(results: dict[Mode, ModeResult]) -> dict:
     if Mode.DORA not in results:
         return {}
     dora = results[Mode.DORA]
-    out = {f"dora_vs_{m.value}": round(dora.tokens_per_s / r.tokens_per_s, 3)
-           for m, r in results.items() if m != Mode.DORA}
+    out = {
+        f"dora_vs_{m.value}": round(dora.tokens_per_s / r.tokens_per_s, 3) for m, r in results.items() if m != Mode.DORA
+    }
     others = [results[m].tokens_per_s for m in _OTHER_ASYNC if m in results]
     if others:
         out["dora_vs_best_other_async"] = round(dora.tokens_per_s / max(others), 3)
@@ -136,12 +154,12 @@ def paper_comparison(sc: Scenario, settings: dict) -> dict:
             ours = setting["modes"].get(mode, {}).get("rollout_only_s_per_step")
             rows[f"rollout_only_s_per_step.{mode}"] = _triple(share * step * 60.0, ours)
         ratios = setting["ratios"]
-        rows["rollout_speedup_vs_sync"] = _triple(paper["rollout_speedup_vs_sync"],
-                                                  ratios.get("rollout_speedup_vs_sync"))
+        rows["rollout_speedup_vs_sync"] = _triple(
+            paper["rollout_speedup_vs_sync"], ratios.get("rollout_speedup_vs_sync")
+        )
         rows["dora_vs_sync"] = _triple(paper["dora_vs_sync"], ratios.get("dora_vs_sync"))
         lo, hi = sc.paper["dora_vs_best_other_async"]
-        rows["dora_vs_best_other_async"] = dict(paper=f"{lo}-{hi}",
-                                                ours=ratios.get("dora_vs_best_other_async"))
+        rows["dora_vs_best_other_async"] = dict(paper=f"{lo}-{hi}", ours=ratios.get("dora_vs_best_other_async"))
         block[f"gpus_{n}"] = rows
     return block
 
@@ -163,9 +181,21 @@ def run_sweep(sc: Scenario) -> dict:
         rows[str(n)] = dict(
             prompts_per_step=workload.prompts_per_step,
             train_accelerators_split=setting["placement"].get(Mode.DORA.value, {}).get("train_accelerators"),
-            modes={m: {k: v[k] for k in ("step_time_s", "bubble_ratio", "tokens_per_s", "rollout_only_share",
-                                           "trainer_wait_s", "max_staleness", "audit_ok")}
-                   for m, v in setting["modes"].items()},
+            modes={
+                m: {
+                    k: v[k]
+                    for k in (
+                        "step_time_s",
+                        "bubble_ratio",
+                        "tokens_per_s",
+                        "rollout_only_share",
+                        "trainer_wait_s",
+                        "max_staleness",
+                        "audit_ok",
+                    )
+                }
+                for m, v in setting["modes"].items()
+            },
             ratios=setting["ratios"],
             bound_tokens_per_s=setting["bound"]["tokens_per_s"],
         )
@@ -178,17 +208,23 @@ def format_table(results: dict) -> str:
     for key, setting in results["settings"].items():
         modes = list(setting["modes"])
         paper = results["paper"].get(f"gpus_{key}", {})
-        lines.append(f"\n== {key} GPUs ==  " + "  ".join(
-            f"{m}: {p['rollout_accelerators']}R/{p['train_accelerators']}T {p['placement']}"
-            for m, p in setting["placement"].items()))
+        lines.append(
+            f"\n== {key} GPUs ==  "
+            + "  ".join(
+                f"{m}: {p['rollout_accelerators']}R/{p['train_accelerators']}T {p['placement']}"
+                for m, p in setting["placement"].items()
+            )
+        )
         lines.append(f"{'metric':<22}" + "".join(f"{m:>22}" for m in modes))
-        for metric, key2, fmt, scale in (("step_time_min", "step_time_s", "{:.2f}", 60.0),
-                                         ("tokens_per_s", "tokens_per_s", "{:.0f}", 1.0),
-                                         ("rollout_only_share", "rollout_only_share", "{:.2f}", 1.0),
-                                         ("bubble_ratio", "bubble_ratio", "{:.2f}", 1.0),
-                                         ("trainer_wait_s", "trainer_wait_s", "{:.0f}", 1.0),
-                                         ("max_staleness", "max_staleness", "{}", 1.0),
-                                         ("audit_ok", "audit_ok", "{}", 1.0)):
+        for metric, key2, fmt, scale in (
+            ("step_time_min", "step_time_s", "{:.2f}", 60.0),
+            ("tokens_per_s", "tokens_per_s", "{:.0f}", 1.0),
+            ("rollout_only_share", "rollout_only_share", "{:.2f}", 1.0),
+            ("bubble_ratio", "bubble_ratio", "{:.2f}", 1.0),
+            ("trainer_wait_s", "trainer_wait_s", "{:.0f}", 1.0),
+            ("max_staleness", "max_staleness", "{}", 1.0),
+            ("audit_ok", "audit_ok", "{}", 1.0),
+        ):
             cells = []
             for m in modes:
                 value = setting["modes"][m][key2]
@@ -196,8 +232,9 @@ def format_table(results: dict) -> str:
                 ref = paper.get(f"{metric}.{m}", {}).get("paper")
                 cells.append(cell + (f" [{ref}]" if ref is not None else ""))
             lines.append(f"{metric:<22}" + "".join(f"{c:>22}" for c in cells))
-        ratios = "  ".join(f"{k}={v}" + (f" [{paper[k]['paper']}]" if k in paper else "")
-                           for k, v in setting["ratios"].items())
+        ratios = "  ".join(
+            f"{k}={v}" + (f" [{paper[k]['paper']}]" if k in paper else "") for k, v in setting["ratios"].items()
+        )
         lines.append(f"ratios: {ratios}")
         lines.append(f"bound: {setting['bound']['tokens_per_s']:.0f} tokens/s")
     sweep = results.get("scaling", {}).get("accelerators", {})
@@ -206,8 +243,9 @@ def format_table(results: dict) -> str:
         lines.append(f"\n== scaling ({results['scaling']['batch_scaling']} batch): step time s / bubble ==")
         lines.append(f"{'GPUs':>6}" + "".join(f"{m:>22}" for m in modes) + f"{'dora_vs_sync':>14}")
         for n, row in sweep.items():
-            cells = "".join(f"{row['modes'][m]['step_time_s']:>13.0f} / {row['modes'][m]['bubble_ratio']:.2f}"
-                            for m in modes)
+            cells = "".join(
+                f"{row['modes'][m]['step_time_s']:>13.0f} / {row['modes'][m]['bubble_ratio']:.2f}" for m in modes
+            )
             lines.append(f"{n:>6}{cells}{row['ratios'].get('dora_vs_sync', ''):>14}")
     return "\n".join(lines)
 
@@ -216,16 +254,23 @@ def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True
     """Paper settings, comparison, sweep and notes; writes out_dir/results.json and returns it."""
     os.makedirs(out_dir, exist_ok=True)
     settings = {
-        str(n): run_setting(sc, n, sc.workload, sc.options.steps, sc.options.warmup,
-                            ledger_dir=out_dir if ledger else None, ablation=True)
+        str(n): run_setting(
+            sc,
+            n,
+            sc.workload,
+            sc.options.steps,
+            sc.options.warmup,
+            ledger_dir=out_dir if ledger else None,
+            ablation=True,
+        )
         for n in sc.settings
     }
     results = dict(
         settings=settings,
         paper=paper_comparison(sc, {int(k): v for k, v in settings.items()}),
         scaling=run_sweep(sc) if sweep else {},
-        workload=dataclasses.asdict(sc.workload) | dict(sigma=round(sc.workload.sigma, 4),
-                                                       mean_response=round(mean_response(sc.workload), 1)),
+        workload=dataclasses.asdict(sc.workload)
+        | dict(sigma=round(sc.workload.sigma, 4), mean_response=round(mean_response(sc.workload), 1)),
         costs=dataclasses.asdict(sc.costs),
         definitions=DEFINITIONS,
     )
@@ -233,4 +278,3 @@ def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     return results
-

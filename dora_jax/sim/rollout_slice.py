@@ -90,9 +90,18 @@ class SliceCosts:
 class SimSlice:
     """A `RolloutPort` whose decode runs on the simulator's clock."""
 
-    def __init__(self, slice_id: int, cluster: ClusterSpec, *, prompt_tokens: int, samples_per_prompt: int,
-                 chunk_tokens: float, clock: Callable[[], float], on_change: Callable[[SimSlice], None],
-                 kv_migration: bool = True):
+    def __init__(
+        self,
+        slice_id: int,
+        cluster: ClusterSpec,
+        *,
+        prompt_tokens: int,
+        samples_per_prompt: int,
+        chunk_tokens: float,
+        clock: Callable[[], float],
+        on_change: Callable[[SimSlice], None],
+        kv_migration: bool = True,
+    ):
         self.slice_id = slice_id
         self.num_slots = cluster.slots_per_group
         self._cluster = cluster
@@ -277,22 +286,45 @@ class SimSlice:
         if not generated:
             return run.request
         versions = _expand(self._seen(run, generated))
-        return dataclasses.replace(run.request, prefix_response_ids=(0,) * generated,
-                                   prefix_logprobs=(0.0,) * generated, prefix_versions=versions)
+        return dataclasses.replace(
+            run.request,
+            prefix_response_ids=(0,) * generated,
+            prefix_logprobs=(0.0,) * generated,
+            prefix_versions=versions,
+        )
 
     def _slot_state(self, run: _Run) -> SlotState:
         generated = self._generated(run)
-        return SlotState(run.request, _NO_ARRAY, _NO_ARRAY, self._prompt_tokens + generated, 0,
-                         (0,) * generated, (0.0,) * generated, _expand(self._seen(run, generated)), _NO_KEY,
-                         self.version)
+        return SlotState(
+            run.request,
+            _NO_ARRAY,
+            _NO_ARRAY,
+            self._prompt_tokens + generated,
+            0,
+            (0,) * generated,
+            (0.0,) * generated,
+            _expand(self._seen(run, generated)),
+            _NO_KEY,
+            self.version,
+        )
 
     def _trajectory(self, run: _Run, now: float) -> Trajectory:
         r = run.request
         seen = self._seen(run, run.length)
         reason = FinishReason.FORCED if run.length == r.forced_length else FinishReason.LENGTH
-        return Trajectory(r.traj_id, r.group_id, r.prompt_id, r.prompt_ids, Repeated(0, run.length),
-                          Repeated(0.0, run.length), r.version, tuple(sorted(v for v in seen if seen[v])), reason,
-                          self.slice_id, finish_t=now)
+        return Trajectory(
+            r.traj_id,
+            r.group_id,
+            r.prompt_id,
+            r.prompt_ids,
+            Repeated(0, run.length),
+            Repeated(0.0, run.length),
+            r.version,
+            tuple(sorted(v for v in seen if seen[v])),
+            reason,
+            self.slice_id,
+            finish_t=now,
+        )
 
 
 def _expand(versions: collections.Counter) -> tuple[int, ...]:

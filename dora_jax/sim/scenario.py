@@ -39,7 +39,9 @@ class CostModel:
 
     def cluster(self, accelerators: int, placement: Placement, train_accelerators: int) -> ClusterSpec:
         return make_cluster(
-            accelerators=accelerators, placement=placement, train_accelerators=train_accelerators,
+            accelerators=accelerators,
+            placement=placement,
+            train_accelerators=train_accelerators,
             **vars(self),
         )
 
@@ -90,7 +92,8 @@ class Placements:
             nodes = round(self.train_fraction * accelerators / self.node_size)
             return min(max(nodes, 1), accelerators // self.node_size - 1) * self.node_size
         return balanced_train_accelerators(
-            accelerators, self.node_size,
+            accelerators,
+            self.node_size,
             lambda n: costs.rollout_work_s(n, workload),
             lambda n: costs.train_work_s(n, workload),
         )
@@ -126,18 +129,31 @@ def _enum(kind, value, field):
 def from_config(config) -> Scenario:
     """Validates the config and builds the scenario records."""
     e, tr, r, p, sw = config.engine, config.trainer, config.run, config.placement, config.sweep
-    decode = (decode_from_bench_json(e.bench_json) if e.bench_json
-              else DecodeModel(t0_s=e.decode_t0_s, t1_s=e.decode_t1_s))
+    decode = (
+        decode_from_bench_json(e.bench_json) if e.bench_json else DecodeModel(t0_s=e.decode_t0_s, t1_s=e.decode_t1_s)
+    )
     costs = CostModel(
-        accelerators_per_group=e.accelerators_per_group, slots_per_group=e.slots_per_group,
-        decode=decode, prefill_s_per_token=e.prefill_s_per_token, weight_load_s=e.weight_load_s,
-        kv_bytes_per_token=e.kv_bytes_per_token, migrate_bytes_per_s=e.migrate_bytes_per_s,
-        train_s_per_token=tr.train_s_per_token, train_fixed_s=tr.train_fixed_s,
+        accelerators_per_group=e.accelerators_per_group,
+        slots_per_group=e.slots_per_group,
+        decode=decode,
+        prefill_s_per_token=e.prefill_s_per_token,
+        weight_load_s=e.weight_load_s,
+        kv_bytes_per_token=e.kv_bytes_per_token,
+        migrate_bytes_per_s=e.migrate_bytes_per_s,
+        train_s_per_token=tr.train_s_per_token,
+        train_fixed_s=tr.train_fixed_s,
     )
     modes = tuple(_enum(Mode, m, "run.modes") for m in r.modes)
-    options = RunOptions(modes=modes, k_max=r.k_max, steps=r.steps, warmup=r.warmup,
-                         rbs_factor=r.rbs_factor, chunk_tokens=r.chunk_tokens,
-                         rebalance_period_s=r.rebalance_period_s, coordinator_tick_s=r.coordinator_tick_s)
+    options = RunOptions(
+        modes=modes,
+        k_max=r.k_max,
+        steps=r.steps,
+        warmup=r.warmup,
+        rbs_factor=r.rbs_factor,
+        chunk_tokens=r.chunk_tokens,
+        rebalance_period_s=r.rebalance_period_s,
+        coordinator_tick_s=r.coordinator_tick_s,
+    )
     by_mode = {m: _enum(Placement, p[m.value], f"placement.{m.value}") for m in Mode}
     if by_mode[Mode.ONE_STEP_OFF] == Placement.COLOCATED or by_mode[Mode.DORA] == Placement.COLOCATED:
         raise ValueError("placement.one_step_off and placement.dora need 'split': they overlap roles")
@@ -153,8 +169,12 @@ def from_config(config) -> Scenario:
         workload=WorkloadSpec(**config.workload.to_dict()),
         costs=costs,
         options=options,
-        placements=Placements(by_mode=by_mode, node_size=p.node_size,
-                              train_accelerators=p.train_accelerators, train_fraction=p.train_fraction),
+        placements=Placements(
+            by_mode=by_mode,
+            node_size=p.node_size,
+            train_accelerators=p.train_accelerators,
+            train_fraction=p.train_fraction,
+        ),
         settings=tuple(config.settings),
         sweep_accelerators=tuple(sw.accelerators),
         sweep_steps=sw.steps,

@@ -63,27 +63,44 @@ class ModeResult:
 def audit_summary(report: AuditReport) -> dict:
     """The auditor's counts for results.json (its violation lists are long at paper scale)."""
     return dict(
-        ok=report.ok, violations=report.violations(), mode=report.mode, k_max=report.k_max,
-        dispatched=report.dispatched, finished=report.finished, consumed=report.consumed,
+        ok=report.ok,
+        violations=report.violations(),
+        mode=report.mode,
+        k_max=report.k_max,
+        dispatched=report.dispatched,
+        finished=report.finished,
+        consumed=report.consumed,
         live_at_end=report.in_flight_at_end + report.unconsumed_finished_at_end,
-        in_flight_at_end=report.in_flight_at_end, unconsumed_finished_at_end=report.unconsumed_finished_at_end,
-        c1_violations=len(report.c1_violations), c2_violations=len(report.c2_violations),
-        c3_violations=len(report.c3_violations), exactly_once_violations=len(report.exactly_once_violations),
+        in_flight_at_end=report.in_flight_at_end,
+        unconsumed_finished_at_end=report.unconsumed_finished_at_end,
+        c1_violations=len(report.c1_violations),
+        c2_violations=len(report.c2_violations),
+        c3_violations=len(report.c3_violations),
+        exactly_once_violations=len(report.exactly_once_violations),
         max_staleness=report.max_staleness,
         staleness_hist={int(k): v for k, v in sorted(report.staleness_histogram.items())},
-        migrations_kv=report.migrations_kv, migrations_no_kv=report.migrations_no_kv,
-        max_versions_in_flight=report.max_versions_in_flight, publishes=report.publishes,
+        migrations_kv=report.migrations_kv,
+        migrations_no_kv=report.migrations_no_kv,
+        max_versions_in_flight=report.max_versions_in_flight,
+        publishes=report.publishes,
     )
 
 
-def coordinator_config(workload: WorkloadSpec, mode: Mode | str, k_max: int, rbs: int | None = None,
-                       rebalance_period_s: float = 30.0) -> CoordinatorConfig:
+def coordinator_config(
+    workload: WorkloadSpec, mode: Mode | str, k_max: int, rbs: int | None = None, rebalance_period_s: float = 30.0
+) -> CoordinatorConfig:
     """The coordinator settings of a simulated run; `rbs` defaults to 1.5 x TBS (whole prompts)."""
     tbs, g = workload.batch_samples, workload.samples_per_prompt
     rbs = rbs if rbs is not None else max(tbs, (3 * tbs // 2) // g * g)
-    return CoordinatorConfig(mode=Mode(mode).value, k_max=k_max, rollout_batch_size=rbs, train_batch_size=tbs,
-                             group_size=g, max_new_tokens=workload.max_response,
-                             rebalance_period_s=rebalance_period_s)
+    return CoordinatorConfig(
+        mode=Mode(mode).value,
+        k_max=k_max,
+        rollout_batch_size=rbs,
+        train_batch_size=tbs,
+        group_size=g,
+        max_new_tokens=workload.max_response,
+        rebalance_period_s=rebalance_period_s,
+    )
 
 
 def simulate(
@@ -115,8 +132,17 @@ def simulate(
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
     config = coordinator_config(workload, mode, k_max, rbs, rebalance_period_s)
-    sim = Sim(cluster, workload, config, steps, chunk_tokens, coordinator_tick_s=coordinator_tick_s,
-              kv_migration=kv_migration, lengths=lengths, ledger_path=ledger_path)
+    sim = Sim(
+        cluster,
+        workload,
+        config,
+        steps,
+        chunk_tokens,
+        coordinator_tick_s=coordinator_tick_s,
+        kv_migration=kv_migration,
+        lengths=lengths,
+        ledger_path=ledger_path,
+    )
     sim.run()
     return _summarise(sim, mode, warmup, audit(sim.ledger.memory), config.window)
 
@@ -151,8 +177,7 @@ def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: in
         staleness_bound=bound,
         migrations=stats.migrations_kv,
         migration_share=(last.migration_s - first.migration_s) / slice_seconds,
-        prefill_share=(last.prefill_tokens - first.prefill_tokens) * sim.cluster.prefill_s_per_token
-        / slice_seconds,
+        prefill_share=(last.prefill_tokens - first.prefill_tokens) * sim.cluster.prefill_s_per_token / slice_seconds,
         weight_loads=last.weight_loads - first.weight_loads,
         prefill_tokens=last.prefill_tokens,
         window_waits=sim.window_waits,

@@ -14,7 +14,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 Params = Any  # a nested dict of jax.Arrays
 Shardings = Any  # a matching tree of jax.sharding.NamedSharding
@@ -73,9 +74,7 @@ class ParamStore:
                 raise StoreError(f"publish({version}) while version {self._writing} is being written: one writer only")
             newest = max(self._known(), default=None)
             if newest is not None and version <= newest:
-                raise StoreError(
-                    f"publish({version}): versions must increase; the newest version is {newest}"
-                )
+                raise StoreError(f"publish({version}): versions must increase; the newest version is {newest}")
             self._writing = version
         try:
             self._tier.write(version, params)  # outside the lock: readers keep reading

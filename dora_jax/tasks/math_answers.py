@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Optional
 
 from dora_jax.tasks.prompt import Prompt
 
@@ -67,7 +66,7 @@ def _numbers(text: str) -> list[Fraction]:
     return values
 
 
-def extract_number(text: str) -> Optional[Fraction]:
+def extract_number(text: str) -> Fraction | None:
     """The final numeric answer of text (see the module docstring), or None if there is none."""
     if "####" in text:
         segment = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]

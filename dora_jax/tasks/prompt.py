@@ -8,7 +8,8 @@ prompts in the same order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True)

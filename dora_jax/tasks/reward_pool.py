@@ -37,8 +37,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 _MAX_STARTUP_FAILURES = 3  # consecutive workers that die before ready: the pool is broken
 _ERROR_CHARS = 500
@@ -49,7 +50,7 @@ class RewardResult:
     """A sample's reward; `error` set means scoring failed and `value` is 0.0."""
 
     value: float
-    error: Optional[str] = None
+    error: str | None = None
     key: str = ""
     elapsed_s: float = 0.0
 
@@ -58,7 +59,7 @@ class RewardResult:
         return self.error is None
 
 
-def check_value(value: Any) -> tuple[float, Optional[str]]:
+def check_value(value: Any) -> tuple[float, str | None]:
     """(value, None) for a finite real number, else (0.0, why)."""
     if not isinstance(value, numbers.Real):
         return 0.0, f"returned {type(value).__name__} {repr(value)[:80]}, not a number"
@@ -68,7 +69,7 @@ def check_value(value: Any) -> tuple[float, Optional[str]]:
     return value, None
 
 
-def _call(fn: Callable[..., Any], args: tuple) -> tuple[float, Optional[str]]:
+def _call(fn: Callable[..., Any], args: tuple) -> tuple[float, str | None]:
     try:
         return check_value(fn(*args))
     except KeyboardInterrupt:
@@ -92,7 +93,7 @@ class _Worker:
     outbox: Connection  # worker -> parent
     deadline: float  # startup deadline while starting, sample deadline while busy
     ready: bool = False
-    task: Optional[_Task] = None
+    task: _Task | None = None
     sent_t: float = 0.0
 
 
@@ -114,8 +115,9 @@ class RewardPool:
         try:
             self._init_payload = pickle.dumps((fn, tuple(preload)))
         except Exception as err:
-            raise ValueError(f"reward function {fn!r} is not picklable by reference; use a top-level "
-                             f"function: {err}") from None
+            raise ValueError(
+                f"reward function {fn!r} is not picklable by reference; use a top-level function: {err}"
+            ) from None
         self.fn_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
         self.num_workers = num_workers
         self.timeout_s = timeout_s
@@ -125,7 +127,7 @@ class RewardPool:
         self._pending: collections.deque[_Task] = collections.deque()
         self._ids = itertools.count()
         self._closing = False
-        self._broken: Optional[str] = None
+        self._broken: str | None = None
         self._startup_failures = 0
         self._workers: list[_Worker] = []
         self._wake_r, self._wake_w = os.pipe()
@@ -153,7 +155,7 @@ class RewardPool:
             self._wake()
         return future
 
-    def score_many(self, items: Sequence[tuple], keys: Optional[Sequence[str]] = None) -> list[RewardResult]:
+    def score_many(self, items: Sequence[tuple], keys: Sequence[str] | None = None) -> list[RewardResult]:
         """Scores every args tuple in `items`; results in the same order."""
         keys = [str(i) for i in range(len(items))] if keys is None else list(keys)
         futures = [self.submit(key, args) for key, args in zip(keys, items, strict=True)]
@@ -167,7 +169,7 @@ class RewardPool:
                 self._wake()
         self._thread.join()
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -225,12 +227,18 @@ class RewardPool:
         env["DORA_REWARD_PARENT_PID"] = str(os.getpid())
         process = subprocess.Popen(
             [sys.executable, "-m", "dora_jax.tasks.reward_pool", str(task_r), str(result_w)],
-            pass_fds=(task_r, result_w), env=env, stdin=subprocess.DEVNULL,
+            pass_fds=(task_r, result_w),
+            env=env,
+            stdin=subprocess.DEVNULL,
         )
         os.close(task_r)
         os.close(result_w)
-        worker = _Worker(process, Connection(task_w, readable=False), Connection(result_r, writable=False),
-                         deadline=time.monotonic() + self.startup_timeout_s)
+        worker = _Worker(
+            process,
+            Connection(task_w, readable=False),
+            Connection(result_r, writable=False),
+            deadline=time.monotonic() + self.startup_timeout_s,
+        )
         try:
             worker.inbox.send_bytes(self._init_payload)
         except OSError:
@@ -251,7 +259,7 @@ class RewardPool:
             except OSError:
                 pass  # dead worker: its outbox reads EOF and _receive fails the task
 
-    def _pop_pending(self) -> Optional[_Task]:
+    def _pop_pending(self) -> _Task | None:
         with self._lock:
             while self._pending:
                 task = self._pending.popleft()
@@ -358,7 +366,7 @@ class InlineRewardPool:
         future.set_result(RewardResult(value, error, key, time.monotonic() - start))
         return future
 
-    def score_many(self, items: Sequence[tuple], keys: Optional[Sequence[str]] = None) -> list[RewardResult]:
+    def score_many(self, items: Sequence[tuple], keys: Sequence[str] | None = None) -> list[RewardResult]:
         keys = [str(i) for i in range(len(items))] if keys is None else list(keys)
         return [self.submit(key, args).result() for key, args in zip(keys, items, strict=True)]
 

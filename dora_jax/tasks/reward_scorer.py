@@ -5,8 +5,8 @@ Used by the embedded runner and the gRPC coordinator (`dora_jax.serve_coordinato
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 from dora_jax.core.records import Trajectory
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 FORMATS = ("jsonl", "parquet", "hf_disk")
 
@@ -109,8 +110,9 @@ def _jsonl_rows(path: str) -> RowTable:
 def _check_columns(path: str, columns: tuple[str, ...], needed: tuple[str, ...]) -> None:
     for name in needed:
         if name not in columns:
-            raise ValueError(f"{path}: no column {name!r} (named by the SourceConfig field mapping); "
-                             f"columns are {list(columns)}")
+            raise ValueError(
+                f"{path}: no column {name!r} (named by the SourceConfig field mapping); columns are {list(columns)}"
+            )
 
 
 def _parquet_rows(path: str, needed_columns: tuple[str, ...]) -> RowTable:
@@ -137,8 +139,9 @@ def _hf_disk_rows(path: str, needed_columns: tuple[str, ...], split: str) -> Row
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"{path}: reading a HF dataset saved to disk needs the datasets package: "
-                          "pip install datasets") from None
+        raise ImportError(
+            f"{path}: reading a HF dataset saved to disk needs the datasets package: pip install datasets"
+        ) from None
     dataset = datasets.load_from_disk(path)
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import re
 import string
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -166,7 +166,7 @@ class RunningSumsSource:
         try:
             tokenizer.encode(ALPHABET)
         except ValueError as err:
-            raise ValueError(f"tokenizer cannot encode the running-sums alphabet {ALPHABET!r}: {err}")
+            raise ValueError(f"tokenizer cannot encode the running-sums alphabet {ALPHABET!r}: {err}") from err
         self.config = config
         self._tokenizer = tokenizer
         self._index = 0
@@ -189,18 +189,18 @@ class RunningSumsSource:
 
     def restore(self, state: dict) -> None:
         if state.get("kind") != "running_sums" or state.get("seed") != self.config.seed:
-            raise ValueError(
-                f"cannot restore running-sums source (seed {self.config.seed}) from state {state}"
-            )
+            raise ValueError(f"cannot restore running-sums source (seed {self.config.seed}) from state {state}")
         self._index = int(state["index"])
 
 
 def length_stats(config: RunningSumsConfig, num_prompts: int) -> dict[str, float]:
     """Measured response lengths (tokens, EOS included) of `num_prompts` demonstrations."""
-    values = np.asarray([
-        len(_response(draw_terms(np.random.default_rng([config.seed, index]), config), config.modulus)) + 1
-        for index in range(num_prompts)
-    ])
+    values = np.asarray(
+        [
+            len(_response(draw_terms(np.random.default_rng([config.seed, index]), config), config.modulus)) + 1
+            for index in range(num_prompts)
+        ]
+    )
     return {
         "num_prompts": num_prompts,
         "median": float(np.median(values)),

@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -37,13 +38,13 @@ class SourceConfig:
     split: str = "train"  # the split of a saved DatasetDict (hf_disk)
     prompt_field: str = "question"  # a string, or a list of {"role", "content"} messages
     answer_field: str = "answer"  # a string or a number
-    id_field: Optional[str] = None  # a row id; default "<file name>:<row index>"
-    system_prompt: Optional[str] = None  # prepended as a system message (or paragraph, plain)
+    id_field: str | None = None  # a row id; default "<file name>:<row index>"
+    system_prompt: str | None = None  # prepended as a system message (or paragraph, plain)
     chat_template: bool = True  # render with tokenizer.apply_chat_template; False: plain text
     max_prompt_tokens: int = 2048  # longer prompts are skipped ("prompt too long")
     seed: int = 0  # epoch e's order is default_rng([seed, e]).permutation
     shuffle: bool = True  # False: file order every epoch
-    num_epochs: Optional[int] = None  # None: cycle forever; else StopIteration after that many
+    num_epochs: int | None = None  # None: cycle forever; else StopIteration after that many
     max_bad_fraction: float = 0.1  # more skipped rows than this fraction is an error
     min_rows_for_bad_check: int = 100  # visits before the fraction is judged (or a whole pass)
 
@@ -70,15 +71,18 @@ def field_value(row: dict, path: str) -> Any:
     return value
 
 
-def to_messages(prompt: Any, system_prompt: Optional[str]) -> list[dict]:
+def to_messages(prompt: Any, system_prompt: str | None) -> list[dict]:
     """A prompt field (text or a message list) as chat messages, the system prompt first."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise BadRow("empty prompt")
         messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, (list, tuple)) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt
+    elif (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
     ):
         if not any(m["content"].strip() for m in prompt):
             raise BadRow("empty prompt")
@@ -106,8 +110,10 @@ class FileSource:
 
     def __init__(self, config: SourceConfig, tokenizer: Tokenizer):
         if config.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"SourceConfig.chat_template=True but {type(tokenizer).__name__} has no chat "
-                             "template; set chat_template=False to tokenize plain text")
+            raise ValueError(
+                f"SourceConfig.chat_template=True but {type(tokenizer).__name__} has no chat "
+                "template; set chat_template=False to tokenize plain text"
+            )
         self.config = config
         self._tokenizer = tokenizer
         needed = tuple(field.split(".")[0] for field in config.fields)
@@ -117,7 +123,7 @@ class FileSource:
         self._name = os.path.basename(config.path.rstrip("/"))
         self.skipped: collections.Counter[str] = collections.Counter()
         self.examined = 0
-        self._first_bad: Optional[str] = None
+        self._first_bad: str | None = None
         self._epoch, self._position, self._good_this_epoch = 0, 0, 0
         self._order = self._permutation(0)
 
@@ -154,8 +160,10 @@ class FileSource:
 
     def _start_epoch(self, epoch: int) -> None:
         if self._good_this_epoch == 0:
-            raise ValueError(f"{self.config.path}: no usable row in a whole pass; skipped {dict(self.skipped)}; "
-                             f"first bad row: {self._first_bad}")
+            raise ValueError(
+                f"{self.config.path}: no usable row in a whole pass; skipped {dict(self.skipped)}; "
+                f"first bad row: {self._first_bad}"
+            )
         if self.config.num_epochs is not None and epoch >= self.config.num_epochs:
             raise StopIteration
         self._epoch, self._position, self._good_this_epoch = epoch, 0, 0
@@ -221,8 +229,10 @@ class FileSource:
         mine = self.state()
         for key in ("kind", "path", "num_rows", "seed", "shuffle"):
             if state.get(key) != mine[key]:
-                raise ValueError(f"{self.config.path}: cannot restore source state: {key} is "
-                                 f"{state.get(key)!r} in the state but {mine[key]!r} here")
+                raise ValueError(
+                    f"{self.config.path}: cannot restore source state: {key} is "
+                    f"{state.get(key)!r} in the state but {mine[key]!r} here"
+                )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._good_this_epoch = int(state["good_this_epoch"])
         self.examined = int(state["examined"])

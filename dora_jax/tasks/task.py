@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from dora_jax.tasks import math_answers, running_sums
 from dora_jax.tasks.prompt import Prompt, PromptSource, Tokenizer
@@ -39,8 +39,8 @@ DEFAULT_REWARD: dict[str, str] = {"running_sums": "running_sums", "gsm8k": "nume
 class TaskConfig:
     kind: str = "running_sums"  # "running_sums" | "gsm8k" | "math"
     running_sums: RunningSumsConfig = RunningSumsConfig()  # used by kind running_sums
-    source: Optional[SourceConfig] = None  # the prompt file; required by gsm8k and math
-    reward: Optional[str] = None  # a REWARD_FUNCTIONS name; None: the kind's default
+    source: SourceConfig | None = None  # the prompt file; required by gsm8k and math
+    reward: str | None = None  # a REWARD_FUNCTIONS name; None: the kind's default
 
     def __post_init__(self):
         if self.kind not in DEFAULT_REWARD:
@@ -48,8 +48,10 @@ class TaskConfig:
         if self.reward is not None and self.reward not in REWARD_FUNCTIONS:
             raise ValueError(f"TaskConfig.reward={self.reward!r}: must be one of {sorted(REWARD_FUNCTIONS)}")
         if self.kind != "running_sums" and self.source is None:
-            raise ValueError(f"TaskConfig.source is required for kind {self.kind!r} (a SourceConfig "
-                             "naming the prompt file and its fields)")
+            raise ValueError(
+                f"TaskConfig.source is required for kind {self.kind!r} (a SourceConfig "
+                "naming the prompt file and its fields)"
+            )
 
     @property
     def reward_name(self) -> str:
@@ -78,8 +80,10 @@ def make_task(config: TaskConfig, tokenizer: Tokenizer) -> Task:
     if name in REWARD_REQUIRES:
         module, requirement = REWARD_REQUIRES[name]
         if importlib.util.find_spec(module) is None:
-            raise ImportError(f"reward {name!r} (TaskConfig.kind={config.kind!r}) needs the {requirement} "
-                              f"package: pip install {requirement}")
+            raise ImportError(
+                f"reward {name!r} (TaskConfig.kind={config.kind!r}) needs the {requirement} "
+                f"package: pip install {requirement}"
+            )
     match config.kind:
         case "running_sums":
             source: PromptSource = RunningSumsSource(config.running_sums, tokenizer)

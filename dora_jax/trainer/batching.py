@@ -70,6 +70,12 @@ def make_train_batch(groups: list[Group], pad_to: int, pad_id: int, *, num_rows:
         group_ids[len(samples) :] = len(groups)
     traj_ids += [""] * (B - len(samples))
     return TrainBatch(
-        tokens_BT=tokens, loss_mask_BT=loss_mask, inference_logps_BT=inference_logps, rewards_B=rewards,
-        valid_B=valid, versions_B=versions, group_ids_B=group_ids, traj_ids=tuple(traj_ids),
+        tokens_BT=tokens,
+        loss_mask_BT=loss_mask,
+        inference_logps_BT=inference_logps,
+        rewards_B=rewards,
+        valid_B=valid,
+        versions_B=versions,
+        group_ids_B=group_ids,
+        traj_ids=tuple(traj_ids),
     )

@@ -58,9 +58,17 @@ def micro_rows(length: int, *, micro_batch_size: int, token_budget: int, shards:
     return max(shards, min(rows, limit - limit % shards))
 
 
-def micro_plan(lengths_B: np.ndarray, num_updates: int, micro_batch_size: int, pad_to: int, *,
-               width: int | None = None, token_budget: int = 0, shards: int = 1,
-               max_rows: int | None = None) -> list[list[Micro]]:
+def micro_plan(
+    lengths_B: np.ndarray,
+    num_updates: int,
+    micro_batch_size: int,
+    pad_to: int,
+    *,
+    width: int | None = None,
+    token_budget: int = 0,
+    shards: int = 1,
+    max_rows: int | None = None,
+) -> list[list[Micro]]:
     """[[Micro, ...] per update]: each update's rows sorted longest first and cut into
     micro-batches, each padded to the bucket of its longest row (`pad_to * 2^k`, at most the
     batch's `width`). Without a token budget every micro-batch has `micro_batch_size` rows; with
@@ -75,8 +83,13 @@ def micro_plan(lengths_B: np.ndarray, num_updates: int, micro_batch_size: int, p
         micros, start = [], 0
         while start < per_update:
             length = bucket_length(int(lengths_B[rows[start]]), pad_to, width)
-            size = micro_rows(length, micro_batch_size=micro_batch_size, token_budget=token_budget, shards=shards,
-                              limit=max_rows or per_update)
+            size = micro_rows(
+                length,
+                micro_batch_size=micro_batch_size,
+                token_budget=token_budget,
+                shards=shards,
+                limit=max_rows or per_update,
+            )
             micros.append(Micro(rows[start : start + size], length, size))
             start += size
         plan.append(micros)
@@ -101,8 +114,23 @@ def bucket_lengths(max_length: int, pad_to: int, widths=(None,)) -> list[int]:
 class BucketedStep:
     """Runs one batch as `step.train_step` would, micro-batch by micro-batch at their own lengths."""
 
-    def __init__(self, graphdef, tx, config, mesh, batch_axes, param_shardings, state_shardings, replicated,
-                 behaviour, *, pad_to: int, shards: int = 1, compiler_options=None, on_trace=lambda: None):
+    def __init__(
+        self,
+        graphdef,
+        tx,
+        config,
+        mesh,
+        batch_axes,
+        param_shardings,
+        state_shardings,
+        replicated,
+        behaviour,
+        *,
+        pad_to: int,
+        shards: int = 1,
+        compiler_options=None,
+        on_trace=lambda: None,
+    ):
         self._config, self._pad_to, self._behaviour, self._shards = config, pad_to, behaviour, shards
         self._rows_CT = NamedSharding(mesh, PartitionSpec(batch_axes, None))
         self._rows_C = NamedSharding(mesh, PartitionSpec(batch_axes))
@@ -112,31 +140,58 @@ class BucketedStep:
 
         def grad(params, micro, weights_CT, ref_params, micro_batches):
             on_trace()
-            fn = functools.partial(_micro_loss, graphdef=graphdef, loss_config=loss_config,
-                                   router_aux_coef=config.router_aux_coef, micro_batches=micro_batches)
+            fn = functools.partial(
+                _micro_loss,
+                graphdef=graphdef,
+                loss_config=loss_config,
+                router_aux_coef=config.router_aux_coef,
+                micro_batches=micro_batches,
+            )
             return jax.value_and_grad(fn, has_aux=True)(params, micro, weights_CT, ref_params)
 
         # `micro_batches` is traced: with a token budget the count varies from update to update.
-        self._grad = jax.jit(grad, out_shardings=((replicated, replicated), param_shardings),
-                             compiler_options=compiler_options)
+        self._grad = jax.jit(
+            grad, out_shardings=((replicated, replicated), param_shardings), compiler_options=compiler_options
+        )
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-        self._apply = jax.jit(functools.partial(apply_grads, tx=tx), donate_argnums=(0,),
-                              out_shardings=(state_shardings, replicated, replicated), compiler_options=compiler_options)
-        self._advantages = jax.jit(functools.partial(batch_advantages, estimator=config.advantage,
-                                                     dynamic_sampling=config.dynamic_sampling))
-        self._weights = jax.jit(functools.partial(token_weights, loss_norm=loss_config.loss_norm, t_max=loss_config.t_max))
+        self._apply = jax.jit(
+            functools.partial(apply_grads, tx=tx),
+            donate_argnums=(0,),
+            out_shardings=(state_shardings, replicated, replicated),
+            compiler_options=compiler_options,
+        )
+        self._advantages = jax.jit(
+            functools.partial(batch_advantages, estimator=config.advantage, dynamic_sampling=config.dynamic_sampling)
+        )
+        self._weights = jax.jit(
+            functools.partial(token_weights, loss_norm=loss_config.loss_norm, t_max=loss_config.t_max)
+        )
 
-    def plan(self, lengths_B: np.ndarray, width: int, num_updates: int, max_rows: int | None = None) -> list[list[Micro]]:
+    def plan(
+        self, lengths_B: np.ndarray, width: int, num_updates: int, max_rows: int | None = None
+    ) -> list[list[Micro]]:
         c = self._config
-        return micro_plan(lengths_B, num_updates, c.micro_batch_size, self._pad_to, width=width,
-                          token_budget=c.micro_batch_tokens, shards=self._shards, max_rows=max_rows)
+        return micro_plan(
+            lengths_B,
+            num_updates,
+            c.micro_batch_size,
+            self._pad_to,
+            width=width,
+            token_budget=c.micro_batch_tokens,
+            shards=self._shards,
+            max_rows=max_rows,
+        )
 
     def __call__(self, state, batch: TrainBatch, ref_params, params_of):
         c = self._config
         versions_B = np.asarray(batch.versions_B, np.int64)
-        adv_B, valid_B, dropped = jax.device_get(self._advantages(
-            np.asarray(batch.rewards_B, np.float32), np.asarray(batch.group_ids_B, np.int32),
-            np.asarray(batch.valid_B, np.float32)))
+        adv_B, valid_B, dropped = jax.device_get(
+            self._advantages(
+                np.asarray(batch.rewards_B, np.float32),
+                np.asarray(batch.group_ids_B, np.int32),
+                np.asarray(batch.valid_B, np.float32),
+            )
+        )
         mask_BT = np.asarray(batch.loss_mask_BT, np.float32) * valid_B[:, None]
         lengths_B = row_lengths(batch)
         width = mask_BT.shape[1]
@@ -155,12 +210,15 @@ class BucketedStep:
             for m in micros:
                 rows_of = functools.partial(_padded_rows, m)  # padding rows: empty (zero mask and weight)
                 micro = dict(
-                    tokens=self._put(rows_of(tokens_BT)), mask=self._put(rows_of(mask_BT)),
-                    inference=self._put(rows_of(inference_BT)), behaviour=self._put(rows_of(behaviour_BT)),
+                    tokens=self._put(rows_of(tokens_BT)),
+                    mask=self._put(rows_of(mask_BT)),
+                    inference=self._put(rows_of(inference_BT)),
+                    behaviour=self._put(rows_of(behaviour_BT)),
                     adv=jax.device_put(rows_of(adv_B), self._rows_C),
                 )
                 (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
-                    state.params, micro, self._put(rows_of(weights_BT)), ref_params, count)
+                    state.params, micro, self._put(rows_of(weights_BT)), ref_params, count
+                )
                 grads = micro_grads if grads is None else self._add(grads, micro_grads)
                 loss = loss + micro_loss
                 update_aux = update_aux + micro_aux
@@ -172,9 +230,13 @@ class BucketedStep:
             finites.append(finite)
             aux.append(update_aux / len(micros))
         outputs = StepOutputs(
-            loss=jnp.mean(jnp.stack(losses)), grad_norm=jnp.mean(jnp.stack(norms)),
-            finite_U=jnp.stack(finites).astype(jnp.int32), dropped_groups=dropped, updates=state.updates,
-            stats=stats if stats is not None else LossStats.empty(), router_load_LX=load,
+            loss=jnp.mean(jnp.stack(losses)),
+            grad_norm=jnp.mean(jnp.stack(norms)),
+            finite_U=jnp.stack(finites).astype(jnp.int32),
+            dropped_groups=dropped,
+            updates=state.updates,
+            stats=stats if stats is not None else LossStats.empty(),
+            router_load_LX=load,
             router_aux_loss=jnp.mean(jnp.stack(aux)),
         )
         return state, outputs
@@ -190,31 +252,47 @@ class BucketedStep:
             for chunk in self.plan(lengths_B[rows], tokens_BT.shape[1], 1, self._config.micro_batch_size)[0]:
                 part = rows[chunk.rows]
                 padded = np.concatenate([part, np.full(chunk.size - part.size, part[0])])
-                logps = self._behaviour(jax.device_put(tokens_BT[padded, : chunk.length][None, None], self._rows_UMCT),
-                                        versions_B[padded], params_of, chunk=chunk.size)
+                logps = self._behaviour(
+                    jax.device_put(tokens_BT[padded, : chunk.length][None, None], self._rows_UMCT),
+                    versions_B[padded],
+                    params_of,
+                    chunk=chunk.size,
+                )
                 # The chunk's rows are sharded over the mesh, which may span several processes
                 # (a multi-host trainer): each host gathers the whole chunk (in one process, this
                 # is np.asarray).
                 out[part, : chunk.length] = multihost_utils.process_allgather(logps, tiled=True)[0, 0, : part.size]
         return out
 
-    def warmup(self, state, ref_params, version: int, max_length: int, rows_per_update: int, params_of,
-               widths=(None,)) -> list[int]:
+    def warmup(
+        self, state, ref_params, version: int, max_length: int, rows_per_update: int, params_of, widths=(None,)
+    ) -> list[int]:
         """Compiles every micro-batch shape a row of up to `max_length` positions can get in a batch
         of any of `widths` positions (gradient and recompute) on dummy rows, so that a long sample
         arriving mid-run costs no compile. Params are not changed. Returns the lengths."""
         c, params = self._config, state.params
         lengths = bucket_lengths(max_length, self._pad_to, widths)
         for T in lengths:
-            rows = functools.partial(micro_rows, T, micro_batch_size=c.micro_batch_size,
-                                     token_budget=c.micro_batch_tokens, shards=self._shards)
+            rows = functools.partial(
+                micro_rows,
+                T,
+                micro_batch_size=c.micro_batch_size,
+                token_budget=c.micro_batch_tokens,
+                shards=self._shards,
+            )
             R, chunk = rows(limit=rows_per_update), rows(limit=c.micro_batch_size)  # gradient, recompute
             tokens = np.zeros((chunk, T), np.int32)
-            self._behaviour(jax.device_put(tokens[None, None], self._rows_UMCT), np.full(chunk, version), params_of,
-                            chunk=chunk)
-            zeros = lambda dtype: self._put(np.zeros((R, T), dtype))  # noqa: E731
-            micro = dict(tokens=zeros(np.int32), mask=zeros(np.float32), inference=zeros(np.float32),
-                         behaviour=zeros(np.float32), adv=jax.device_put(np.zeros(R, np.float32), self._rows_C))
+            self._behaviour(
+                jax.device_put(tokens[None, None], self._rows_UMCT), np.full(chunk, version), params_of, chunk=chunk
+            )
+            zeros = lambda dtype, R=R, T=T: self._put(np.zeros((R, T), dtype))  # noqa: E731
+            micro = dict(
+                tokens=zeros(np.int32),
+                mask=zeros(np.float32),
+                inference=zeros(np.float32),
+                behaviour=zeros(np.float32),
+                adv=jax.device_put(np.zeros(R, np.float32), self._rows_C),
+            )
             (loss, _), grads = self._grad(params, micro, zeros(np.float32), ref_params, np.float32(1))
             jax.block_until_ready(grads)
         # The per-update programs: compiled ahead (not run: the update would donate the state).

@@ -104,11 +104,11 @@ class LossStats:
     kl_sum: jax.Array
 
     @classmethod
-    def empty(cls) -> "LossStats":
+    def empty(cls) -> LossStats:
         zero, inf = jnp.zeros((), jnp.float32), jnp.full((), jnp.inf, jnp.float32)
         return cls(zero, zero, zero, zero, zero, inf, -inf, zero, -inf, zero, zero)
 
-    def merge(self, other: "LossStats") -> "LossStats":
+    def merge(self, other: LossStats) -> LossStats:
         return LossStats(
             tokens=self.tokens + other.tokens,
             clip_low=self.clip_low + other.clip_low,

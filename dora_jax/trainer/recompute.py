@@ -15,7 +15,8 @@ forward at most, instead of k * B for "whole batch per version, then select rows
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +63,16 @@ def _unravel(rows_C: np.ndarray, lead: tuple[int, int, int]) -> np.ndarray:
 class BehaviourLogps:
     """Computes behaviour log-probs per version group with one compiled chunk function."""
 
-    def __init__(self, graphdef, param_shardings, rows_sharding, replicated, chunk: int,
-                 on_trace: Callable[[], None], compiler_options=None):
+    def __init__(
+        self,
+        graphdef,
+        param_shardings,
+        rows_sharding,
+        replicated,
+        chunk: int,
+        on_trace: Callable[[], None],
+        compiler_options=None,
+    ):
         self._chunk = chunk
         self._rows_sharding = rows_sharding  # the sharding of a [U, M, C, T] array
         self._replicated = replicated
@@ -80,8 +89,9 @@ class BehaviourLogps:
             compiler_options=compiler_options,
         )
 
-    def __call__(self, tokens_UMCT: jax.Array, versions_B: np.ndarray, params_of: Callable[[int], Any],
-                 chunk: int | None = None) -> jax.Array:
+    def __call__(
+        self, tokens_UMCT: jax.Array, versions_B: np.ndarray, params_of: Callable[[int], Any], chunk: int | None = None
+    ) -> jax.Array:
         """logps_UMCT on device; `params_of(version)` returns that version in the trainer's shardings.
         `chunk` overrides the rows per forward (one compile per chunk and length)."""
         lead = tokens_UMCT.shape[:3]

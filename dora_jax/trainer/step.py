@@ -123,8 +123,17 @@ def sequence_logps(graphdef, params, tokens_BT):
     return token_logps(logits_BTV, tokens_BT)
 
 
-def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config: LossConfig,
-                router_aux_coef: float = 0.0, micro_batches: int | jax.Array = 1):
+def _micro_loss(
+    params,
+    micro,
+    weights_CT,
+    ref_params,
+    *,
+    graphdef,
+    loss_config: LossConfig,
+    router_aux_coef: float = 0.0,
+    micro_batches: int | jax.Array = 1,
+):
     """Loss and (LossStats, (router_load_LX, router_aux_loss)) of one micro-batch (a dict of
     [C, ...] arrays) under `params`; the aux loss enters with weight router_aux_coef / micro_batches
     (a Python int, or a traced count where the number of micro-batches varies per update)."""
@@ -134,8 +143,15 @@ def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config:
     if ref_params is not None:
         ref_CT = jax.lax.stop_gradient(sequence_logps(graphdef, ref_params, micro["tokens"])[0])
     loss, stats = policy_loss(
-        logps_CT, micro["behaviour"], micro["inference"], micro["adv"], micro["mask"], weights_CT,
-        loss_config, ref_logps_BT=ref_CT, entropy_BT=entropy_CT,
+        logps_CT,
+        micro["behaviour"],
+        micro["inference"],
+        micro["adv"],
+        micro["mask"],
+        weights_CT,
+        loss_config,
+        ref_logps_BT=ref_CT,
+        entropy_BT=entropy_CT,
     )
     load_LX = jnp.stack([expert_load(r, micro["mask"]) for r in routing]) if routing else jnp.zeros((0, 0))
     aux = load_balancing_loss(routing, micro["mask"])
@@ -144,13 +160,15 @@ def _micro_loss(params, micro, weights_CT, ref_params, *, graphdef, loss_config:
     return loss, (stats, (load_LX, aux))
 
 
-def _one_update(state: TrainState, mini, ref_params, *, graphdef, tx, loss_config: LossConfig,
-                router_aux_coef: float = 0.0):
+def _one_update(
+    state: TrainState, mini, ref_params, *, graphdef, tx, loss_config: LossConfig, router_aux_coef: float = 0.0
+):
     """One optimizer update from a mini-batch of [M, C, ...] arrays, skipped if not finite."""
     M, C, T = mini["mask"].shape
     weights_MCT = token_weights(mini["mask"].reshape(M * C, T), loss_config.loss_norm, loss_config.t_max)
-    micro_loss_fn = functools.partial(_micro_loss, graphdef=graphdef, loss_config=loss_config,
-                                      router_aux_coef=router_aux_coef, micro_batches=M)
+    micro_loss_fn = functools.partial(
+        _micro_loss, graphdef=graphdef, loss_config=loss_config, router_aux_coef=router_aux_coef, micro_batches=M
+    )
     grad_fn = jax.value_and_grad(micro_loss_fn, has_aux=True)
 
     def accumulate(carry, xs):
@@ -173,7 +191,8 @@ def apply_grads(state: TrainState, grads, loss, *, tx):
     params = optax.apply_updates(state.params, deltas)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     new_state = TrainState(
-        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
         updates=state.updates + finite.astype(jnp.int32),
     )
     return new_state, grad_norm, finite
@@ -210,26 +229,41 @@ def train_step(
     of a [U, M, C] array, so that advantages and validity are laid out like the token arrays.
     """
     U, M, C, _ = inputs.tokens_UMCT.shape
-    adv_B, valid_B, dropped = batch_advantages(inputs.rewards_B, inputs.group_ids_B, inputs.valid_B,
-                                               estimator=estimator, dynamic_sampling=dynamic_sampling)
+    adv_B, valid_B, dropped = batch_advantages(
+        inputs.rewards_B, inputs.group_ids_B, inputs.valid_B, estimator=estimator, dynamic_sampling=dynamic_sampling
+    )
     adv_UMC = adv_B.reshape(U, M, C)
     valid_UMC = valid_B.reshape(U, M, C)
     if rows_sharding is not None:
         adv_UMC = jax.lax.with_sharding_constraint(adv_UMC, rows_sharding)
         valid_UMC = jax.lax.with_sharding_constraint(valid_UMC, rows_sharding)
     rows = dict(
-        tokens=inputs.tokens_UMCT, mask=inputs.loss_mask_UMCT.astype(jnp.float32) * valid_UMC[..., None],
-        inference=inputs.inference_logps_UMCT, behaviour=inputs.behaviour_logps_UMCT, adv=adv_UMC,
+        tokens=inputs.tokens_UMCT,
+        mask=inputs.loss_mask_UMCT.astype(jnp.float32) * valid_UMC[..., None],
+        inference=inputs.inference_logps_UMCT,
+        behaviour=inputs.behaviour_logps_UMCT,
+        adv=adv_UMC,
     )
-    update = functools.partial(_one_update, ref_params=ref_params, graphdef=graphdef, tx=tx, loss_config=loss_config,
-                               router_aux_coef=router_aux_coef)
+    update = functools.partial(
+        _one_update,
+        ref_params=ref_params,
+        graphdef=graphdef,
+        tx=tx,
+        loss_config=loss_config,
+        router_aux_coef=router_aux_coef,
+    )
     state, (loss_U, grad_norm_U, finite_U, stats_U, (load_ULX, aux_U)) = jax.lax.scan(update, state, rows)
     stats = jax.tree.map(lambda x: x[0], stats_U)
     for u in range(1, U):
         stats = stats.merge(jax.tree.map(lambda x, u=u: x[u], stats_U))
     outputs = StepOutputs(
-        loss=loss_U.mean(), grad_norm=grad_norm_U.mean(), finite_U=finite_U.astype(jnp.int32),
-        dropped_groups=dropped.astype(jnp.int32), updates=state.updates, stats=stats,
-        router_load_LX=load_ULX.sum(0), router_aux_loss=aux_U.mean(),
+        loss=loss_U.mean(),
+        grad_norm=grad_norm_U.mean(),
+        finite_U=finite_U.astype(jnp.int32),
+        dropped_groups=dropped.astype(jnp.int32),
+        updates=state.updates,
+        stats=stats,
+        router_load_LX=load_ULX.sum(0),
+        router_aux_loss=aux_U.mean(),
     )
     return state, outputs

@@ -12,7 +12,8 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,7 +30,13 @@ from dora_jax.trainer.bucketed import BucketedStep, bucket_lengths
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
 from dora_jax.trainer.step import (
-    OptimizerConfig, StepInputs, TrainState, init_state, make_optimizer, make_schedule, train_step,
+    OptimizerConfig,
+    StepInputs,
+    TrainState,
+    init_state,
+    make_optimizer,
+    make_schedule,
+    train_step,
 )
 
 
@@ -87,8 +94,13 @@ class TrainerConfig:
 
     def loss_config(self) -> LossConfig:
         return LossConfig(
-            eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip, tis_cap=self.tis_cap,
-            loss_norm=self.loss_norm, t_max=self.t_max, kl_coef=self.kl_coef,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            dual_clip=self.dual_clip,
+            tis_cap=self.tis_cap,
+            loss_norm=self.loss_norm,
+            t_max=self.t_max,
+            kl_coef=self.kl_coef,
         )
 
     def optimizer_config(self) -> OptimizerConfig:
@@ -130,8 +142,11 @@ class StepMetrics:
         """Flat scalars; a MoE adds router/aux_loss, router/load_ratio_max, router/load_ratio/{layer}
         and the histogram router/expert_load/{layer} (a list of counts)."""
         moe = ("expert_load", "router_load_ratio", "router_aux_loss")
-        flat = {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("staleness", "behaviour_digests") and k not in moe}
+        flat = {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if k not in ("staleness", "behaviour_digests") and k not in moe
+        }
         flat.update({f"staleness/{k}": v for k, v in sorted(self.staleness.items())})
         if self.expert_load is not None:
             flat["router/aux_loss"] = self.router_aux_loss
@@ -145,9 +160,19 @@ class StepMetrics:
 class Trainer:
     """GRPO/DAPO trainer over one mesh. `params` are live buffers: the next step donates them."""
 
-    def __init__(self, graphdef, params, axes, mesh: Mesh, config: TrainerConfig = TrainerConfig(),
-                 store: ParamStore | None = None, *, rules: Rules = TRAINER_RULES, version: int = 0,
-                 compiler_options: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        graphdef,
+        params,
+        axes,
+        mesh: Mesh,
+        config: TrainerConfig = TrainerConfig(),
+        store: ParamStore | None = None,
+        *,
+        rules: Rules = TRAINER_RULES,
+        version: int = 0,
+        compiler_options: Mapping[str, Any] | None = None,
+    ):
         """`version` is the version of `params` (0 for a fresh run, the checkpoint's on resume);
         `compiler_options` go to every jit (XLA debug options, e.g. TPU scheduler flags)."""
         self.config, self.mesh, self._store, self._version = config, mesh, store, int(version)
@@ -160,7 +185,8 @@ class Trainer:
         shards = 1 if batch_axes is None else int(np.prod([mesh.shape[a] for a in np.atleast_1d(batch_axes)]))
         if config.micro_batch_size % shards:
             raise ValueError(
-                f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the mesh's {shards} batch shards"
+                f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the mesh's "
+                f"{shards} batch shards"
             )
         self._rows_UMC = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
         self._rows_UMCT = NamedSharding(mesh, PartitionSpec(None, None, batch_axes, None))
@@ -172,7 +198,10 @@ class Trainer:
         init = functools.partial(init_state, tx=self._tx)
         abstract = jax.eval_shape(init, params)
         opt_shardings = optax.tree_map_params(
-            self._tx, lambda _, s: s, abstract.opt_state, self.param_shardings,
+            self._tx,
+            lambda _, s: s,
+            abstract.opt_state,
+            self.param_shardings,
             transform_non_params=lambda _: self._replicated,
         )
         self.state_shardings = TrainState(
@@ -181,32 +210,55 @@ class Trainer:
         placed = jax.device_put(params, self.param_shardings, may_alias=False)
         self._ref_params = placed if config.kl_coef > 0 else None
         init_jit = jax.jit(
-            init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings,
-            donate_argnums=() if self._ref_params is not None else (0,), compiler_options=self._compiler_options,
+            init,
+            in_shardings=(self.param_shardings,),
+            out_shardings=self.state_shardings,
+            donate_argnums=() if self._ref_params is not None else (0,),
+            compiler_options=self._compiler_options,
         )
         self._state = init_jit(placed)
 
         self._digests: dict[int, str] = {}  # version -> params digest (dora_jax.store.digest)
         self._used_digests: dict[int, str] = {}  # those the current step recomputed with
         self._behaviour = BehaviourLogps(
-            graphdef, self.param_shardings, self._rows_UMCT, self._replicated, config.micro_batch_size,
-            on_trace=lambda: self.trace_counts.update(["recompute"]), compiler_options=self._compiler_options,
+            graphdef,
+            self.param_shardings,
+            self._rows_UMCT,
+            self._replicated,
+            config.micro_batch_size,
+            on_trace=lambda: self.trace_counts.update(["recompute"]),
+            compiler_options=self._compiler_options,
         )
         self._step = self._compile_step(graphdef)
         self._bucketed = None
         if config.length_bucket:
             self._bucketed = BucketedStep(
-                graphdef, self._tx, config, mesh, batch_axes, self.param_shardings, self.state_shardings,
-                self._replicated, self._behaviour, pad_to=config.length_bucket, shards=shards,
-                compiler_options=self._compiler_options, on_trace=lambda: self.trace_counts.update(["bucketed"]),
+                graphdef,
+                self._tx,
+                config,
+                mesh,
+                batch_axes,
+                self.param_shardings,
+                self.state_shardings,
+                self._replicated,
+                self._behaviour,
+                pad_to=config.length_bucket,
+                shards=shards,
+                compiler_options=self._compiler_options,
+                on_trace=lambda: self.trace_counts.update(["bucketed"]),
             )
 
     def _compile_step(self, graphdef):
         config = self.config
         step = functools.partial(
-            train_step, graphdef=graphdef, tx=self._tx, loss_config=config.loss_config(),
-            estimator=config.advantage, dynamic_sampling=config.dynamic_sampling,
-            rows_sharding=self._rows_UMC, router_aux_coef=config.router_aux_coef,
+            train_step,
+            graphdef=graphdef,
+            tx=self._tx,
+            loss_config=config.loss_config(),
+            estimator=config.advantage,
+            dynamic_sampling=config.dynamic_sampling,
+            rows_sharding=self._rows_UMC,
+            router_aux_coef=config.router_aux_coef,
         )
 
         def traced(state, inputs, ref_params):
@@ -253,8 +305,15 @@ class Trainer:
             return []
         # A batch is pad_to * 2^k wide, up to the bucket of the longest row: every uncapped bucket.
         widths = (None,) if pad_to is None else tuple(bucket_lengths(max_length, pad_to))
-        return self._bucketed.warmup(self._state, self._ref_params, self._version, max_length,
-                                     batch_size // self.config.num_updates, self._params_of, widths)
+        return self._bucketed.warmup(
+            self._state,
+            self._ref_params,
+            self._version,
+            max_length,
+            batch_size // self.config.num_updates,
+            self._params_of,
+            widths,
+        )
 
     def publish(self) -> int:
         """Stores the current params under `version` in the ParamStore; returns the version."""

@@ -14,7 +14,8 @@ import hashlib
 import json
 import random
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -58,8 +59,13 @@ def config_hash(config_json: dict) -> str:
 
 
 def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    return grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
 
 
 class Client:
@@ -96,19 +102,29 @@ class Client:
                     raise CoordinatorUnreachable(
                         f"coordinator at {self.address} {state} for {silent:.0f}s "
                         f"(limit {self.timing.unreachable_after_s:.0f}s) during {what}; last error "
-                        f"{code.name}: {err.details()}") from None
+                        f"{code.name}: {err.details()}"
+                    ) from None
                 time.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, self.timing.max_backoff_s)
 
-    def register(self, role: int, config_hash_: str, *, slice_id: int = -1, num_slots: int = 0,
-                 host_id: int = 0) -> pb.RegisterReply:
+    def register(
+        self, role: int, config_hash_: str, *, slice_id: int = -1, num_slots: int = 0, host_id: int = 0
+    ) -> pb.RegisterReply:
         """Joins the run; a worker for a slice whose old session is still live waits for it to end."""
-        request = pb.RegisterRequest(role=role, slice_id=slice_id, num_slots=num_slots, config_hash=config_hash_,
-                                     package_version=dora_jax.__version__, protocol=PROTOCOL, host=hostname(),
-                                     host_id=host_id)
+        request = pb.RegisterRequest(
+            role=role,
+            slice_id=slice_id,
+            num_slots=num_slots,
+            config_hash=config_hash_,
+            package_version=dora_jax.__version__,
+            protocol=PROTOCOL,
+            host=hostname(),
+            host_id=host_id,
+        )
         self.last_answer = time.monotonic()
-        reply = self.call("Register", lambda t: self.stub.Register(request, timeout=t),
-                          also_retry=(grpc.StatusCode.ALREADY_EXISTS,))
+        reply = self.call(
+            "Register", lambda t: self.stub.Register(request, timeout=t), also_retry=(grpc.StatusCode.ALREADY_EXISTS,)
+        )
         self.session = reply.session
         return reply
 

@@ -9,71 +9,112 @@ array bytes come back bit-identical.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from dora_jax.coordinator.ports import Migratable
 from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
 from dora_jax.transport import dora_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
-Migratable = Union[SlotState, Request]
 
 
 # ---------------------------------------------------------------- requests and trajectories
 def request_to_proto(request: Request) -> pb.Request:
     s = request.sampling
     return pb.Request(
-        traj_id=request.traj_id, group_id=request.group_id, prompt_id=request.prompt_id,
-        prompt_ids=request.prompt_ids, version=request.version, max_new_tokens=request.max_new_tokens,
+        traj_id=request.traj_id,
+        group_id=request.group_id,
+        prompt_id=request.prompt_id,
+        prompt_ids=request.prompt_ids,
+        version=request.version,
+        max_new_tokens=request.max_new_tokens,
         sampling=pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
-        stop_ids=request.stop_ids, has_forced_length=request.forced_length is not None,
-        forced_length=request.forced_length or 0, prefix_response_ids=request.prefix_response_ids,
-        prefix_logprobs=request.prefix_logprobs, prefix_versions=request.prefix_versions,
+        stop_ids=request.stop_ids,
+        has_forced_length=request.forced_length is not None,
+        forced_length=request.forced_length or 0,
+        prefix_response_ids=request.prefix_response_ids,
+        prefix_logprobs=request.prefix_logprobs,
+        prefix_versions=request.prefix_versions,
     )
 
 
 def request_from_proto(m: pb.Request) -> Request:
     s = m.sampling
     return Request(
-        traj_id=m.traj_id, group_id=m.group_id, prompt_id=m.prompt_id, prompt_ids=tuple(m.prompt_ids),
-        version=int(m.version), max_new_tokens=int(m.max_new_tokens),
+        traj_id=m.traj_id,
+        group_id=m.group_id,
+        prompt_id=m.prompt_id,
+        prompt_ids=tuple(m.prompt_ids),
+        version=int(m.version),
+        max_new_tokens=int(m.max_new_tokens),
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=int(s.top_k), seed=int(s.seed)),
-        stop_ids=tuple(m.stop_ids), forced_length=int(m.forced_length) if m.has_forced_length else None,
-        prefix_response_ids=tuple(m.prefix_response_ids), prefix_logprobs=tuple(m.prefix_logprobs),
+        stop_ids=tuple(m.stop_ids),
+        forced_length=int(m.forced_length) if m.has_forced_length else None,
+        prefix_response_ids=tuple(m.prefix_response_ids),
+        prefix_logprobs=tuple(m.prefix_logprobs),
         prefix_versions=tuple(int(v) for v in m.prefix_versions),
     )
 
 
 def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
     return pb.Trajectory(
-        traj_id=t.traj_id, group_id=t.group_id, prompt_id=t.prompt_id, prompt_ids=t.prompt_ids,
-        response_ids=t.response_ids, logprobs=t.logprobs, version=t.version, versions_seen=t.versions_seen,
-        finish_reason=t.finish_reason.value, slice_id=t.slice_id, has_error=t.error is not None,
-        error=t.error or "", dispatch_t=t.dispatch_t, finish_t=t.finish_t, num_migrations=t.num_migrations,
+        traj_id=t.traj_id,
+        group_id=t.group_id,
+        prompt_id=t.prompt_id,
+        prompt_ids=t.prompt_ids,
+        response_ids=t.response_ids,
+        logprobs=t.logprobs,
+        version=t.version,
+        versions_seen=t.versions_seen,
+        finish_reason=t.finish_reason.value,
+        slice_id=t.slice_id,
+        has_error=t.error is not None,
+        error=t.error or "",
+        dispatch_t=t.dispatch_t,
+        finish_t=t.finish_t,
+        num_migrations=t.num_migrations,
     )
 
 
 def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
     return Trajectory(
-        traj_id=m.traj_id, group_id=m.group_id, prompt_id=m.prompt_id, prompt_ids=tuple(m.prompt_ids),
-        response_ids=tuple(m.response_ids), logprobs=tuple(m.logprobs), version=int(m.version),
-        versions_seen=tuple(int(v) for v in m.versions_seen), finish_reason=FinishReason(m.finish_reason),
-        slice_id=int(m.slice_id), error=m.error if m.has_error else None, dispatch_t=m.dispatch_t,
-        finish_t=m.finish_t, num_migrations=int(m.num_migrations),
+        traj_id=m.traj_id,
+        group_id=m.group_id,
+        prompt_id=m.prompt_id,
+        prompt_ids=tuple(m.prompt_ids),
+        response_ids=tuple(m.response_ids),
+        logprobs=tuple(m.logprobs),
+        version=int(m.version),
+        versions_seen=tuple(int(v) for v in m.versions_seen),
+        finish_reason=FinishReason(m.finish_reason),
+        slice_id=int(m.slice_id),
+        error=m.error if m.has_error else None,
+        dispatch_t=m.dispatch_t,
+        finish_t=m.finish_t,
+        num_migrations=int(m.num_migrations),
     )
 
 
 def group_to_proto(g: Group) -> pb.Group:
-    samples = [pb.ScoredTrajectory(trajectory=trajectory_to_proto(s.trajectory), reward=s.reward,
-                                   has_reward_error=s.reward_error is not None, reward_error=s.reward_error or "")
-               for s in g.samples]
+    samples = [
+        pb.ScoredTrajectory(
+            trajectory=trajectory_to_proto(s.trajectory),
+            reward=s.reward,
+            has_reward_error=s.reward_error is not None,
+            reward_error=s.reward_error or "",
+        )
+        for s in g.samples
+    ]
     return pb.Group(group_id=g.group_id, version=g.version, samples=samples)
 
 
 def group_from_proto(m: pb.Group) -> Group:
-    samples = tuple(ScoredTrajectory(trajectory_from_proto(s.trajectory), s.reward,
-                                     s.reward_error if s.has_reward_error else None) for s in m.samples)
+    samples = tuple(
+        ScoredTrajectory(trajectory_from_proto(s.trajectory), s.reward, s.reward_error if s.has_reward_error else None)
+        for s in m.samples
+    )
     return Group(m.group_id, int(m.version), samples)
 
 
@@ -83,12 +124,21 @@ def _array_header(a: np.ndarray) -> pb.Array:
 
 
 def slot_state_to_proto(state: SlotState) -> tuple[pb.SlotState, list[np.ndarray]]:
-    arrays = [np.ascontiguousarray(state.k_LSKD), np.ascontiguousarray(state.v_LSKD),
-              np.ascontiguousarray(state.rng_key)]
+    arrays = [
+        np.ascontiguousarray(state.k_LSKD),
+        np.ascontiguousarray(state.v_LSKD),
+        np.ascontiguousarray(state.rng_key),
+    ]
     m = pb.SlotState(
-        request=request_to_proto(state.request), k=_array_header(arrays[0]), v=_array_header(arrays[1]),
-        position=state.position, last_token=state.last_token, response_ids=state.response_ids,
-        logprobs=state.logprobs, token_versions=state.token_versions, rng_key=_array_header(arrays[2]),
+        request=request_to_proto(state.request),
+        k=_array_header(arrays[0]),
+        v=_array_header(arrays[1]),
+        position=state.position,
+        last_token=state.last_token,
+        response_ids=state.response_ids,
+        logprobs=state.logprobs,
+        token_versions=state.token_versions,
+        rng_key=_array_header(arrays[2]),
         version=state.version,
     )
     return m, arrays
@@ -97,9 +147,16 @@ def slot_state_to_proto(state: SlotState) -> tuple[pb.SlotState, list[np.ndarray
 def slot_state_from_proto(m: pb.SlotState, arrays: Iterator[np.ndarray]) -> SlotState:
     k, v, rng = next(arrays), next(arrays), next(arrays)
     return SlotState(
-        request=request_from_proto(m.request), k_LSKD=k, v_LSKD=v, position=int(m.position),
-        last_token=int(m.last_token), response_ids=tuple(m.response_ids), logprobs=tuple(m.logprobs),
-        token_versions=tuple(int(x) for x in m.token_versions), rng_key=rng, version=int(m.version),
+        request=request_from_proto(m.request),
+        k_LSKD=k,
+        v_LSKD=v,
+        position=int(m.position),
+        last_token=int(m.last_token),
+        response_ids=tuple(m.response_ids),
+        logprobs=tuple(m.logprobs),
+        token_versions=tuple(int(x) for x in m.token_versions),
+        rng_key=rng,
+        version=int(m.version),
     )
 
 
@@ -118,8 +175,10 @@ def migratables_to_proto(items: Sequence[Migratable]) -> tuple[list[pb.Migratabl
 
 
 def migratables_from_proto(items: Iterable[pb.Migratable], arrays: Iterator[np.ndarray]) -> list[Migratable]:
-    return [slot_state_from_proto(m.slot_state, arrays) if m.HasField("slot_state") else request_from_proto(m.request)
-            for m in items]
+    return [
+        slot_state_from_proto(m.slot_state, arrays) if m.HasField("slot_state") else request_from_proto(m.request)
+        for m in items
+    ]
 
 
 def announced_arrays(message) -> list[pb.Array]:
@@ -146,7 +205,7 @@ def to_frames(message, arrays: Sequence[np.ndarray], chunk_bytes: int = DEFAULT_
     for array in arrays:
         view = memoryview(np.ascontiguousarray(array)).cast("B")
         for start in range(0, len(view), chunk_bytes):
-            yield pb.Frame(chunk=bytes(view[start:start + chunk_bytes]))
+            yield pb.Frame(chunk=bytes(view[start : start + chunk_bytes]))
 
 
 class FrameReader:
@@ -176,14 +235,17 @@ class FrameReader:
             try:
                 frame = next(self._frames)
             except StopIteration:
-                raise ValueError(f"stream ended after {filled} of {out.nbytes} bytes of a {header.dtype} "
-                                 f"array {tuple(header.shape)}") from None
+                raise ValueError(
+                    f"stream ended after {filled} of {out.nbytes} bytes of a {header.dtype} array {tuple(header.shape)}"
+                ) from None
             if frame.WhichOneof("body") != "chunk":
-                raise ValueError(f"stream out of step: got a {frame.WhichOneof('body')} after {filled} of "
-                                 f"{out.nbytes} bytes of an array")
+                raise ValueError(
+                    f"stream out of step: got a {frame.WhichOneof('body')} after {filled} of "
+                    f"{out.nbytes} bytes of an array"
+                )
             piece = frame.chunk
             if filled + len(piece) > out.nbytes:
                 raise ValueError(f"array chunk overruns its {out.nbytes}-byte array")
-            buffer[filled:filled + len(piece)] = piece
+            buffer[filled : filled + len(piece)] = piece
             filled += len(piece)
         return out

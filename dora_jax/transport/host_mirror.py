@@ -21,7 +21,8 @@ import dataclasses
 import enum
 import json
 import pickle
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -79,15 +80,15 @@ class HostChannel:
         if self.is_leader:
             head[:_LENGTH_BYTES] = np.frombuffer(len(payload).to_bytes(_LENGTH_BYTES, "little"), np.uint8)
             first = payload[: _HEAD_BYTES - _LENGTH_BYTES]
-            head[_LENGTH_BYTES:_LENGTH_BYTES + len(first)] = np.frombuffer(first, np.uint8)
+            head[_LENGTH_BYTES : _LENGTH_BYTES + len(first)] = np.frombuffer(first, np.uint8)
         head = np.asarray(multihost_utils.broadcast_one_to_all(head))
         length = int.from_bytes(head[:_LENGTH_BYTES].tobytes(), "little")
-        data = head[_LENGTH_BYTES:_LENGTH_BYTES + length].tobytes()
+        data = head[_LENGTH_BYTES : _LENGTH_BYTES + length].tobytes()
         rest = length - len(data)
         if rest > 0:
             tail = np.zeros((1 << (rest - 1).bit_length(),), np.uint8)
             if self.is_leader:
-                tail[:rest] = np.frombuffer(payload[len(data):], np.uint8)
+                tail[:rest] = np.frombuffer(payload[len(data) :], np.uint8)
             data += np.asarray(multihost_utils.broadcast_one_to_all(tail))[:rest].tobytes()
         return data
 
@@ -105,10 +106,13 @@ def check_same_slice(identity: dict) -> None:
     for host, other in enumerate(identities[1:], start=1):
         differ = sorted(k for k in identities[0].keys() | other.keys() if identities[0].get(k) != other.get(k))
         if differ:
-            detail = ", ".join(f"{k}: host 0 has {identities[0].get(k)!r}, host {host} has {other.get(k)!r}"
-                               for k in differ)
-            raise SystemExit(f"the hosts of one slice disagree ({detail}); start every host of a slice with the "
-                             "same --config, overrides, --slice_id and --num_hosts")
+            detail = ", ".join(
+                f"{k}: host 0 has {identities[0].get(k)!r}, host {host} has {other.get(k)!r}" for k in differ
+            )
+            raise SystemExit(
+                f"the hosts of one slice disagree ({detail}); start every host of a slice with the "
+                "same --config, overrides, --slice_id and --num_hosts"
+            )
 
 
 def _encode(command: Command) -> bytes:
@@ -213,8 +217,13 @@ class MirroredWorker:
             self._stopped = True
 
 
-def follow(worker: RolloutWorker, channel: HostChannel, fetch_params: Callable[[int], Any], *,
-           log: Callable[[str], None] = print) -> str:
+def follow(
+    worker: RolloutWorker,
+    channel: HostChannel,
+    fetch_params: Callable[[int], Any],
+    *,
+    log: Callable[[str], None] = print,
+) -> str:
     """A follower host's loop: replays every command host 0 sends on `worker` until STOP; returns
     the leader's reason. A command that fails here failed identically on host 0 (same state, same
     inputs), which decides what happens next; the follower logs it and goes on."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Callable, Sequence
 
 from dora_jax.coordinator.ports import PortError
 from dora_jax.core.records import Request, SlotState
@@ -30,15 +30,21 @@ class SliceError(PortError):
 class WorkerThread:
     """Implements dora_jax.coordinator.ports.RolloutPort for one in-process RolloutWorker."""
 
-    def __init__(self, worker: RolloutWorker, fetch_params: Callable[[int], object], post_finished, *,
-                 command_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        fetch_params: Callable[[int], object],
+        post_finished,
+        *,
+        command_timeout_s: float = 600.0,
+    ):
         self.worker = worker
         self.slice_id = worker.slice_id
         self.num_slots = worker.num_slots
         self._fetch_params = fetch_params  # version -> params laid out for this slice
         self._post_finished = post_finished
         self._timeout = command_timeout_s
-        self._inbox: "queue.Queue[tuple[Callable, Future]]" = queue.Queue()
+        self._inbox: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.last_beat = time.monotonic()  # heartbeat: refreshed every loop turn

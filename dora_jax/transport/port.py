@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -28,8 +28,15 @@ from dora_jax.transport import dora_pb2 as pb
 class GrpcRolloutPort:
     """Implements dora_jax.coordinator.ports.RolloutPort over the command stream of one session."""
 
-    def __init__(self, slice_id: int, num_slots: int, session: str, *, command_timeout_s: float,
-                 on_fail: Callable[["GrpcRolloutPort", str], None]):
+    def __init__(
+        self,
+        slice_id: int,
+        num_slots: int,
+        session: str,
+        *,
+        command_timeout_s: float,
+        on_fail: Callable[[GrpcRolloutPort, str], None],
+    ):
         self.slice_id = slice_id
         self.num_slots = num_slots
         self.session = session
@@ -38,8 +45,8 @@ class GrpcRolloutPort:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, futures.Future] = {}
-        self._outbox: "queue.Queue[tuple[pb.Command, list[np.ndarray]]]" = queue.Queue()
-        self.failure: Optional[str] = None
+        self._outbox: queue.Queue[tuple[pb.Command, list[np.ndarray]]] = queue.Queue()
+        self.failure: str | None = None
         self.connected = threading.Event()  # the worker's command stream is open
         self.stopping = False  # a Stop was queued: the stream's end is expected
 
@@ -47,7 +54,7 @@ class GrpcRolloutPort:
     def submit(self, requests: Sequence[Request]) -> None:
         self._call(pb.Command(submit=pb.Submit(requests=[codec.request_to_proto(r) for r in requests])), [])
 
-    def load_version(self, version: int) -> Optional[str]:
+    def load_version(self, version: int) -> str | None:
         """Returns the digest of the params the worker loaded (None from a worker that sends none)."""
         result, _ = self._call(pb.Command(load_version=pb.LoadVersion(version=int(version))), [])
         return result.digest or None
@@ -106,7 +113,7 @@ class GrpcRolloutPort:
         return True
 
     # ------------------------------------------------------------------ service side
-    def next_frames(self, timeout: float, chunk_bytes: int) -> Optional[list[pb.Frame]]:
+    def next_frames(self, timeout: float, chunk_bytes: int) -> list[pb.Frame] | None:
         """The frames of the next queued command, or None if none came within `timeout`."""
         try:
             command, arrays = self._outbox.get(timeout=timeout)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -33,8 +33,17 @@ _LOST = "lost"
 
 
 class RolloutAgent:
-    def __init__(self, client: Client, worker: RolloutWorker, fetch_params: Callable[[int], object], config_hash: str,
-                 *, silence_s: float = 60.0, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES, log=print):
+    def __init__(
+        self,
+        client: Client,
+        worker: RolloutWorker,
+        fetch_params: Callable[[int], object],
+        config_hash: str,
+        *,
+        silence_s: float = 60.0,
+        chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+        log=print,
+    ):
         self.client = client
         self.worker = worker
         self._fetch_params = fetch_params
@@ -42,7 +51,7 @@ class RolloutAgent:
         self._silence_s = silence_s
         self._chunk_bytes = chunk_bytes
         self._log = log
-        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._inbox: queue.Queue[tuple] = queue.Queue()
         self._done = threading.Event()
         self._seq = 0
         self.busy_s = 0.0
@@ -50,8 +59,9 @@ class RolloutAgent:
 
     # ------------------------------------------------------------------ session
     def register(self) -> None:
-        reply = self.client.register(pb.ROLLOUT, self._config_hash, slice_id=self.worker.slice_id,
-                                     num_slots=self.worker.num_slots)
+        reply = self.client.register(
+            pb.ROLLOUT, self._config_hash, slice_id=self.worker.slice_id, num_slots=self.worker.num_slots
+        )
         self._period = reply.heartbeat_period_s
         self._seq = 0
 
@@ -106,11 +116,15 @@ class RolloutAgent:
                 counters = self.worker.counters
             except RuntimeError:
                 pass
-            request = pb.HeartbeatRequest(session=session, slot_steps=counters.slot_steps,
-                                          idle_slot_steps=counters.idle_slot_steps,
-                                          generated_tokens=counters.generated_tokens, busy_s=self.busy_s)
+            request = pb.HeartbeatRequest(
+                session=session,
+                slot_steps=counters.slot_steps,
+                idle_slot_steps=counters.idle_slot_steps,
+                generated_tokens=counters.generated_tokens,
+                busy_s=self.busy_s,
+            )
             try:
-                self.client.call("Heartbeat", lambda t: self.client.stub.Heartbeat(request, timeout=t))
+                self.client.call("Heartbeat", lambda t, request=request: self.client.stub.Heartbeat(request, timeout=t))
             except (SessionLost, CoordinatorUnreachable) as err:
                 self._inbox.put((_LOST, str(err), type(err)))
                 return
@@ -142,8 +156,10 @@ class RolloutAgent:
                 except queue.Empty:
                     item = None
             if time.monotonic() - last_heard > self._silence_s:
-                raise CoordinatorUnreachable(f"slice {self.worker.slice_id}: no word from the coordinator at "
-                                             f"{self.client.address} for {self._silence_s:.0f}s (not even a keepalive)")
+                raise CoordinatorUnreachable(
+                    f"slice {self.worker.slice_id}: no word from the coordinator at "
+                    f"{self.client.address} for {self._silence_s:.0f}s (not even a keepalive)"
+                )
             if self.worker.has_work:
                 start = time.perf_counter()
                 finished = self.worker.step()
@@ -162,7 +178,9 @@ class RolloutAgent:
                 version = int(command.load_version.version)
                 digest = self.worker.load_version(version, self._fetch_params(version))
             elif kind == "export":
-                exported, out_arrays = codec.migratables_to_proto(export_from(self.worker, list(command.export.traj_ids)))
+                exported, out_arrays = codec.migratables_to_proto(
+                    export_from(self.worker, list(command.export.traj_ids))
+                )
             elif kind == "import_items":
                 import_into(self.worker, codec.migratables_from_proto(command.import_items.items, iter(arrays)))
             elif kind == "progress":
@@ -170,21 +188,28 @@ class RolloutAgent:
             else:
                 raise ValueError(f"unknown command kind {kind!r}")
         except Exception as err:
-            self._ack(pb.Result(session=self.client.session, command_id=command.id,
-                                error=f"{type(err).__name__}: {err}"), [])
+            self._ack(
+                pb.Result(session=self.client.session, command_id=command.id, error=f"{type(err).__name__}: {err}"), []
+            )
             raise
-        self._ack(pb.Result(session=self.client.session, command_id=command.id, exported=exported,
-                            progress=progress, digest=digest), out_arrays)
+        self._ack(
+            pb.Result(
+                session=self.client.session, command_id=command.id, exported=exported, progress=progress, digest=digest
+            ),
+            out_arrays,
+        )
 
     def _ack(self, result: pb.Result, arrays: list[np.ndarray]) -> None:
         # The frames are rebuilt on every try: a stream iterator is consumed by the failed attempt.
-        self.client.call("Ack", lambda t: self.client.stub.Ack(codec.to_frames(result, arrays, self._chunk_bytes),
-                                                                timeout=t))
+        self.client.call(
+            "Ack", lambda t: self.client.stub.Ack(codec.to_frames(result, arrays, self._chunk_bytes), timeout=t)
+        )
 
     def _post_finished(self, finished) -> None:
         self._seq += 1
-        request = pb.FinishedRequest(session=self.client.session, seq=self._seq,
-                                     trajectories=[codec.trajectory_to_proto(t) for t in finished])
+        request = pb.FinishedRequest(
+            session=self.client.session, seq=self._seq, trajectories=[codec.trajectory_to_proto(t) for t in finished]
+        )
         self.client.call("PostFinished", lambda t: self.client.stub.PostFinished(request, timeout=t))
 
 
@@ -199,4 +224,3 @@ def fetch_from_store(store, shardings, *, wait_s: float = 0.0) -> Callable[[int]
         return store.get(version, shardings)
 
     return fetch
-

@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
@@ -71,7 +72,7 @@ class _Session:
     role: int
     host: str
     slice_id: int = -1
-    port: Optional[GrpcRolloutPort] = None
+    port: GrpcRolloutPort | None = None
     last_beat: float = dataclasses.field(default_factory=time.monotonic)
     finished_seq: int = 0
     counters: dict = dataclasses.field(default_factory=dict)
@@ -86,9 +87,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._sessions: dict[str, _Session] = {}
         self.ports: dict[int, GrpcRolloutPort] = {}  # live port per slice
         self._trainers: dict[int, str] = {}  # host_id -> session (a multi-host trainer: one per host)
-        self.initial_version: Optional[int] = None
+        self.initial_version: int | None = None
         self._published = -1
-        self._taken: Optional[tuple[int, pb.TakeBatchReply]] = None
+        self._taken: tuple[int, pb.TakeBatchReply] | None = None
         self.backend = None
         self.failures: list[tuple[int, str]] = []
         self._retired_counters: dict[str, int] = {}  # counters of ended sessions (bubble ratio totals)
@@ -105,11 +106,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while not self._ready():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = [s for s in range(self.identity.num_slices)
-                               if s not in self.ports or not self.ports[s].connected.is_set()]
+                    missing = [
+                        s
+                        for s in range(self.identity.num_slices)
+                        if s not in self.ports or not self.ports[s].connected.is_set()
+                    ]
                     trainer = "nothing" if self.initial_version is None else f"version {self.initial_version}"
-                    raise TimeoutError(f"not every role joined within {timeout_s:.0f}s: rollout slices missing "
-                                       f"{missing}, trainer published {trainer}")
+                    raise TimeoutError(
+                        f"not every role joined within {timeout_s:.0f}s: rollout slices missing "
+                        f"{missing}, trainer published {trainer}"
+                    )
                 self._cond.wait(min(left, 0.2))
             return dict(self.ports), self.initial_version
 
@@ -149,9 +155,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._cond:
             session = self._sessions.get(session_id)
         if session is None or session.role != role:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"session {session_id[:8]} is not live (ended by the coordinator or never registered); "
-                          "register again")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"session {session_id[:8]} is not live (ended by the coordinator or never registered); register again",
+            )
         return session
 
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
@@ -170,34 +177,50 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             else:
                 live = self.ports.get(request.slice_id)
                 if live is not None and live.failure is None and live.connected.is_set():
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                  f"rollout slice {request.slice_id} is already served by a live worker "
-                                  f"(session {live.session[:8]}); retry once it is gone")
+                    context.abort(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"rollout slice {request.slice_id} is already served by a live worker "
+                        f"(session {live.session[:8]}); retry once it is gone",
+                    )
                 stale = live if live is not None and live.failure is None else None
-                port = GrpcRolloutPort(request.slice_id, request.num_slots, session_id,
-                                       command_timeout_s=self.timing.command_timeout_s, on_fail=self._port_failed)
+                port = GrpcRolloutPort(
+                    request.slice_id,
+                    request.num_slots,
+                    session_id,
+                    command_timeout_s=self.timing.command_timeout_s,
+                    on_fail=self._port_failed,
+                )
                 self.ports[request.slice_id] = port
                 self._sessions[session_id] = _Session(pb.ROLLOUT, request.host, request.slice_id, port)
             self._cond.notify_all()
         if request.role == pb.ROLLOUT and stale is not None:  # registered, died before its stream opened
             stale.fail("replaced by a new registration of its slice")
-        self._log(f"registered {pb.Role.Name(request.role).lower()} "
-                  f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}")
+        self._log(
+            f"registered {pb.Role.Name(request.role).lower()} "
+            f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}"
+        )
         return pb.RegisterReply(session=session_id, heartbeat_period_s=self.timing.heartbeat_period_s)
 
-    def _refusal(self, request: pb.RegisterRequest) -> Optional[str]:
+    def _refusal(self, request: pb.RegisterRequest) -> str | None:
         ident = self.identity
         if request.protocol != PROTOCOL:
             return f"protocol {request.protocol} differs from the coordinator's {PROTOCOL}: install the same dora_jax"
         if request.package_version != ident.package_version:
-            return (f"package version {request.package_version!r} differs from the coordinator's "
-                    f"{ident.package_version!r}: install the same dora_jax on every host")
+            return (
+                f"package version {request.package_version!r} differs from the coordinator's "
+                f"{ident.package_version!r}: install the same dora_jax on every host"
+            )
         if request.config_hash != ident.config_hash:
-            return (f"config hash {request.config_hash[:12]} differs from the coordinator's {ident.config_hash[:12]}: "
-                    "start every role with the same --config file and the same --config.* overrides")
+            return (
+                f"config hash {request.config_hash[:12]} differs from the coordinator's {ident.config_hash[:12]}: "
+                "start every role with the same --config file and the same --config.* overrides"
+            )
         if request.role == pb.ROLLOUT:
             if not 0 <= request.slice_id < ident.num_slices:
-                return f"slice_id={request.slice_id}; expected 0..{ident.num_slices - 1} (rollout.num_slices={ident.num_slices})"
+                return (
+                    f"slice_id={request.slice_id}; expected 0..{ident.num_slices - 1} "
+                    f"(rollout.num_slices={ident.num_slices})"
+                )
             if request.num_slots != ident.num_slots:
                 return f"num_slots={request.num_slots}; the config says rollout.slots={ident.num_slots}"
         elif request.role != pb.TRAINER:
@@ -236,16 +259,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         session = self._session(request.session, context, pb.ROLLOUT)
         with self._cond:
             session.last_beat = time.monotonic()
-            session.counters = {"slot_steps": request.slot_steps, "idle_slot_steps": request.idle_slot_steps,
-                                "generated_tokens": request.generated_tokens}
+            session.counters = {
+                "slot_steps": request.slot_steps,
+                "idle_slot_steps": request.idle_slot_steps,
+                "generated_tokens": request.generated_tokens,
+            }
         return pb.HeartbeatReply()
 
     def _watch_heartbeats(self) -> None:
         while not self._stop.wait(min(1.0, self.timing.heartbeat_timeout_s / 4)):
             now = time.monotonic()
             with self._cond:
-                late = [s.port for s in self._sessions.values() if s.port is not None and s.port.connected.is_set()
-                        and now - s.last_beat > self.timing.heartbeat_timeout_s]
+                late = [
+                    s.port
+                    for s in self._sessions.values()
+                    if s.port is not None
+                    and s.port.connected.is_set()
+                    and now - s.last_beat > self.timing.heartbeat_timeout_s
+                ]
             for port in late:
                 port.fail(f"no heartbeat for {self.timing.heartbeat_timeout_s:.0f}s")
 
@@ -306,13 +337,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if backend is None:
             return pb.TakeBatchReply(ready=False)
         try:
-            groups: Optional[list[Group]] = backend.take_batch(int(request.trainer_version), timeout=request.wait_s)
+            groups: list[Group] | None = backend.take_batch(int(request.trainer_version), timeout=request.wait_s)
         except TimeoutError:
             return pb.TakeBatchReply(ready=False, stats_json=self._stats_json(backend))
         if groups is None:
             context.abort(grpc.StatusCode.ABORTED, "the coordinator has stopped (see its log)")
-        reply = pb.TakeBatchReply(ready=True, groups=[codec.group_to_proto(g) for g in groups],
-                                  stats_json=self._stats_json(backend))
+        reply = pb.TakeBatchReply(
+            ready=True, groups=[codec.group_to_proto(g) for g in groups], stats_json=self._stats_json(backend)
+        )
         with self._cond:
             self._taken = (int(request.trainer_version), reply)
         return reply
@@ -343,15 +375,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.PublishedReply(oldest_needed=min(backend.versions_needed() | {version}))
 
 
-def make_server(service: CoordinatorService, port: int, *, host: str = "[::]", max_workers: Optional[int] = None):
+def make_server(service: CoordinatorService, port: int, *, host: str = "[::]", max_workers: int | None = None):
     """A started gRPC server for `service` on `host:port` (port 0 picks one); returns (server, port).
     Threads: one per open command stream and long-poll, plus room for the short calls."""
     from concurrent.futures import ThreadPoolExecutor
 
     workers = max_workers or 4 * service.identity.num_slices + 32
-    server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-                         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

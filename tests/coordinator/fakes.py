@@ -43,8 +43,20 @@ class FakeWorker:
         for traj_id in traj_ids:
             if traj_id in self.active:
                 st = self.active.pop(traj_id)
-                out.append(SlotState(st["req"], np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), 0, 0,
-                                     tuple(st["tokens"]), tuple(st["logps"]), tuple(st["versions"]), np.zeros(2, np.uint32), self.version))
+                out.append(
+                    SlotState(
+                        st["req"],
+                        np.zeros((1, 1, 1, 1)),
+                        np.zeros((1, 1, 1, 1)),
+                        0,
+                        0,
+                        tuple(st["tokens"]),
+                        tuple(st["logps"]),
+                        tuple(st["versions"]),
+                        np.zeros(2, np.uint32),
+                        self.version,
+                    )
+                )
             else:
                 for r in list(self.queued):
                     if r.traj_id == traj_id:
@@ -55,8 +67,12 @@ class FakeWorker:
     def import_(self, items):
         for item in items:
             if isinstance(item, SlotState):
-                self.active[item.request.traj_id] = dict(req=item.request, tokens=list(item.response_ids),
-                                                         logps=list(item.logprobs), versions=list(item.token_versions))
+                self.active[item.request.traj_id] = dict(
+                    req=item.request,
+                    tokens=list(item.response_ids),
+                    logps=list(item.logprobs),
+                    versions=list(item.token_versions),
+                )
                 self.imports_kv += 1
             else:
                 self.queued.append(item)
@@ -64,8 +80,12 @@ class FakeWorker:
     def progress(self):
         out = {r.traj_id: r for r in self.queued}
         for traj_id, st in self.active.items():
-            out[traj_id] = dataclasses.replace(st["req"], prefix_response_ids=tuple(st["tokens"]),
-                                               prefix_logprobs=tuple(st["logps"]), prefix_versions=tuple(st["versions"]))
+            out[traj_id] = dataclasses.replace(
+                st["req"],
+                prefix_response_ids=tuple(st["tokens"]),
+                prefix_logprobs=tuple(st["logps"]),
+                prefix_versions=tuple(st["versions"]),
+            )
         return out
 
     # -- the scripted decode loop
@@ -73,8 +93,12 @@ class FakeWorker:
         while self.queued and len(self.active) < self.num_slots:
             r = self.queued.pop(0)
             self.prefills += 1
-            self.active[r.traj_id] = dict(req=r, tokens=list(r.prefix_response_ids), logps=list(r.prefix_logprobs),
-                                          versions=list(r.prefix_versions))
+            self.active[r.traj_id] = dict(
+                req=r,
+                tokens=list(r.prefix_response_ids),
+                logps=list(r.prefix_logprobs),
+                versions=list(r.prefix_versions),
+            )
         self.slot_ticks += self.num_slots
         self.idle_slot_ticks += self.num_slots - len(self.active)
         done = []
@@ -86,9 +110,20 @@ class FakeWorker:
             target = r.forced_length or self._length_of(traj_id)
             if len(st["tokens"]) >= min(target, r.max_new_tokens):
                 del self.active[traj_id]
-                done.append(Trajectory(traj_id, r.group_id, r.prompt_id, r.prompt_ids, tuple(st["tokens"]),
-                                       tuple(st["logps"]), r.version, tuple(sorted(set(st["versions"]))),
-                                       FinishReason.LENGTH, self.slice_id))
+                done.append(
+                    Trajectory(
+                        traj_id,
+                        r.group_id,
+                        r.prompt_id,
+                        r.prompt_ids,
+                        tuple(st["tokens"]),
+                        tuple(st["logps"]),
+                        r.version,
+                        tuple(sorted(set(st["versions"]))),
+                        FinishReason.LENGTH,
+                        self.slice_id,
+                    )
+                )
         if done:
             self._coord[0].post_finished(self.slice_id, done)
 
@@ -144,20 +179,34 @@ def longtail(seed, median=6, cap=80):
     return length_of
 
 
-def make_coordinator(mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0,
-                     on_slice_dropped=None):
+def make_coordinator(
+    mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0, on_slice_dropped=None
+):
     """A coordinator over `slices` DyingWorkers with long-tailed lengths; returns (coord, workers)."""
     from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 
     ref = [None]
     length_of = longtail(seed)
     workers = {i: DyingWorker(i, slots, ref, length_of) for i in range(slices)}
-    cfg = CoordinatorConfig(mode=mode, k_max=k_max, train_batch_size=tbs, rollout_batch_size=rbs, group_size=g,
-                            max_new_tokens=200, rebalance_period_s=1e9)
+    cfg = CoordinatorConfig(
+        mode=mode,
+        k_max=k_max,
+        train_batch_size=tbs,
+        rollout_batch_size=rbs,
+        group_size=g,
+        max_new_tokens=200,
+        rebalance_period_s=1e9,
+    )
     counter = iter(range(10**9))
-    coord = Coordinator(cfg, workers, lambda: (f"p{next(counter)}", (1, 2, 3)), InstantScorer(), ledger,
-                        initial_version=initial_version,
-                        **({"on_slice_dropped": on_slice_dropped} if on_slice_dropped else {}))
+    coord = Coordinator(
+        cfg,
+        workers,
+        lambda: (f"p{next(counter)}", (1, 2, 3)),
+        InstantScorer(),
+        ledger,
+        initial_version=initial_version,
+        **({"on_slice_dropped": on_slice_dropped} if on_slice_dropped else {}),
+    )
     ref[0] = coord
     coord.length_of = length_of  # for workers that join later
     return coord, workers

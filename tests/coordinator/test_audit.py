@@ -19,42 +19,57 @@ LOAD0 = ("load_version", dict(slice=0, version=0, digest="d0"))
 
 
 def test_clean_ledger():
-    report = audit(_events(RUN, LOAD0, ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
-                           ("finish", dict(traj="a", version=0, versions_seen=[0], tokens=3, reason="eos")),
-                           ("behaviour", dict(step=1, digests={"0": "d0"})),
-                           ("consume", dict(traj="a", group="g", version=0, step=1, trainer_version=1))))
+    report = audit(
+        _events(
+            RUN,
+            LOAD0,
+            ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
+            ("finish", dict(traj="a", version=0, versions_seen=[0], tokens=3, reason="eos")),
+            ("behaviour", dict(step=1, digests={"0": "d0"})),
+            ("consume", dict(traj="a", group="g", version=0, step=1, trainer_version=1)),
+        )
+    )
     assert report.ok and report.staleness_histogram == {1: 1}, report.summary()
 
 
 def test_each_violation_is_caught():
-    report = audit(_events(
-        RUN, LOAD0,
-        ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
-        ("finish", dict(traj="a", version=0, versions_seen=[0, 1], tokens=3, reason="eos")),  # C1
-        ("consume", dict(traj="a", step=2, trainer_version=2)),  # C3 (2 > k_max=1)
-        ("consume", dict(traj="a", step=3, trainer_version=2)),  # twice
-        ("consume", dict(traj="b", step=3, trainer_version=2)),  # never finished
-        ("drop", dict(traj="c", reason="late")),  # C2
-    ))
+    report = audit(
+        _events(
+            RUN,
+            LOAD0,
+            ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
+            ("finish", dict(traj="a", version=0, versions_seen=[0, 1], tokens=3, reason="eos")),  # C1
+            ("consume", dict(traj="a", step=2, trainer_version=2)),  # C3 (2 > k_max=1)
+            ("consume", dict(traj="a", step=3, trainer_version=2)),  # twice
+            ("consume", dict(traj="b", step=3, trainer_version=2)),  # never finished
+            ("drop", dict(traj="c", reason="late")),  # C2
+        )
+    )
     assert len(report.c1_violations) == 1 and len(report.c3_violations) >= 1
     assert len(report.exactly_once_violations) == 2 and len(report.c2_violations) == 1
     assert not report.ok
 
 
 def test_partial_rollout_c1_is_reported_but_not_promised():
-    events = _events(("run", dict(mode="partial_rollout", k_max=2)),
-                     ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
-                     ("finish", dict(traj="a", version=0, versions_seen=[0, 1], tokens=3, reason="eos")))
+    events = _events(
+        ("run", dict(mode="partial_rollout", k_max=2)),
+        ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
+        ("finish", dict(traj="a", version=0, versions_seen=[0, 1], tokens=3, reason="eos")),
+    )
     report = audit(events)
     assert report.c1_violations and report.ok
 
 
 def test_resume_voids_lost_events(tmp_path):
-    rows = [RUN, LOAD0, ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
-            ("finish", dict(traj="a", version=0, versions_seen=[0], tokens=3, reason="eos")),
-            ("consume", dict(traj="a", step=0, trainer_version=0)),  # lost with the crash
-            ("resume", dict(checkpoint_step=0, ledger_offset=4)),
-            ("consume", dict(traj="a", step=0, trainer_version=0))]
+    rows = [
+        RUN,
+        LOAD0,
+        ("dispatch", dict(traj="a", group="g", prompt="p", version=0, slice=0)),
+        ("finish", dict(traj="a", version=0, versions_seen=[0], tokens=3, reason="eos")),
+        ("consume", dict(traj="a", step=0, trainer_version=0)),  # lost with the crash
+        ("resume", dict(checkpoint_step=0, ledger_offset=4)),
+        ("consume", dict(traj="a", step=0, trainer_version=0)),
+    ]
     report = audit(_events(*rows))
     assert report.ok and report.consumed == 1 and report.voided_events == 1
 
@@ -86,26 +101,43 @@ def _one(rows, kind):
 
 
 def _run(traj, version, slice_id=0, group="g", trainer_version=None):
-    rows = [("dispatch", dict(traj=traj, group=group, prompt="p", version=version, slice=slice_id)),
-            ("finish", dict(traj=traj, version=version, versions_seen=[version], tokens=3, reason="eos"))]
+    rows = [
+        ("dispatch", dict(traj=traj, group=group, prompt="p", version=version, slice=slice_id)),
+        ("finish", dict(traj=traj, version=version, versions_seen=[version], tokens=3, reason="eos")),
+    ]
     if trainer_version is not None:
-        rows.append(("consume", dict(traj=traj, group=group, version=version, step=trainer_version,
-                                     trainer_version=trainer_version)))
+        rows.append(
+            (
+                "consume",
+                dict(traj=traj, group=group, version=version, step=trainer_version, trainer_version=trainer_version),
+            )
+        )
     return rows
 
 
 def test_a_sample_stranded_past_the_window_is_a_c2_loss():
     # b (v0) was dispatched and finished, then forgotten: after the take at trainer version 2,
     # nothing of v0 can be trained within K = 1 any more.
-    rows = [LOAD0, *_run("a", 0, trainer_version=1), ("load_version", dict(slice=0, version=1)),
-            *_run("c", 1, group="h", trainer_version=2),
-            ("dispatch", dict(traj="b", group="g2", prompt="p", version=0, slice=1))]
+    rows = [
+        LOAD0,
+        *_run("a", 0, trainer_version=1),
+        ("load_version", dict(slice=0, version=1)),
+        *_run("c", 1, group="h", trainer_version=2),
+        ("dispatch", dict(traj="b", group="g2", prompt="p", version=0, slice=1)),
+    ]
     report = audit(_events(RUN, ("load_version", dict(slice=1, version=0)), *rows))
     assert report.violations()["C2"] == 1 and report.stranded == 1 and "b (v0)" in report.c2_violations[0]
     # the same sample while the window can still take it (the last take at trainer version 0) is
     # in flight, not lost
-    fine = audit(_events(RUN, ("load_version", dict(slice=1, version=0)), LOAD0, *_run("a", 0, trainer_version=0),
-                         ("dispatch", dict(traj="b", group="g2", prompt="p", version=0, slice=1))))
+    fine = audit(
+        _events(
+            RUN,
+            ("load_version", dict(slice=1, version=0)),
+            LOAD0,
+            *_run("a", 0, trainer_version=0),
+            ("dispatch", dict(traj="b", group="g2", prompt="p", version=0, slice=1)),
+        )
+    )
     assert fine.ok and fine.in_flight_at_end == 1, fine.summary()
 
 
@@ -125,8 +157,15 @@ def test_a_migration_to_a_slice_with_nothing_loaded_breaks_c1():
 
 def test_a_group_consumed_with_mixed_versions_breaks_c3():
     # g/1 was re-tagged to v1 although g/0 was sampled by v0: a group of two versions.
-    report = _one([LOAD0, ("load_version", dict(slice=1, version=1)), *_run("g/0", 0, trainer_version=1),
-                   *_run("g/1", 1, slice_id=1, trainer_version=1)], "C3")
+    report = _one(
+        [
+            LOAD0,
+            ("load_version", dict(slice=1, version=1)),
+            *_run("g/0", 0, trainer_version=1),
+            *_run("g/1", 1, slice_id=1, trainer_version=1),
+        ],
+        "C3",
+    )
     assert "mixes v0 and v1" in report.c3_violations[0]
 
 
@@ -136,7 +175,11 @@ def test_a_consume_whose_stated_version_is_not_the_dispatch_version_breaks_c3():
 
 
 def test_the_trainer_recomputing_with_other_weights_than_the_slices_loaded_is_caught():
-    rows = [LOAD0, *_run("a", 0), ("behaviour", dict(step=1, digests={"0": "OTHER"})),
-            ("consume", dict(traj="a", group="g", version=0, step=1, trainer_version=1))]
+    rows = [
+        LOAD0,
+        *_run("a", 0),
+        ("behaviour", dict(step=1, digests={"0": "OTHER"})),
+        ("consume", dict(traj="a", group="g", version=0, step=1, trainer_version=1)),
+    ]
     assert "version 0" in _one(rows, "weights").weights_violations[0]
     _one([LOAD0, ("load_version", dict(slice=1, version=0, digest="d1"))], "weights")

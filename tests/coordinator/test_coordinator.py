@@ -17,8 +17,15 @@ def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0
     ref = [None]
     length_of = longtail(seed)
     workers = {i: FakeWorker(i, slots, ref, length_of) for i in range(slices)}
-    cfg = CoordinatorConfig(mode=mode, k_max=k_max, train_batch_size=tbs, rollout_batch_size=rbs, group_size=g,
-                            max_new_tokens=200, rebalance_period_s=1e9)
+    cfg = CoordinatorConfig(
+        mode=mode,
+        k_max=k_max,
+        train_batch_size=tbs,
+        rollout_batch_size=rbs,
+        group_size=g,
+        max_new_tokens=200,
+        rebalance_period_s=1e9,
+    )
     ledger = Ledger(None)
     coord = Coordinator(cfg, workers, prompts(), InstantScorer(fail_every), ledger)
     ref[0] = coord
@@ -52,7 +59,7 @@ def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0
 def _window_allows(coord, version):
     """Independent oracle: could the trainer have advanced?"""
     need = coord.config.train_batch_size // coord.config.group_size
-    groups = sorted((g.version for g in coord.queue.peek_oldest(len(coord.queue))))
+    groups = sorted(g.version for g in coord.queue.peek_oldest(len(coord.queue)))
     if len(groups) < need:
         return 0
     rest = [v for v in groups[need:] for _ in range(coord.config.group_size)]
@@ -120,11 +127,17 @@ def test_reward_failures_are_masked_not_dropped():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10**6), slices=st.integers(1, 4), slots=st.integers(1, 6), k_max=st.integers(1, 3),
-       mode=st.sampled_from(["sync", "one_step_off", "dora", "partial_rollout"]))
+@given(
+    seed=st.integers(0, 10**6),
+    slices=st.integers(1, 4),
+    slots=st.integers(1, 6),
+    k_max=st.integers(1, 3),
+    mode=st.sampled_from(["sync", "one_step_off", "dora", "partial_rollout"]),
+)
 def test_invariants_under_random_scheduling(seed, slices, slots, k_max, mode):
-    coord, _, report, waits = run(mode, steps=4, slices=slices, slots=slots, k_max=k_max, tbs=8, rbs=8 * (k_max + 1), g=4,
-                                  seed=seed)
+    coord, _, report, waits = run(
+        mode, steps=4, slices=slices, slots=slots, k_max=k_max, tbs=8, rbs=8 * (k_max + 1), g=4, seed=seed
+    )
     assert report.ok, report.summary()
     assert report.consumed == 4 * 8
     assert waits == 0

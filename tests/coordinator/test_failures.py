@@ -128,8 +128,10 @@ def test_every_slice_the_coordinator_drops_is_reported_with_its_reason():
     coord.start()
     coord.post_slice_failed(0, "missed heartbeats")
     coord.process()
-    assert dropped == [(2, "load_version failed: TimeoutError: fake slice 2: no answer (hung)"),
-                       (0, "missed heartbeats")]
+    assert dropped == [
+        (2, "load_version failed: TimeoutError: fake slice 2: no answer (hung)"),
+        (0, "missed heartbeats"),
+    ]
     fresh = DyingWorker(2, 4, [coord], coord.length_of)
     coord.post_slice_joined(fresh)
     coord.process()
@@ -176,8 +178,9 @@ def random_schedule(seed: int) -> tuple[dict, object]:
     steps = rng.randint(3, 8)
     dropped: list[int] = []
     ledger = Ledger(None)
-    coord, workers = make_coordinator(ledger=ledger, seed=seed, on_slice_dropped=lambda sid, why: dropped.append(sid),
-                                      **shape)
+    coord, workers = make_coordinator(
+        ledger=ledger, seed=seed, on_slice_dropped=lambda sid, why: dropped.append(sid), **shape
+    )
     coord.start()
     version, rejoins, heartbeat_due, join_due = 0, {}, {}, {}
     for tick in range(30000):

@@ -12,7 +12,6 @@ from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import Ledger, read_ledger
 from tests.coordinator.fakes import DyingWorker, longtail, make_coordinator
 
-
 make = make_coordinator
 
 
@@ -89,8 +88,14 @@ def test_the_only_slice_of_an_old_version_dies_and_a_drained_slice_takes_its_req
     def kill(ticks, version):
         if seen:
             return
-        alone = [s for s, v in coord.slice_version.items() if v is not None and v < coord.latest and workers[s].active
-                 and sum(coord.slice_version[o] == v for o in coord.ports) == 1]
+        alone = [
+            s
+            for s, v in coord.slice_version.items()
+            if v is not None
+            and v < coord.latest
+            and workers[s].active
+            and sum(coord.slice_version[o] == v for o in coord.ports) == 1
+        ]
         if alone and version >= 1:
             sid = alone[0]
             workers[sid].dead = True
@@ -138,8 +143,12 @@ def test_a_rejoined_slice_gets_work_again():
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), mode=st.sampled_from(["dora", "one_step_off", "sync", "partial_rollout"]),
-       crash_at=st.integers(1, 5), extra=st.integers(0, 60))
+@given(
+    seed=st.integers(0, 10**6),
+    mode=st.sampled_from(["dora", "one_step_off", "sync", "partial_rollout"]),
+    crash_at=st.integers(1, 5),
+    extra=st.integers(0, 60),
+)
 def test_restore_from_a_snapshot_consumes_everything_exactly_once(tmp_path_factory, seed, mode, crash_at, extra):
     """Run, snapshot after a publish, keep running (events the crash will lose), then restore
     into a new coordinator with fresh workers on the same ledger file, and finish."""

@@ -31,9 +31,11 @@ def test_config_parses(name):
 
 
 def test_real_experiment_configs_have_a_pod_and_their_sizes_hold():
-    for name, layout, slots in [("qwen2_5_0_5b_gsm8k.py", "single_host", 4 * 96),
-                                ("qwen2_5_7b_dapo.py", "slices", 4 * 256),
-                                ("qwen3_30b_a3b.py", "slices", 4 * 128)]:
+    for name, layout, slots in [
+        ("qwen2_5_0_5b_gsm8k.py", "single_host", 4 * 96),
+        ("qwen2_5_7b_dapo.py", "slices", 4 * 256),
+        ("qwen3_30b_a3b.py", "slices", 4 * 128),
+    ]:
         c = load(name)
         config = run_config.parse(c)
         pod = pod_lib.from_config(c)

@@ -11,7 +11,8 @@ from pathlib import Path
 import ml_collections
 import pytest
 
-from launch import pod as pod_lib, tpu, tpu_types
+from launch import pod as pod_lib
+from launch import tpu, tpu_types
 from launch.pod import Layout, Role
 from tests.launch.configs import load
 
@@ -55,34 +56,60 @@ def dry(action, pod, **kwargs):
 @pytest.fixture(autouse=True)
 def no_subprocess(monkeypatch):
     """A dry run must not start anything (no gcloud here)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"subprocess.run called in a dry run: {args}")
+
     monkeypatch.setattr(subprocess, "run", refuse)
 
 
 def start_command(process_env, module, args, log):
-    return (f"cd ~/dora_jax && mkdir -p ~/dora_logs && {{ {process_env} setsid nohup python3 -m {module} {args} "
-            f"> ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}")
+    return (
+        f"cd ~/dora_jax && mkdir -p ~/dora_logs && {{ {process_env} setsid nohup python3 -m {module} {args} "
+        f"> ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}"
+    )
 
 
 # (1) v5e-8: one host runs everything in one process.
+
 
 def test_single_host_v5e_8_create_queued_and_plain():
     pod = pod_lib.from_config(gsm8k_config())
     assert pod.layout is Layout.SINGLE_HOST
     assert [(n.name, n.tpu.name, n.tpu.chips, n.tpu.hosts, n.role) for n in pod.nodes] == [
-        ("dora-qwen05-gsm8k", "v5litepod-8", 8, 1, Role.EMBEDDED)]
-    assert dry("create", pod).commands == [GCLOUD + [
-        "queued-resources", "create", "dora-qwen05-gsm8k", "--accelerator-type=v5litepod-8",
-        "--runtime-version=v2-alpha-tpuv5-lite", "--node-id=dora-qwen05-gsm8k", "--zone=us-west4-a",
-        "--project=my-project", "--spot"]]
+        ("dora-qwen05-gsm8k", "v5litepod-8", 8, 1, Role.EMBEDDED)
+    ]
+    assert dry("create", pod).commands == [
+        GCLOUD
+        + [
+            "queued-resources",
+            "create",
+            "dora-qwen05-gsm8k",
+            "--accelerator-type=v5litepod-8",
+            "--runtime-version=v2-alpha-tpuv5-lite",
+            "--node-id=dora-qwen05-gsm8k",
+            "--zone=us-west4-a",
+            "--project=my-project",
+            "--spot",
+        ]
+    ]
 
     c = gsm8k_config()
     c.pod.queued = False
     c.pod.provisioning = "preemptible"
-    assert dry("create", pod_lib.from_config(c)).commands == [GCLOUD + [
-        "tpu-vm", "create", "dora-qwen05-gsm8k", "--accelerator-type=v5litepod-8", "--version=v2-alpha-tpuv5-lite",
-        "--zone=us-west4-a", "--project=my-project", "--preemptible"]]
+    assert dry("create", pod_lib.from_config(c)).commands == [
+        GCLOUD
+        + [
+            "tpu-vm",
+            "create",
+            "dora-qwen05-gsm8k",
+            "--accelerator-type=v5litepod-8",
+            "--version=v2-alpha-tpuv5-lite",
+            "--zone=us-west4-a",
+            "--project=my-project",
+            "--preemptible",
+        ]
+    ]
     c.pod.provisioning = "on_demand"
     assert dry("create", pod_lib.from_config(c)).commands[0][-1] == "--project=my-project"  # no provisioning flag
 
@@ -90,48 +117,111 @@ def test_single_host_v5e_8_create_queued_and_plain():
 def test_single_host_setup_installs_on_every_worker(tmp_path):
     pod = pod_lib.from_config(gsm8k_config())
     shell = dry("setup", pod, archive=str(tmp_path / "src.tar.gz"))
-    script = ("mkdir -p ~/dora_jax && tar -xzf ~/dora_jax_src.tar.gz -C ~/dora_jax && cd ~/dora_jax && "
-              "python3 -m pip install -q 'jax[tpu]==0.10.2' -f "
-              "https://storage.googleapis.com/jax-releases/libtpu_releases.html && python3 -m pip install -q -e . && "
-              "mkdir -p models/Qwen2.5-0.5B-Instruct && gcloud storage rsync --recursive "
-              "gs://YOUR_BUCKET/models/Qwen2.5-0.5B-Instruct models/Qwen2.5-0.5B-Instruct")
+    script = (
+        "mkdir -p ~/dora_jax && tar -xzf ~/dora_jax_src.tar.gz -C ~/dora_jax && cd ~/dora_jax && "
+        "python3 -m pip install -q 'jax[tpu]==0.10.2' -f "
+        "https://storage.googleapis.com/jax-releases/libtpu_releases.html && python3 -m pip install -q -e . && "
+        "mkdir -p models/Qwen2.5-0.5B-Instruct && gcloud storage rsync --recursive "
+        "gs://YOUR_BUCKET/models/Qwen2.5-0.5B-Instruct models/Qwen2.5-0.5B-Instruct"
+    )
     assert shell.commands == [
-        GCLOUD + ["tpu-vm", "scp", str(tmp_path / "src.tar.gz"), "dora-qwen05-gsm8k:~/dora_jax_src.tar.gz",
-                  "--worker=all", "--zone=us-west4-a", "--project=my-project"],
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen05-gsm8k", "--worker=all", "--zone=us-west4-a", "--project=my-project",
-                  f"--command={script}"],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "scp",
+            str(tmp_path / "src.tar.gz"),
+            "dora-qwen05-gsm8k:~/dora_jax_src.tar.gz",
+            "--worker=all",
+            "--zone=us-west4-a",
+            "--project=my-project",
+        ],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen05-gsm8k",
+            "--worker=all",
+            "--zone=us-west4-a",
+            "--project=my-project",
+            f"--command={script}",
+        ],
     ]
     assert not (tmp_path / "src.tar.gz").exists()  # a dry run packs nothing
 
 
 def test_single_host_run_starts_dora_jax_train_with_overrides():
     pod = pod_lib.from_config(gsm8k_config())
-    shell = dry("run", pod, config_path=str(ROOT / "configs/qwen2_5_0_5b_gsm8k.py"),
-                overrides=["--config.trainer.lr=2e-06"])
+    shell = dry(
+        "run", pod, config_path=str(ROOT / "configs/qwen2_5_0_5b_gsm8k.py"), overrides=["--config.trainer.lr=2e-06"]
+    )
     args = "--config=configs/qwen2_5_0_5b_gsm8k.py --workdir=runs/qwen2_5_0_5b_gsm8k --config.trainer.lr=2e-06"
-    assert shell.commands == [GCLOUD + [
-        "tpu-vm", "ssh", "dora-qwen05-gsm8k", "--worker=all", "--zone=us-west4-a", "--project=my-project",
-        "--command=" + start_command("DORA_ROLE=embedded", "dora_jax.train", args, "embedded")]]
+    assert shell.commands == [
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen05-gsm8k",
+            "--worker=all",
+            "--zone=us-west4-a",
+            "--project=my-project",
+            "--command=" + start_command("DORA_ROLE=embedded", "dora_jax.train", args, "embedded"),
+        ]
+    ]
 
 
 # (2) v5p: a trainer slice and rollout slices, each its own node and JAX job.
 
+
 def test_v5p_slices_create_one_queued_resource_per_node():
     pod = pod_lib.from_config(dapo_config())
     assert [(n.name, n.tpu.name, n.tpu.chips, n.tpu.hosts, n.role, n.slice_id) for n in pod.nodes] == [
-        ("dora-qwen7b-dapo-trainer", "v5p-32", 16, 4, Role.TRAINER, None)] + [
-        (f"dora-qwen7b-dapo-rollout-{i}", "v5p-8", 4, 1, Role.ROLLOUT, i) for i in range(4)]
+        ("dora-qwen7b-dapo-trainer", "v5p-32", 16, 4, Role.TRAINER, None)
+    ] + [(f"dora-qwen7b-dapo-rollout-{i}", "v5p-8", 4, 1, Role.ROLLOUT, i) for i in range(4)]
     assert sum(n.tpu.chips for n in pod.nodes) == tpu_types.lookup("v5p-64", "x").chips  # a v5p-64's worth
-    expected = [GCLOUD + ["queued-resources", "create", "dora-qwen7b-dapo-trainer", "--accelerator-type=v5p-32",
-                          "--runtime-version=v2-alpha-tpuv5", "--node-id=dora-qwen7b-dapo-trainer",
-                          "--zone=us-east5-a", "--project=my-project", "--spot"]]
-    expected += [GCLOUD + ["queued-resources", "create", f"dora-qwen7b-dapo-rollout-{i}", "--accelerator-type=v5p-8",
-                           "--runtime-version=v2-alpha-tpuv5", f"--node-id=dora-qwen7b-dapo-rollout-{i}",
-                           "--zone=us-east5-a", "--project=my-project", "--spot"] for i in range(4)]
+    expected = [
+        GCLOUD
+        + [
+            "queued-resources",
+            "create",
+            "dora-qwen7b-dapo-trainer",
+            "--accelerator-type=v5p-32",
+            "--runtime-version=v2-alpha-tpuv5",
+            "--node-id=dora-qwen7b-dapo-trainer",
+            "--zone=us-east5-a",
+            "--project=my-project",
+            "--spot",
+        ]
+    ]
+    expected += [
+        GCLOUD
+        + [
+            "queued-resources",
+            "create",
+            f"dora-qwen7b-dapo-rollout-{i}",
+            "--accelerator-type=v5p-8",
+            "--runtime-version=v2-alpha-tpuv5",
+            f"--node-id=dora-qwen7b-dapo-rollout-{i}",
+            "--zone=us-east5-a",
+            "--project=my-project",
+            "--spot",
+        ]
+        for i in range(4)
+    ]
     assert dry("create", pod).commands == expected
     assert dry("delete", pod).commands == [
-        GCLOUD + ["queued-resources", "delete", name, "--force", "--quiet", "--async", "--zone=us-east5-a",
-                  "--project=my-project"] for name in [n.name for n in pod.nodes]]
+        GCLOUD
+        + [
+            "queued-resources",
+            "delete",
+            name,
+            "--force",
+            "--quiet",
+            "--async",
+            "--zone=us-east5-a",
+            "--project=my-project",
+        ]
+        for name in [n.name for n in pod.nodes]
+    ]
 
 
 def test_v5p_slices_run_assigns_roles_per_slice():
@@ -141,26 +231,66 @@ def test_v5p_slices_run_assigns_roles_per_slice():
     where = ["--zone=us-east5-a", "--project=my-project"]
     env = f"DORA_COORDINATOR={IP}:8470"
     expected = [
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=0", *where, "--command=" + start_command(
-            f"DORA_ROLE=coordinator {env}", "dora_jax.serve_coordinator", f"{common} --port=8470", "coordinator")],
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=all", *where, "--command=" + start_command(
-            f"DORA_ROLE=trainer {env}", "dora_jax.trainer_worker", f"{common} --coordinator={IP}:8470 --num_hosts=4",
-            "trainer")],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen7b-dapo-trainer",
+            "--worker=0",
+            *where,
+            "--command="
+            + start_command(
+                f"DORA_ROLE=coordinator {env}", "dora_jax.serve_coordinator", f"{common} --port=8470", "coordinator"
+            ),
+        ],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen7b-dapo-trainer",
+            "--worker=all",
+            *where,
+            "--command="
+            + start_command(
+                f"DORA_ROLE=trainer {env}",
+                "dora_jax.trainer_worker",
+                f"{common} --coordinator={IP}:8470 --num_hosts=4",
+                "trainer",
+            ),
+        ],
     ]
     expected += [
-        GCLOUD + ["tpu-vm", "ssh", f"dora-qwen7b-dapo-rollout-{i}", "--worker=all", *where, "--command=" + start_command(
-            f"DORA_ROLE=rollout {env} DORA_SLICE_ID={i}", "dora_jax.rollout_worker",
-            f"{common} --coordinator={IP}:8470 --slice_id={i}", f"rollout-{i}")]
-        for i in range(4)]
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            f"dora-qwen7b-dapo-rollout-{i}",
+            "--worker=all",
+            *where,
+            "--command="
+            + start_command(
+                f"DORA_ROLE=rollout {env} DORA_SLICE_ID={i}",
+                "dora_jax.rollout_worker",
+                f"{common} --coordinator={IP}:8470 --slice_id={i}",
+                f"rollout-{i}",
+            ),
+        ]
+        for i in range(4)
+    ]
     assert shell.commands == expected
 
 
 def test_v5p_slices_dry_run_looks_up_the_coordinator_ip_first():
     pod = pod_lib.from_config(dapo_config())
     shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py")
-    assert shell.commands[0] == GCLOUD + ["tpu-vm", "describe", "dora-qwen7b-dapo-trainer",
-                                          "--format=value(networkEndpoints[0].ipAddress)", "--zone=us-east5-a",
-                                          "--project=my-project"]
+    assert shell.commands[0] == GCLOUD + [
+        "tpu-vm",
+        "describe",
+        "dora-qwen7b-dapo-trainer",
+        "--format=value(networkEndpoints[0].ipAddress)",
+        "--zone=us-east5-a",
+        "--project=my-project",
+    ]
     assert len(shell.commands) == 1 + 2 + 4
     assert all(f"--coordinator={tpu.COORDINATOR_IP_DRY_RUN}:8470" in c[-1] for c in shell.commands[2:])
     printed = shell.out.getvalue().splitlines()
@@ -176,12 +306,18 @@ def test_v5p_64_trainer_with_two_host_rollout_slices():
         c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 32})
         c.mesh.rollout = ml_collections.ConfigDict({"tensor": 8})
     pod = pod_lib.from_config(c)
-    assert [(n.tpu.name, n.tpu.chips, n.tpu.hosts) for n in pod.nodes] == [("v5p-64", 32, 8), ("v5p-16", 8, 2),
-                                                                            ("v5p-16", 8, 2)]
+    assert [(n.tpu.name, n.tpu.chips, n.tpu.hosts) for n in pod.nodes] == [
+        ("v5p-64", 32, 8),
+        ("v5p-16", 8, 2),
+        ("v5p-16", 8, 2),
+    ]
     run = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP).commands
     assert [(cmd[5], cmd[6]) for cmd in run] == [
-        ("dora-qwen7b-dapo-trainer", "--worker=0"), ("dora-qwen7b-dapo-trainer", "--worker=all"),
-        ("dora-qwen7b-dapo-rollout-0", "--worker=all"), ("dora-qwen7b-dapo-rollout-1", "--worker=all")]
+        ("dora-qwen7b-dapo-trainer", "--worker=0"),
+        ("dora-qwen7b-dapo-trainer", "--worker=all"),
+        ("dora-qwen7b-dapo-rollout-0", "--worker=all"),
+        ("dora-qwen7b-dapo-rollout-1", "--worker=all"),
+    ]
     # Each node is one multi-controller JAX job over its own hosts (host ids auto-detected on TPU).
     assert "--num_hosts" not in run[0][-1] and "--num_hosts=8" in run[1][-1]
     assert all("--num_hosts=2" in cmd[-1] and "--host_id" not in cmd[-1] for cmd in run[2:])
@@ -198,42 +334,106 @@ def test_a_multi_host_trainer_takes_the_bucketed_step():
 
 # (3) a 2-slice multislice queued resource.
 
+
 def test_multislice_two_slices_create_one_queued_resource():
     pod = pod_lib.from_config(multislice_config())
     assert [(n.name, n.tpu.name, n.role, n.slice_id) for n in pod.nodes] == [
-        ("dora-qwen7b-dapo-0", "v5p-8", Role.TRAINER, None), ("dora-qwen7b-dapo-1", "v5p-8", Role.ROLLOUT, 0)]
-    assert dry("create", pod).commands == [GCLOUD + [
-        "queued-resources", "create", "dora-qwen7b-dapo", "--accelerator-type=v5p-8", "--runtime-version=v2-alpha-tpuv5",
-        "--node-count=2", "--node-prefix=dora-qwen7b-dapo", "--zone=us-east5-a", "--project=my-project", "--spot"]]
-    assert dry("delete", pod).commands == [GCLOUD + [
-        "queued-resources", "delete", "dora-qwen7b-dapo", "--force", "--quiet", "--async", "--zone=us-east5-a",
-        "--project=my-project"]]
-    assert dry("status", pod).commands == [GCLOUD + [
-        "queued-resources", "describe", "dora-qwen7b-dapo", "--zone=us-east5-a", "--project=my-project"]]
+        ("dora-qwen7b-dapo-0", "v5p-8", Role.TRAINER, None),
+        ("dora-qwen7b-dapo-1", "v5p-8", Role.ROLLOUT, 0),
+    ]
+    assert dry("create", pod).commands == [
+        GCLOUD
+        + [
+            "queued-resources",
+            "create",
+            "dora-qwen7b-dapo",
+            "--accelerator-type=v5p-8",
+            "--runtime-version=v2-alpha-tpuv5",
+            "--node-count=2",
+            "--node-prefix=dora-qwen7b-dapo",
+            "--zone=us-east5-a",
+            "--project=my-project",
+            "--spot",
+        ]
+    ]
+    assert dry("delete", pod).commands == [
+        GCLOUD
+        + [
+            "queued-resources",
+            "delete",
+            "dora-qwen7b-dapo",
+            "--force",
+            "--quiet",
+            "--async",
+            "--zone=us-east5-a",
+            "--project=my-project",
+        ]
+    ]
+    assert dry("status", pod).commands == [
+        GCLOUD + ["queued-resources", "describe", "dora-qwen7b-dapo", "--zone=us-east5-a", "--project=my-project"]
+    ]
 
 
 def test_multislice_run_keeps_each_slice_its_own_jax_job():
     pod = pod_lib.from_config(multislice_config())
-    shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP,
-                overrides=["--config.num_steps=5"])
+    shell = dry(
+        "run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP, overrides=["--config.num_steps=5"]
+    )
     common = "--config=configs/qwen2_5_7b_dapo.py --workdir=gs://my-bucket/run1"
     alone = "MEGASCALE_COORDINATOR_ADDRESS='' MEGASCALE_NUM_SLICES=1 MEGASCALE_SLICE_ID=0"
     where = ["--zone=us-east5-a", "--project=my-project"]
     env = f"DORA_COORDINATOR={IP}:8470"
     assert shell.commands == [
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-0", "--worker=0", *where, "--command=" + start_command(
-            f"DORA_ROLE=coordinator {env} {alone}", "dora_jax.serve_coordinator",
-            f"{common} --port=8470 --config.num_steps=5", "coordinator")],
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-0", "--worker=all", *where, "--command=" + start_command(
-            f"DORA_ROLE=trainer {env} {alone}", "dora_jax.trainer_worker",
-            f"{common} --coordinator={IP}:8470 --config.num_steps=5", "trainer")],
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-1", "--worker=all", *where, "--command=" + start_command(
-            f"DORA_ROLE=rollout {env} DORA_SLICE_ID=0 {alone}", "dora_jax.rollout_worker",
-            f"{common} --coordinator={IP}:8470 --slice_id=0 --config.num_steps=5", "rollout-0")],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen7b-dapo-0",
+            "--worker=0",
+            *where,
+            "--command="
+            + start_command(
+                f"DORA_ROLE=coordinator {env} {alone}",
+                "dora_jax.serve_coordinator",
+                f"{common} --port=8470 --config.num_steps=5",
+                "coordinator",
+            ),
+        ],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen7b-dapo-0",
+            "--worker=all",
+            *where,
+            "--command="
+            + start_command(
+                f"DORA_ROLE=trainer {env} {alone}",
+                "dora_jax.trainer_worker",
+                f"{common} --coordinator={IP}:8470 --config.num_steps=5",
+                "trainer",
+            ),
+        ],
+        GCLOUD
+        + [
+            "tpu-vm",
+            "ssh",
+            "dora-qwen7b-dapo-1",
+            "--worker=all",
+            *where,
+            "--command="
+            + start_command(
+                f"DORA_ROLE=rollout {env} DORA_SLICE_ID=0 {alone}",
+                "dora_jax.rollout_worker",
+                f"{common} --coordinator={IP}:8470 --slice_id=0 --config.num_steps=5",
+                "rollout-0",
+            ),
+        ],
     ]
 
 
 # logs, ssh, stop, status on plain TPU VMs.
+
 
 def test_logs_ssh_stop_status_address_every_node():
     c = dapo_config()
@@ -249,15 +449,18 @@ def test_logs_ssh_stop_status_address_every_node():
     assert 'kill -- -"$(cat "$f")"' in stop[0][-1]
     assert dry("ssh", pod).commands == [GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-trainer", "--worker=0", *where]]
     assert dry("ssh", pod, node="dora-qwen7b-dapo-rollout-2", worker="all", command="uptime").commands == [
-        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-rollout-2", "--worker=all", *where, "--command=uptime"]]
+        GCLOUD + ["tpu-vm", "ssh", "dora-qwen7b-dapo-rollout-2", "--worker=all", *where, "--command=uptime"]
+    ]
     assert dry("status", pod).commands == [GCLOUD + ["tpu-vm", "describe", name, *where] for name in names]
-    assert dry("delete", pod).commands == [GCLOUD + ["tpu-vm", "delete", name, "--quiet", "--async", *where]
-                                           for name in names]
+    assert dry("delete", pod).commands == [
+        GCLOUD + ["tpu-vm", "delete", name, "--quiet", "--async", *where] for name in names
+    ]
     with pytest.raises(ValueError, match="no node 'nope'"):
         dry("ssh", pod, node="nope")
 
 
 # Refusals, before any gcloud call: each names the field.
+
 
 def _refuse(config, *fields):
     with pytest.raises(ValueError) as error:
@@ -354,8 +557,7 @@ def test_refuses_bad_pod_fields():
 
 def test_placeholders_refused_unless_dry_run():
     c = load("qwen2_5_7b_dapo.py")
-    assert pod_lib.placeholders(c) == ["pod.project", "pod.stage_model_from", "pod.workdir",
-                                          "task.source.path"]
+    assert pod_lib.placeholders(c) == ["pod.project", "pod.stage_model_from", "pod.workdir", "task.source.path"]
     with pytest.raises(ValueError, match="pod.project, pod.stage_model_from, pod.workdir"):
         tpu.check_placeholders(c, "create", tpu.Shell(dry_run=False, out=io.StringIO()))
     tpu.check_placeholders(c, "delete", tpu.Shell(dry_run=False, out=io.StringIO()))  # nothing to pay for
@@ -372,14 +574,18 @@ def test_config_outside_the_tree_is_refused(tmp_path):
 
 
 def test_tpu_type_table():
-    assert [(t.chips, t.hosts) for t in map(lambda n: tpu_types.lookup(n, "f"),
-                                            ["v5litepod-8", "v5litepod-16", "v5p-8", "v5p-64", "v6e-8", "v6e-256",
-                                             "v4-32"])] == [(8, 1), (16, 4), (4, 1), (32, 8), (8, 1), (256, 64),
-                                                            (16, 4)]
+    assert [
+        (t.chips, t.hosts)
+        for t in map(
+            lambda n: tpu_types.lookup(n, "f"),
+            ["v5litepod-8", "v5litepod-16", "v5p-8", "v5p-64", "v6e-8", "v6e-256", "v4-32"],
+        )
+    ] == [(8, 1), (16, 4), (4, 1), (32, 8), (8, 1), (256, 64), (16, 4)]
     assert "v5litepod-8" in tpu_types.known_types()
 
 
 # The real shell and the packing step (these run local programs, not gcloud).
+
 
 def test_shell_runs_and_captures(monkeypatch):
     monkeypatch.undo()  # allow subprocess.run here
@@ -405,15 +611,41 @@ def test_pack_takes_the_tree_git_sees(monkeypatch, tmp_path):
 def test_command_line_dry_run(monkeypatch):
     monkeypatch.undo()
     out = subprocess.run(
-        [sys.executable, "launch/tpu.py", "create", "--config=configs/qwen2_5_7b_dapo.py", "--dry-run",
-         "--nocheck_run_config", "--config.pod.project=p1", "--config.rollout.num_slices=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "launch/tpu.py",
+            "create",
+            "--config=configs/qwen2_5_7b_dapo.py",
+            "--dry-run",
+            "--nocheck_run_config",
+            "--config.pod.project=p1",
+            "--config.rollout.num_slices=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if not line.startswith("#")]
     assert [shlex.split(line)[5] for line in lines] == [
-        "dora-qwen7b-dapo-trainer", "dora-qwen7b-dapo-rollout-0", "dora-qwen7b-dapo-rollout-1"]
+        "dora-qwen7b-dapo-trainer",
+        "dora-qwen7b-dapo-rollout-0",
+        "dora-qwen7b-dapo-rollout-1",
+    ]
     bad = subprocess.run(
-        [sys.executable, "launch/tpu.py", "create", "--config=configs/qwen2_5_7b_dapo.py", "--dry-run",
-         "--nocheck_run_config", "--config.pod.trainer_type=v5p-48"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "launch/tpu.py",
+            "create",
+            "--config=configs/qwen2_5_7b_dapo.py",
+            "--dry-run",
+            "--nocheck_run_config",
+            "--config.pod.trainer_type=v5p-48",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "pod.trainer_type='v5p-48'" in bad.stderr

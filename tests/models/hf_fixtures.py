@@ -82,6 +82,6 @@ def make_checkpoint(kind: str, path, seed: int = 0):
     return model
 
 
-def hf_logits(model, ids) -> "torch.Tensor":
+def hf_logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()

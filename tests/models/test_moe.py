@@ -14,12 +14,20 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from dora_jax.parallel import sharding
 from dora_jax.models import (
-    KVCache, ModelConfig, expert_load, init_model, load_balancing_loss, load_hf, logical_axes, read_config, save_hf,
+    KVCache,
+    ModelConfig,
+    expert_load,
+    init_model,
+    load_balancing_loss,
+    load_hf,
+    logical_axes,
+    read_config,
+    save_hf,
     split,
 )
 from dora_jax.models.moe import dense_experts, grouped_experts, route
+from dora_jax.parallel import sharding
 from tests.models.hf_fixtures import VOCAB, hf_logits
 
 EXPERTS, TOP_K = 8, 2
@@ -28,9 +36,20 @@ EXPERTS, TOP_K = 8, 2
 def moe_config(**overrides):
     """hidden 64, 8 experts, top-2, 2 layers; non-default options so that their maths is checked."""
     fields = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=2,
     )
     fields.update(overrides)
     return transformers.Qwen3MoeConfig(**fields)
@@ -77,7 +96,12 @@ def test_logits_match_transformers(checkpoint, dispatch):
 def test_config_is_read_and_written(checkpoint, tmp_path):
     path, _ = checkpoint
     cfg = read_config(path)
-    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 8, 2, 32)
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "qwen3_moe",
+        8,
+        2,
+        32,
+    )
     assert cfg.norm_topk_prob and cfg.qk_norm and cfg.decoder_sparse_step == 1 and cfg.mlp_only_layers == ()
     # transformers writes the expert count as num_local_experts; the Hub's configs say num_experts.
     assert json.load(open(os.path.join(path, "config.json")))["num_local_experts"] == 8
@@ -180,8 +204,9 @@ def test_fused_expert_tensors_load(checkpoint, tmp_path):
 
 def test_sparse_step_and_mlp_only_layers(tmp_path):
     """decoder_sparse_step=2 with 4 layers and mlp_only_layers=[3]: only layer 1 is sparse."""
-    torch_model = make_moe_checkpoint(tmp_path, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
-                                      norm_topk_prob=False)
+    torch_model = make_moe_checkpoint(
+        tmp_path, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
+    )
     model = load_hf(str(tmp_path))
     assert [model.config.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     assert _rel_err(np.asarray(model(jnp.asarray(IDS, jnp.int32))), hf_logits(torch_model, IDS)) < 1e-3
@@ -201,7 +226,8 @@ def test_unsupported_fields_are_refused(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="moe_dispatch='sparse'"):
         read_config(path).replace(moe_dispatch="sparse")
     # A tensor missing from the checkpoint is named.
-    from safetensors.numpy import load_file, save_file as save_np
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file as save_np
 
     tensors = load_file(os.path.join(path, "model.safetensors"))
     del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
@@ -249,15 +275,26 @@ def test_sharded_forward_equals_unsharded(checkpoint):
             graphdef, params = split(model)
             from flax import nnx
 
-            out = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, ids)
+            out = jax.jit(lambda p, x, graphdef=graphdef: nnx.merge(graphdef, p)(x))(params, ids)
             np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"{shape} {dispatch}")
 
 
 @pytest.mark.slow
 def test_fresh_moe_model_has_expert_axes():
-    cfg = ModelConfig(model_type="qwen3_moe", qk_norm=True, vocab_size=32, hidden_size=16, intermediate_size=32,
-                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=8)
+    cfg = ModelConfig(
+        model_type="qwen3_moe",
+        qk_norm=True,
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+    )
     axes = logical_axes(init_model(cfg))
     mlp = axes["layers"][0]["mlp"]
     assert tuple(mlp["gate_XEM"]) == ("expert", "embed", "mlp") and tuple(mlp["down_XME"]) == ("expert", "mlp", "embed")
@@ -267,7 +304,9 @@ def test_fresh_moe_model_has_expert_axes():
 def _load_config(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
@@ -278,8 +317,15 @@ def test_smoke_configs_build_a_moe_and_a_dense_model():
     from dora_jax.runtime.build import fresh_model_config
 
     moe = fresh_model_config(run_config.parse(_load_config("smoke_moe")), 20, (2,))
-    assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == ("qwen3_moe", 8, 2, 128)
-    assert moe.norm_topk_prob and moe.moe_dispatch == "dense" and all(moe.is_moe_layer(i) for i in range(moe.num_layers))
+    assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (
+        "qwen3_moe",
+        8,
+        2,
+        128,
+    )
+    assert (
+        moe.norm_topk_prob and moe.moe_dispatch == "dense" and all(moe.is_moe_layer(i) for i in range(moe.num_layers))
+    )
     dense = fresh_model_config(run_config.parse(_load_config("smoke")), 20, (2,))
     assert dense.model_type == "qwen3" and dense.num_experts == 0 and not dense.is_moe_layer(0)
     bad = _load_config("smoke_moe")

@@ -9,18 +9,31 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, expert_load, init_model, load_balancing_loss, logical_axes, split
+from dora_jax.parallel import sharding
 from dora_jax.trainer import Trainer, TrainerConfig
 from tests.trainer.test_trainer import FAST_COMPILE, B, make_batch
 
 pytestmark = pytest.mark.slow  # every test here compiles MoE train steps (about 2 minutes together)
 
-MOE = ModelConfig(model_type="qwen3_moe", qk_norm=True, vocab_size=128, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=32, norm_topk_prob=True)
-CONFIG = TrainerConfig(lr=3e-3, clip_grad_norm=1.0, tis_cap=2.0, num_updates=1, micro_batch_size=4,
-                       router_aux_coef=0.01)
+MOE = ModelConfig(
+    model_type="qwen3_moe",
+    qk_norm=True,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
+CONFIG = TrainerConfig(
+    lr=3e-3, clip_grad_norm=1.0, tis_cap=2.0, num_updates=1, micro_batch_size=4, router_aux_coef=0.01
+)
 
 
 def _model(dispatch: str):
@@ -48,8 +61,15 @@ def steps(request):
     single = Trainer(graphdef, params, axes, mesh1, CONFIG, compiler_options=FAST_COMPILE)
     assert sharded.params["layers"][0]["mlp"]["gate_XEM"].sharding.spec == P("expert", "fsdp", None)
     batch = make_batch(0, 0)
-    return dict(graphdef=graphdef, params0=params0, batch=batch, m8=sharded.train_step(batch),
-                m1=single.train_step(batch), p8=_host(sharded.params), p1=_host(single.params))
+    return dict(
+        graphdef=graphdef,
+        params0=params0,
+        batch=batch,
+        m8=sharded.train_step(batch),
+        m1=single.train_step(batch),
+        p8=_host(sharded.params),
+        p1=_host(single.params),
+    )
 
 
 def test_expert_sharded_step_equals_single_device(steps):
@@ -78,8 +98,14 @@ def test_router_metrics_are_the_batch_routing(steps):
     assert m.expert_load == tuple(expected)
     assert all(sum(load) == 2 * int(mask.sum()) for load in m.expert_load)  # K per loss token
     # Micro-batches of 4 rows: the aux loss is the mean of the 4 micro-batches' losses.
-    micro = [float(load_balancing_loss(tuple(jax.tree.map(lambda x, i=i: x[4 * i:4 * i + 4], r) for r in routing),
-                                       mask[4 * i:4 * i + 4])) for i in range(B // 4)]
+    micro = [
+        float(
+            load_balancing_loss(
+                tuple(jax.tree.map(lambda x, i=i: x[4 * i : 4 * i + 4], r) for r in routing), mask[4 * i : 4 * i + 4]
+            )
+        )
+        for i in range(B // 4)
+    ]
     np.testing.assert_allclose(m.router_aux_loss, np.mean(micro), rtol=1e-5)
     ratios = [max(load) / np.mean(load) for load in m.expert_load]
     np.testing.assert_allclose(m.router_load_ratio, ratios, rtol=1e-6)
@@ -92,22 +118,31 @@ def test_aux_loss_enters_the_objective_only_when_asked():
     graphdef, params, axes = _model("dense")
     mesh1 = sharding.make_mesh(jax.devices()[:1], {})
     batch = make_batch(0, 0)
-    off = Trainer(graphdef, params, axes, mesh1, TrainerConfig(lr=3e-3, micro_batch_size=4),
-                  compiler_options=FAST_COMPILE).train_step(batch)
-    on = Trainer(graphdef, params, axes, mesh1, TrainerConfig(lr=3e-3, micro_batch_size=4, router_aux_coef=0.5),
-                 compiler_options=FAST_COMPILE).train_step(batch)
+    off = Trainer(
+        graphdef, params, axes, mesh1, TrainerConfig(lr=3e-3, micro_batch_size=4), compiler_options=FAST_COMPILE
+    ).train_step(batch)
+    on = Trainer(
+        graphdef,
+        params,
+        axes,
+        mesh1,
+        TrainerConfig(lr=3e-3, micro_batch_size=4, router_aux_coef=0.5),
+        compiler_options=FAST_COMPILE,
+    ).train_step(batch)
     np.testing.assert_allclose(on.router_aux_loss, off.router_aux_loss, rtol=1e-6)  # measured either way
     np.testing.assert_allclose(on.loss - off.loss, 0.5 * on.router_aux_loss, rtol=1e-4)
     assert on.grad_norm != off.grad_norm
 
 
 def test_dense_model_reports_no_router_metrics():
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=16)
+    cfg = ModelConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16
+    )
     model = init_model(cfg)
     graphdef, params = split(model)
     mesh1 = sharding.make_mesh(jax.devices()[:1], {})
-    m = Trainer(graphdef, params, logical_axes(model), mesh1, TrainerConfig(micro_batch_size=4),
-                compiler_options=FAST_COMPILE).train_step(make_batch(0, 0))
+    m = Trainer(
+        graphdef, params, logical_axes(model), mesh1, TrainerConfig(micro_batch_size=4), compiler_options=FAST_COMPILE
+    ).train_step(make_batch(0, 0))
     assert m.expert_load is None and m.router_aux_loss is None
     assert not any(k.startswith("router/") for k in m.as_dict())

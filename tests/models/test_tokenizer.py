@@ -22,8 +22,14 @@ def tokenizer_dir(tmp_path):
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<unk>",
-                    "tokenizer_class": "PreTrainedTokenizerFast"})
+        json.dumps(
+            {
+                "chat_template": TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<unk>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
     )
     return tmp_path
 

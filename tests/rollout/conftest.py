@@ -5,12 +5,20 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, split
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 
-TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, eos_token_id=2)
+TINY = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    eos_token_id=2,
+)
 ENGINE = EngineConfig(num_slots=4, cache_length=64, max_prefill_length=32, min_prefill_bucket=16)
 
 

@@ -17,8 +17,15 @@ from tests.launch.configs import load
 
 @pytest.mark.slow
 def test_engine_bench_writes_the_documented_json(tmp_path):
-    config = EngineBenchConfig(slots=2, cache_length=32, max_prefill_length=16, prompt_length=4, decode_steps=3,
-                               prefill_repeats=2, vocab_size=64)
+    config = EngineBenchConfig(
+        slots=2,
+        cache_length=32,
+        max_prefill_length=16,
+        prompt_length=4,
+        decode_steps=3,
+        prefill_repeats=2,
+        vocab_size=64,
+    )
     results = run_engine_bench(config, str(tmp_path))
     on_disk = json.loads((tmp_path / "engine.json").read_text())
     assert on_disk["slots"] == 2 and on_disk["compiles_after_warmup"] == 0
@@ -35,10 +42,15 @@ def test_engine_bench_of_a_moe_config_builds_the_moe_model():
     """The engine under test is `_model_config(config)`: for configs/smoke_moe.py, the Qwen3-MoE."""
     config = engine_bench_config(load("smoke_moe.py"))
     moe = _model_config(config)
-    assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == ("qwen3_moe", 8, 2, 128)
+    assert (moe.model_type, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (
+        "qwen3_moe",
+        8,
+        2,
+        128,
+    )
     assert moe.norm_topk_prob and moe.moe_dispatch == "dense"
     dense = _model_config(dataclasses.replace(config, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0))
     count = lambda c: sum(x.size for x in jax.tree.leaves(nnx.state(init_model(c, seed=0), nnx.Param)))  # noqa: E731
     # per layer: 8 SwiGLU experts of width 128 and a router instead of the dense MLP, and Qwen3's q/k norms
-    H, I, M, E, D = config.hidden_size, config.intermediate_size, 128, 8, config.head_dim
-    assert count(moe) == count(dense) + config.num_layers * (E * 3 * H * M + H * E - 3 * H * I + 2 * D)
+    H, F, M, E, D = config.hidden_size, config.intermediate_size, 128, 8, config.head_dim
+    assert count(moe) == count(dense) + config.num_layers * (E * 3 * H * M + H * E - 3 * H * F + 2 * D)

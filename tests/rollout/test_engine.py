@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dora_jax.models import split
 from dora_jax.core.records import Request, SamplingParams
+from dora_jax.models import split
 from dora_jax.rollout.worker import RolloutWorker, as_redispatch
 from tests.rollout.conftest import TINY, run_to_end
 
@@ -22,8 +22,12 @@ def _request(i, prompt, max_new, sampling=SamplingParams(temperature=0.0), **kw)
 def test_logprobs_equal_full_forward_log_softmax(warm_engine, tiny_model, tiny_params):
     worker = RolloutWorker(warm_engine, eos_ids=())
     worker.load_version(0, tiny_params)
-    samplings = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=2),
-                 SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=3)]
+    samplings = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=5, seed=3),
+    ]
     for i, sampling in enumerate(samplings):
         worker.submit(_request(i, [1, 5 + i, 9, 14, 3 + 2 * i][: 3 + i % 3], 14, sampling))
     finished = run_to_end(worker)
@@ -56,7 +60,9 @@ def test_no_recompiles_after_warmup(warm_engine, tiny_params):
         worker.step()
     states = worker.export_requests()
     worker.import_requests(states[::-1])  # every exported slot comes back, in other slots
-    worker.submit(as_redispatch(dataclasses.replace(states[0], request=dataclasses.replace(states[0].request, traj_id="r"))))
+    worker.submit(
+        as_redispatch(dataclasses.replace(states[0], request=dataclasses.replace(states[0].request, traj_id="r")))
+    )
     run_to_end(worker)
     assert warm_engine.compile_counts() == counts
 
@@ -70,8 +76,9 @@ def test_bad_engine_calls_raise_value_errors(warm_engine, tiny_params):
     with pytest.raises(ValueError, match="true_length=0"):
         warm_engine.prefill(params=params, padded_tokens=np.array([1, 2]), true_length=0)
     with pytest.raises(ValueError, match="sampling.top_p=0.0"):
-        warm_engine.prefill(params=params, padded_tokens=np.array([1]), true_length=1,
-                            sampling=SamplingParams(top_p=0.0))
+        warm_engine.prefill(
+            params=params, padded_tokens=np.array([1]), true_length=1, sampling=SamplingParams(top_p=0.0)
+        )
     state = warm_engine.init_decode_state()
     with pytest.raises(ValueError, match="slot=4"):
         warm_engine.insert(None, state, 4)
@@ -85,8 +92,9 @@ def test_existing_prefix_continues_the_text(warm_engine, tiny_params):
     tokens = np.array([1, 7, 22, 40, 3, 11, 5, 60, 9], np.int32)
     whole, first = warm_engine.prefill(params=params, padded_tokens=tokens, true_length=len(tokens))
     head, _ = warm_engine.prefill(params=params, padded_tokens=tokens[:4], true_length=4)
-    joined, joined_first = warm_engine.prefill(params=params, existing_prefix=head, padded_tokens=tokens[4:],
-                                               true_length=len(tokens) - 4)
+    joined, joined_first = warm_engine.prefill(
+        params=params, existing_prefix=head, padded_tokens=tokens[4:], true_length=len(tokens) - 4
+    )
     assert int(joined.length) == int(whole.length) == len(tokens)
     assert int(joined_first.data[0, 0]) == int(first.data[0, 0])
     np.testing.assert_allclose(joined_first.log_prob, first.log_prob, atol=1e-5)
@@ -105,8 +113,9 @@ def test_chunked_prefill_past_the_largest_bucket(warm_engine, tiny_params):
     def chain(sizes):
         prefix, first, begin = None, None, 0
         for size in sizes:
-            prefix, first = warm_engine.prefill(params=params, existing_prefix=prefix,
-                                                padded_tokens=tokens[begin:begin + size], true_length=size)
+            prefix, first = warm_engine.prefill(
+                params=params, existing_prefix=prefix, padded_tokens=tokens[begin : begin + size], true_length=size
+            )
             begin += size
         return prefix, first
 

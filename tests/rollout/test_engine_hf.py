@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from dora_jax.parallel import sharding
-from dora_jax.models import read_config
 from dora_jax.core.records import Request, SamplingParams
+from dora_jax.models import read_config
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 from tests.models.hf_fixtures import VOCAB, make_checkpoint
@@ -20,9 +20,15 @@ PROMPTS = ([1, 17, 33, 54, 5], [1, 99, 4, 7, 81, 23, 64, 12, 90])
 
 def _hf_greedy(torch_model, prompt):
     with torch.no_grad():
-        out = torch_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW,
-                                   output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = torch_model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     scores = [s[0].numpy() for s in out.scores]
     return tokens, scores
 

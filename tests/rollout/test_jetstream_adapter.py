@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import grpc
 import portpicker
-import pytest
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 from dora_jax.core.records import Request, SamplingParams
+from dora_jax.rollout import jetstream_adapter  # the jetstream extra is part of the test install
 from dora_jax.rollout.worker import RolloutWorker
 from tests.rollout.conftest import TINY, run_to_end
-
-from dora_jax.rollout import jetstream_adapter  # the jetstream extra is part of the test install
-from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 PROMPTS = [(1, 4, 9, 16, 25), (7, 3), (40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56)]
 MAX_TOKENS = 9
@@ -40,16 +38,23 @@ def test_grpc_round_trip_equals_our_greedy_generation(warm_engine, tiny_params):
             for i, prompt in enumerate(PROMPTS):
                 request = jetstream_pb2.DecodeRequest(
                     token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=list(prompt)),
-                    max_tokens=MAX_TOKENS)
-                got = [t for response in stub.Decode(request, timeout=120)
-                       for sample in response.stream_content.samples for t in sample.token_ids]
+                    max_tokens=MAX_TOKENS,
+                )
+                got = [
+                    t
+                    for response in stub.Decode(request, timeout=120)
+                    for sample in response.stream_content.samples
+                    for t in sample.token_ids
+                ]
                 expected = list(ours[f"j{i}"].response_ids)
                 if expected and expected[-1] in TINY.eos_ids:
                     expected = expected[:-1]  # JetStream stops at a stop token without sending it
                 assert got == expected, (i, got, expected)
             refused = jetstream_pb2.DecodeRequest(  # token 500 is outside the vocabulary
-                token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[1, 500]), max_tokens=4)
-            assert [t for r in stub.Decode(refused, timeout=120) for s in r.stream_content.samples
-                    for t in s.token_ids] == []
+                token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[1, 500]), max_tokens=4
+            )
+            assert [
+                t for r in stub.Decode(refused, timeout=120) for s in r.stream_content.samples for t in s.token_ids
+            ] == []
     finally:
         server.stop()

@@ -9,13 +9,19 @@ from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout.worker import RolloutWorker
 from tests.rollout.conftest import TINY, run_to_end
 
-SAMPLINGS = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12),
-             SamplingParams(temperature=0.8, top_k=10, seed=13), SamplingParams(temperature=0.0)]
+SAMPLINGS = [
+    SamplingParams(temperature=1.0, seed=11),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=12),
+    SamplingParams(temperature=0.8, top_k=10, seed=13),
+    SamplingParams(temperature=0.0),
+]
 
 
 def _requests():
-    return [Request(f"m{i}", "g", f"p{i}", tuple(range(1 + i, 6 + 3 * i)), 0, 20 + 3 * i, s)
-            for i, s in enumerate(SAMPLINGS)]
+    return [
+        Request(f"m{i}", "g", f"p{i}", tuple(range(1 + i, 6 + 3 * i)), 0, 20 + 3 * i, s)
+        for i, s in enumerate(SAMPLINGS)
+    ]
 
 
 def test_migrated_equals_never_migrated(warm_engine, engine_b, tiny_params, slices):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dora_jax.parallel import sharding
-from dora_jax.models import read_config
 from dora_jax.core.records import Request, SamplingParams
+from dora_jax.models import read_config
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 from tests.models.hf_fixtures import VOCAB

@@ -16,10 +16,12 @@ def test_filters_keep_the_top_k_and_the_nucleus():
     top_k_B = jnp.array([2, 0, 0, 1])
     top_p_B = jnp.array([1.0, 0.7, 0.8, 1.0])
     kept = np.isfinite(np.asarray(jax.jit(sampling.filter_logits)(logits_BV, top_k_B, top_p_B)))
-    assert kept.tolist() == [[True, True, False, False],  # top-2
-                             [True, True, False, False],  # 0.5 + 0.25 >= 0.7
-                             [True, True, True, False],  # needs 0.9 >= 0.8
-                             [True, False, False, False]]
+    assert kept.tolist() == [
+        [True, True, False, False],  # top-2
+        [True, True, False, False],  # 0.5 + 0.25 >= 0.7
+        [True, True, True, False],  # needs 0.9 >= 0.8
+        [True, False, False, False],
+    ]
 
 
 _SAMPLE = jax.jit(sampling.sample)
@@ -29,9 +31,14 @@ N = 8000
 def _draw(temperature=1.0, top_p=1.0, top_k=0):
     """N draws from one slot's stream, at positions 0..N-1 (one compiled program for every call)."""
     key_B2 = jnp.asarray(np.tile(sampling.base_key_data(7), (N, 1)))
-    return _SAMPLE(jnp.asarray(np.tile(LOGITS, (N, 1))), key_B2, jnp.arange(N, dtype=jnp.int32),
-                   jnp.full((N,), temperature, jnp.float32), jnp.full((N,), top_p, jnp.float32),
-                   jnp.full((N,), top_k, jnp.int32))
+    return _SAMPLE(
+        jnp.asarray(np.tile(LOGITS, (N, 1))),
+        key_B2,
+        jnp.arange(N, dtype=jnp.int32),
+        jnp.full((N,), temperature, jnp.float32),
+        jnp.full((N,), top_p, jnp.float32),
+        jnp.full((N,), top_k, jnp.int32),
+    )
 
 
 def test_draws_follow_the_distribution_and_log_probs_are_temperature_one():

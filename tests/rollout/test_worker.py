@@ -102,8 +102,10 @@ def test_stop_ids_eos_and_forced_length(warm_engine, tiny_params):
     done = run_to_end(eos_worker)
     first = ref.index(stop)
     assert done["eos"].response_ids == ref[: first + 1] and done["eos"].finish_reason == FinishReason.EOS
-    assert done["stop"].response_ids == ref[: first + 1] and done["stop"].finish_reason in (FinishReason.EOS,
-                                                                                             FinishReason.STOP)
+    assert done["stop"].response_ids == ref[: first + 1] and done["stop"].finish_reason in (
+        FinishReason.EOS,
+        FinishReason.STOP,
+    )
     assert done["forced"].response_ids == ref[:9] and done["forced"].finish_reason == FinishReason.FORCED
 
 
@@ -121,7 +123,7 @@ def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_pa
     worker.submit(_request("b", max_new=40, sampling=sampling))
     straight = run_to_end(worker)["b"]
     assert resumed.response_ids == straight.response_ids
-    assert resumed.logprobs[:steps + 1] == straight.logprobs[:steps + 1]  # the prefix keeps its own log-probs
+    assert resumed.logprobs[: steps + 1] == straight.logprobs[: steps + 1]  # the prefix keeps its own log-probs
     assert max(abs(a - b) for a, b in zip(resumed.logprobs, straight.logprobs)) < 1e-5
     assert worker.counters.prefills == 3 and worker.counters.prefill_tokens == 4 + (4 + steps + 1) + 4
 
@@ -129,8 +131,9 @@ def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_pa
 def test_prefix_tokens_keep_their_versions_and_queue_can_be_taken(warm_engine, tiny_params):
     worker = RolloutWorker(warm_engine, eos_ids=())
     worker.load_version(8, tiny_params)
-    worker.submit(_request("p", max_new=6, prefix_response_ids=(5, 6), prefix_logprobs=(-1.0, -2.0),
-                           prefix_versions=(6, 7)))
+    worker.submit(
+        _request("p", max_new=6, prefix_response_ids=(5, 6), prefix_logprobs=(-1.0, -2.0), prefix_versions=(6, 7))
+    )
     for i in range(6):
         worker.submit(_request(f"q{i}"))
     worker.step()

@@ -16,8 +16,18 @@ from dora_jax.sim.report import format_table, run_all, run_setting
 from dora_jax.sim.scenario import from_config
 from dora_jax.sim.workload import mean_response
 
-_MODES_KEYS = {"wall_s", "steps", "train_tokens", "tokens_per_s", "step_time_s", "rollout_only_share",
-               "bubble_ratio", "trainer_wait_s", "max_staleness", "audit_ok"}
+_MODES_KEYS = {
+    "wall_s",
+    "steps",
+    "train_tokens",
+    "tokens_per_s",
+    "step_time_s",
+    "rollout_only_share",
+    "bubble_ratio",
+    "trainer_wait_s",
+    "max_staleness",
+    "audit_ok",
+}
 
 
 def small_config():
@@ -73,8 +83,9 @@ def test_run_all_writes_results_json_with_every_block(tmp_path):
     assert partial["c1_violations"] > 0 and "C1" not in partial["violations"]
     assert setting["modes"]["dora"]["max_staleness"] <= 3 and setting["modes"]["sync"]["max_staleness"] == 0
     assert {"tokens_per_s", "how"} <= set(setting["bound"])
-    assert {"dora_vs_sync", "dora_vs_one_step_off", "dora_vs_partial_rollout",
-            "rollout_speedup_vs_sync"} <= set(setting["ratios"])
+    assert {"dora_vs_sync", "dora_vs_one_step_off", "dora_vs_partial_rollout", "rollout_speedup_vs_sync"} <= set(
+        setting["ratios"]
+    )
     assert on_disk["paper"]["gpus_64"]["step_time_min.sync"]["paper"] == 22.91
     assert set(on_disk["scaling"]["accelerators"]) == {"64", "256"}
     assert on_disk["notes"] and "kv_reuse_ablation" in setting
@@ -96,8 +107,7 @@ def test_fit_decode_from_bench_points(tmp_path):
     model = fit_decode([(1, 0.010), (8, 0.0135), (32, 0.0255)])
     assert model.t0_s == pytest.approx(0.0095) and model.t1_s == pytest.approx(0.0005)
     path = tmp_path / "engine.json"
-    path.write_text(json.dumps({"decode": [{"active_slots": a, "step_time_s": 0.02 + 0.001 * a}
-                                           for a in (1, 4, 16)]}))
+    path.write_text(json.dumps({"decode": [{"active_slots": a, "step_time_s": 0.02 + 0.001 * a} for a in (1, 4, 16)]}))
     c = get_config()
     with c.unlocked():
         c.engine.bench_json = str(path)
@@ -131,12 +141,28 @@ def test_ledgers_of_a_setting_audit_clean(tmp_path):
 
 @pytest.mark.slow
 def test_cli_writes_results(tmp_path):
-    overrides = ["--config.workload.prompts_per_step=16", "--config.workload.samples_per_prompt=4",
-                 "--config.workload.median_response=200", "--config.workload.max_response=2000",
-                 "--config.run.steps=3", "--config.run.warmup=1", "--config.settings=(64,)"]
+    overrides = [
+        "--config.workload.prompts_per_step=16",
+        "--config.workload.samples_per_prompt=4",
+        "--config.workload.median_response=200",
+        "--config.workload.max_response=2000",
+        "--config.run.steps=3",
+        "--config.run.warmup=1",
+        "--config.settings=(64,)",
+    ]
     out = subprocess.run(
-        [sys.executable, "-m", "dora_jax.sim", "--config=configs/sim_paper.py", f"--out={tmp_path}",
-         "--nosweep", *overrides], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "dora_jax.sim",
+            "--config=configs/sim_paper.py",
+            f"--out={tmp_path}",
+            "--nosweep",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=str(pathlib.Path(__file__).resolve().parents[2]),
     )
     assert out.returncode == 0, out.stderr[-2000:]

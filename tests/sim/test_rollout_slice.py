@@ -21,8 +21,19 @@ class Clock:
 def make_slices(n=1, kv_migration=True, **kwargs):
     clock, changed = Clock(), []
     cluster = tiny_cluster(groups=n, **kwargs)
-    slices = [SimSlice(i, cluster, prompt_tokens=8, samples_per_prompt=2, chunk_tokens=1e-6, clock=clock,
-                       on_change=changed.append, kv_migration=kv_migration) for i in range(n)]
+    slices = [
+        SimSlice(
+            i,
+            cluster,
+            prompt_tokens=8,
+            samples_per_prompt=2,
+            chunk_tokens=1e-6,
+            clock=clock,
+            on_change=changed.append,
+            kv_migration=kv_migration,
+        )
+        for i in range(n)
+    ]
     for s in slices:
         s.load_version(0)
     return clock, slices
@@ -103,10 +114,18 @@ def test_interrupt_re_prefills_and_records_every_version_that_sampled():
     clock.now = 3.4  # 3 tokens at version 0
     [state] = s.export(["g0/0"])
     s.load_version(1)
-    s.import_([dataclasses.replace(state.request, prefix_response_ids=state.response_ids,
-                                   prefix_logprobs=state.logprobs, prefix_versions=state.token_versions)])
+    s.import_(
+        [
+            dataclasses.replace(
+                state.request,
+                prefix_response_ids=state.response_ids,
+                prefix_logprobs=state.logprobs,
+                prefix_versions=state.token_versions,
+            )
+        ]
+    )
     assert s.costs.prefill_tokens == pytest.approx(4 + 4 + 3)  # prompt share twice, 3 generated tokens once
-    (t, traj), = drain(clock, [s]).values()
+    ((t, traj),) = drain(clock, [s]).values()
     assert t == pytest.approx(3.4 + 0.7 + 7.0)
     assert traj.versions_seen == (0, 1) and traj.version == 0 and traj.num_tokens == 10
 
@@ -127,7 +146,7 @@ def test_lending_to_a_colocated_trainer_pauses_decoding_and_is_not_busy_time():
     s.submit([request("g0/0", 4)])
     clock.now = 2.0
     s.lend(2.0, 10.0)
-    (t, _), = drain(clock, [s]).values()
+    ((t, _),) = drain(clock, [s]).values()
     assert t == pytest.approx(14.0)
     assert s.costs.busy_slot_s == pytest.approx(4.0)
 

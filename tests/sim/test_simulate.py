@@ -40,15 +40,22 @@ def consumed_groups(events):
 def small_runs(draw):
     g = draw(st.integers(1, 4))
     workload = WorkloadSpec(
-        prompts_per_step=draw(st.integers(1, 5)), samples_per_prompt=g,
-        prompt_tokens=draw(st.integers(0, 32)), median_response=draw(st.floats(2.0, 40.0)),
-        max_response=draw(st.integers(50, 400)), max_over_median=draw(st.floats(1.5, 30.0)),
-        prompt_correlation=draw(st.floats(0.0, 1.0)), seed=draw(st.integers(0, 1000)),
+        prompts_per_step=draw(st.integers(1, 5)),
+        samples_per_prompt=g,
+        prompt_tokens=draw(st.integers(0, 32)),
+        median_response=draw(st.floats(2.0, 40.0)),
+        max_response=draw(st.integers(50, 400)),
+        max_over_median=draw(st.floats(1.5, 30.0)),
+        prompt_correlation=draw(st.floats(0.0, 1.0)),
+        seed=draw(st.integers(0, 1000)),
     )
     cluster = tiny_cluster(
-        groups=draw(st.integers(1, 4)), slots=draw(st.integers(1, 6)),
-        t1=draw(st.floats(0.0, 0.3)), train_fixed_s=draw(st.floats(0.5, 200.0)),
-        prefill=draw(st.sampled_from([0.0, 0.01])), weight_load=draw(st.sampled_from([0.0, 1.5])),
+        groups=draw(st.integers(1, 4)),
+        slots=draw(st.integers(1, 6)),
+        t1=draw(st.floats(0.0, 0.3)),
+        train_fixed_s=draw(st.floats(0.5, 200.0)),
+        prefill=draw(st.sampled_from([0.0, 0.01])),
+        weight_load=draw(st.sampled_from([0.0, 1.5])),
         kv_bytes=draw(st.sampled_from([0.0, 1e6])),
     )
     k_max = draw(st.integers(1, 3))
@@ -92,15 +99,23 @@ def test_the_simulator_runs_the_shipped_mode_table():
         sim = Sim(tiny_cluster(slots=16, placement=placement_for(mode)), workload, config, 2, chunk_tokens=8.0)
         assert sim.coordinator.policy == policy_for(mode)
         sim.run()
-        assert sim.ledger.memory[0] == {"ev": "run", "mode": mode.value, "k_max": config.window,
-                                        "rbs": config.rollout_batch_size, "tbs": 64, "group_size": 4,
-                                        "slices": 2, "t": 0.0}
+        assert sim.ledger.memory[0] == {
+            "ev": "run",
+            "mode": mode.value,
+            "k_max": config.window,
+            "rbs": config.rollout_batch_size,
+            "tbs": 64,
+            "group_size": 4,
+            "slices": 2,
+            "t": 0.0,
+        }
 
 
 def test_staleness_profiles_per_mode():
     workload = long_tail_workload()
-    results = {m: simulate(tiny_cluster(slots=16, placement=placement_for(m)), workload, m, 3, steps=6, warmup=2)
-               for m in Mode}
+    results = {
+        m: simulate(tiny_cluster(slots=16, placement=placement_for(m)), workload, m, 3, steps=6, warmup=2) for m in Mode
+    }
     assert results[Mode.SYNC].audit.staleness_histogram == {0: 6 * 64}
     assert set(results[Mode.ONE_STEP_OFF].audit.staleness_histogram) == {0, 1}
     assert results[Mode.DORA].max_staleness <= 3 and results[Mode.DORA].audit.max_versions_in_flight >= 2
@@ -110,10 +125,10 @@ def test_staleness_profiles_per_mode():
 
 def test_dora_beats_sync_on_a_long_tail():
     workload = long_tail_workload(prompts=32)
-    sync = simulate(tiny_cluster(groups=4, slots=16, placement=Placement.COLOCATED), workload,
-                    Mode.SYNC, steps=6, warmup=2)
-    dora = simulate(tiny_cluster(groups=4, slots=16, train_fixed_s=200.0), workload, Mode.DORA, 3,
-                    steps=6, warmup=2)
+    sync = simulate(
+        tiny_cluster(groups=4, slots=16, placement=Placement.COLOCATED), workload, Mode.SYNC, steps=6, warmup=2
+    )
+    dora = simulate(tiny_cluster(groups=4, slots=16, train_fixed_s=200.0), workload, Mode.DORA, 3, steps=6, warmup=2)
     assert sync.bubble_ratio > 0.5
     assert dora.bubble_ratio < 0.5 * sync.bubble_ratio
     assert sync.tokens_per_s < 0.8 * dora.tokens_per_s
@@ -123,8 +138,14 @@ def test_dora_beats_sync_on_a_long_tail():
 def test_partial_rollout_mixes_versions_and_keeps_everything_else():
     workload = long_tail_workload()
     for placement in Placement:
-        r = simulate(tiny_cluster(slots=16, placement=placement, train_fixed_s=30.0, prefill=0.001), workload,
-                     Mode.PARTIAL_ROLLOUT, 3, steps=6, warmup=2)
+        r = simulate(
+            tiny_cluster(slots=16, placement=placement, train_fixed_s=30.0, prefill=0.001),
+            workload,
+            Mode.PARTIAL_ROLLOUT,
+            3,
+            steps=6,
+            warmup=2,
+        )
         assert r.audit.c1_violations and r.interrupts > 0
         assert r.audit_ok and r.audit.violations() == {"C2": 0, "C3": 0, "exactly_once": 0, "weights": 0}
         assert r.prefill_share > 0 and r.max_staleness <= 3
@@ -134,8 +155,15 @@ def test_simulated_ledger_audits_clean_with_the_cli(tmp_path, capsys):
     workload = long_tail_workload()
     for mode in Mode:
         path = tmp_path / f"{mode.value}.ledger.jsonl"
-        r = simulate(tiny_cluster(slots=16, placement=placement_for(mode)), workload, mode, 2, steps=4, warmup=0,
-                     ledger_path=str(path))
+        r = simulate(
+            tiny_cluster(slots=16, placement=placement_for(mode)),
+            workload,
+            mode,
+            2,
+            steps=4,
+            warmup=0,
+            ledger_path=str(path),
+        )
         assert audit_cli.main(["audit", str(path)]) == 0
         assert f"audit OK: mode={mode.value}" in capsys.readouterr().out
         events = list(read_ledger(str(path)))
@@ -162,8 +190,15 @@ _TWO_BY_TWO = WorkloadSpec(prompts_per_step=2, samples_per_prompt=2, prompt_toke
 def test_sync_golden_by_hand():
     # One slice of 4 slots, 1 s per token, train 5 s: rollout ends with the 4-token sample (4 s),
     # then trains (5 s). Busy slot-seconds 1+3+2+4 = 10 of 4 slots x 4 s.
-    r = simulate(tiny_cluster(groups=1, placement=Placement.COLOCATED), _TWO_BY_TWO, Mode.SYNC,
-                 steps=3, warmup=1, chunk_tokens=1e-6, lengths=CyclicLengths(_LENGTHS))
+    r = simulate(
+        tiny_cluster(groups=1, placement=Placement.COLOCATED),
+        _TWO_BY_TWO,
+        Mode.SYNC,
+        steps=3,
+        warmup=1,
+        chunk_tokens=1e-6,
+        lengths=CyclicLengths(_LENGTHS),
+    )
     assert r.step_time_s == pytest.approx(9.0)
     assert r.rollout_only_share == pytest.approx(4.0 / 9.0)
     assert r.bubble_ratio == pytest.approx(6.0 / 16.0)
@@ -174,8 +209,15 @@ def test_sync_golden_by_hand():
 def test_one_step_off_golden_by_hand():
     # Rollouts take 4 s, training 5 s: after the first step the trainer never waits (step 5 s) and
     # each batch is generated with the version one behind.
-    r = simulate(tiny_cluster(groups=1), _TWO_BY_TWO, Mode.ONE_STEP_OFF, steps=4, warmup=1,
-                 chunk_tokens=1e-6, lengths=CyclicLengths(_LENGTHS))
+    r = simulate(
+        tiny_cluster(groups=1),
+        _TWO_BY_TWO,
+        Mode.ONE_STEP_OFF,
+        steps=4,
+        warmup=1,
+        chunk_tokens=1e-6,
+        lengths=CyclicLengths(_LENGTHS),
+    )
     assert r.wall_s == pytest.approx(24.0)
     assert r.step_time_s == pytest.approx(5.0)
     assert r.rollout_only_share == 0.0 and r.max_staleness == 1
@@ -197,9 +239,28 @@ REGRESSION = {
 @pytest.mark.parametrize("mode", list(Mode))
 def test_regression_golden(mode):
     workload = long_tail_workload(prompts=8, g=4, seed=7)
-    r = simulate(tiny_cluster(groups=2, slots=8, t1=0.05, placement=placement_for(mode), train_fixed_s=40.0,
-                              prefill=0.001, weight_load=2.0, kv_bytes=1e6),
-                 workload, mode, 2, steps=5, warmup=1)
-    got = (round(r.step_time_s, 6), round(r.bubble_ratio, 6), round(r.rollout_only_share, 6),
-           r.train_tokens, r.max_staleness)
+    r = simulate(
+        tiny_cluster(
+            groups=2,
+            slots=8,
+            t1=0.05,
+            placement=placement_for(mode),
+            train_fixed_s=40.0,
+            prefill=0.001,
+            weight_load=2.0,
+            kv_bytes=1e6,
+        ),
+        workload,
+        mode,
+        2,
+        steps=5,
+        warmup=1,
+    )
+    got = (
+        round(r.step_time_s, 6),
+        round(r.bubble_ratio, 6),
+        round(r.rollout_only_share, 6),
+        r.train_tokens,
+        r.max_staleness,
+    )
     assert got == REGRESSION[mode]

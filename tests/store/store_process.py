@@ -1,9 +1,9 @@
 """A second process for the tensorstore-tier tests (run as a script, with its own fake devices).
 
-  read ROOT VERSION OUT.npz : opens ROOT read-only on a 4-device mesh with rollout rules, gets
-                              VERSION and saves every leaf (keyed by its path) plus its sharding.
-  write ROOT MB             : publishes version 1 (small) then version 2 with MB megabytes of
-                              params, printing a line before each; the parent kills it mid-write.
+read ROOT VERSION OUT.npz : opens ROOT read-only on a 4-device mesh with rollout rules, gets
+                            VERSION and saves every leaf (keyed by its path) plus its sharding.
+write ROOT MB             : publishes version 1 (small) then version 2 with MB megabytes of
+                            params, printing a line before each; the parent kills it mid-write.
 """
 
 import os
@@ -16,11 +16,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dora_jax.parallel import sharding  # noqa: E402
 from dora_jax.models import ModelConfig, abstract_model, logical_axes, split  # noqa: E402
+from dora_jax.parallel import sharding  # noqa: E402
 from dora_jax.store import ParamStore, TensorStoreTier  # noqa: E402
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 
 
 def read(root: str, version: int, out: str) -> None:
@@ -47,7 +49,10 @@ def write(root: str, megabytes: int) -> None:
     print("published 1", flush=True)
     rows = megabytes * 2**20 // (4 * 1024)
     key = jax.random.key(0)
-    big = {f"w{i}": jax.device_put(jax.random.normal(jax.random.fold_in(key, i), (rows // 8, 1024)), spec) for i in range(8)}
+    big = {
+        f"w{i}": jax.device_put(jax.random.normal(jax.random.fold_in(key, i), (rows // 8, 1024)), spec)
+        for i in range(8)
+    }
     jax.block_until_ready(big)
     print("writing 2", flush=True)
     store.publish(2, big)

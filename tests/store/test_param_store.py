@@ -6,11 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, logical_axes, split
+from dora_jax.parallel import sharding
 from dora_jax.store import InProcessTier, ParamStore, StoreError, TensorStoreTier
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 
 
 @pytest.fixture(scope="module")

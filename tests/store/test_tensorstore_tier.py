@@ -11,11 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax.parallel import sharding
 from dora_jax.models import ModelConfig, init_model, logical_axes, split
+from dora_jax.parallel import sharding
 from dora_jax.store import ParamStore, StoreError, TensorStoreTier, version_dir_name
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 SCRIPT = Path(__file__).with_name("store_process.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +63,10 @@ def test_another_process_reads_with_its_own_mesh(published, tmp_path):
     out = tmp_path / "got.npz"
     subprocess.run(
         [sys.executable, str(SCRIPT), "read", str(root), "2", str(out)],
-        env=_child_env(), check=True, timeout=120, capture_output=True,
+        env=_child_env(),
+        check=True,
+        timeout=120,
+        capture_output=True,
     )
     got = np.load(out)
     assert list(got["versions"]) == [0, 1, 2]
@@ -77,7 +82,10 @@ def test_writer_killed_mid_write_leaves_no_partial_version(tmp_path):
     root = tmp_path / "store"
     child = subprocess.Popen(
         [sys.executable, str(SCRIPT), "write", str(root), "64"],
-        env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=_child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         assert child.stdout.readline().strip() == "published 1"

@@ -87,10 +87,12 @@ def test_numeric_reward_rejects_a_reference_without_a_number():
 )
 def test_math_verify_reward(answer, response, value):
     import math_verify  # noqa: F401  (a core dependency: the test must run)
+
     assert math_verify_reward(_prompt(answer), response) == value
 
 
 def test_math_verify_reward_rejects_an_unparseable_reference():
     import math_verify  # noqa: F401  (a core dependency: the test must run)
+
     with pytest.raises(ValueError, match="row:1.*cannot parse"):
         math_verify_reward(_prompt("$$"), "\\boxed{1}")

@@ -120,6 +120,7 @@ def test_real_rewards_through_the_pool():
     assert [r.value for r in results] == [1.0, 0.0, 0.0]
     assert results[2].error.startswith("ValueError: prompt 'x': no number")
     import math_verify  # noqa: F401  (a core dependency: the test must run)
+
     with RewardPool(math_answers.math_verify_reward, 1, 30.0, preload=("math_verify",)) as pool:
         results = pool.score_many([(Prompt("m", "q", (), "\\frac{1}{2}"), "$\\boxed{0.5}$")])
     assert results[0].value == 1.0, results

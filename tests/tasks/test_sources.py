@@ -34,8 +34,9 @@ def _plain(path, **kwargs):
 @pytest.fixture()
 def hf_tokenizer(tmp_path):
     words = ["what", "is", "?", "+", "be", "brief", *map(str, range(40))]
-    vocab = {w: i for i, w in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", "system", "user",
-                                         "assistant", "\n", *words])}
+    vocab = {
+        w: i for i, w in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "\n", *words])
+    }
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
@@ -86,11 +87,19 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path):
     source = FileSource(config, CHARS)
     prompts = list(source)
     assert sorted(p.prompt_id for p in prompts) == sorted(f"mixed.jsonl:{i}" for i in range(10))
-    assert source.skipped == collections.Counter({
-        "missing field 'question'": 1, "empty prompt": 1, "empty answer": 1, "missing field 'answer'": 1,
-        "prompt too long": 1, "untokenizable prompt": 1, "prompt is not text or messages": 1,
-        "invalid JSON": 1, "not a JSON object": 1,
-    })
+    assert source.skipped == collections.Counter(
+        {
+            "missing field 'question'": 1,
+            "empty prompt": 1,
+            "empty answer": 1,
+            "missing field 'answer'": 1,
+            "prompt too long": 1,
+            "untokenizable prompt": 1,
+            "prompt is not text or messages": 1,
+            "invalid JSON": 1,
+            "not a JSON object": 1,
+        }
+    )
     assert source.examined == 19
 
 
@@ -142,14 +151,27 @@ def test_resume_continues_exactly(tmp_path):
 def test_parquet_with_dotted_fields_and_message_prompts(tmp_path, hf_tokenizer):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    table = pa.Table.from_pylist([
-        {"prompt": [{"role": "user", "content": f"what is {i} + 1 ?"}], "reward_model": {"ground_truth": str(i + 1)}}
-        for i in range(6)
-    ] + [{"prompt": [], "reward_model": {"ground_truth": "1"}}])
+
+    table = pa.Table.from_pylist(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"what is {i} + 1 ?"}],
+                "reward_model": {"ground_truth": str(i + 1)},
+            }
+            for i in range(6)
+        ]
+        + [{"prompt": [], "reward_model": {"ground_truth": "1"}}]
+    )
     path = str(tmp_path / "dapo.parquet")
     pq.write_table(table, path)
-    config = SourceConfig(path=path, prompt_field="prompt", answer_field="reward_model.ground_truth",
-                          shuffle=False, num_epochs=1, max_bad_fraction=0.5)
+    config = SourceConfig(
+        path=path,
+        prompt_field="prompt",
+        answer_field="reward_model.ground_truth",
+        shuffle=False,
+        num_epochs=1,
+        max_bad_fraction=0.5,
+    )
     source = FileSource(config, hf_tokenizer)
     prompts = list(source)
     assert [p.answer for p in prompts] == [str(i + 1) for i in range(6)]
@@ -169,6 +191,7 @@ def test_url_paths_read_through_tensorstore(tmp_path):
 
 def test_hf_datasets_saved_to_disk(tmp_path):
     import datasets  # the test extra installs it
+
     rows = _good_rows(5)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))

@@ -35,6 +35,7 @@ def test_gsm8k_task(tmp_path):
 
 def test_math_task_uses_math_verify(tmp_path):
     import math_verify  # noqa: F401  (a core dependency: the test must run)
+
     path = tmp_path / "math.jsonl"
     path.write_text(json.dumps({"problem": "half", "solution": "\\frac{1}{2}"}) + "\n")
     source = SourceConfig(path=str(path), prompt_field="problem", answer_field="solution", chat_template=False)

@@ -9,17 +9,35 @@ from dora_jax.trainer.batching import bucket_length, make_train_batch
 
 def traj(tid, prompt, response, version, reason=FinishReason.EOS):
     return Trajectory(
-        traj_id=tid, group_id=tid[0], prompt_id=tid[0], prompt_ids=tuple(prompt), response_ids=tuple(response),
-        logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))), version=version,
-        versions_seen=(version,), finish_reason=reason,
+        traj_id=tid,
+        group_id=tid[0],
+        prompt_id=tid[0],
+        prompt_ids=tuple(prompt),
+        response_ids=tuple(response),
+        logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))),
+        version=version,
+        versions_seen=(version,),
+        finish_reason=reason,
     )
 
 
 GROUPS = [
-    Group("a", 3, (ScoredTrajectory(traj("a0", [5, 6, 7], [8, 9], 3), 1.0),
-                   ScoredTrajectory(traj("a1", [5, 6, 7], [10], 3), 0.0, reward_error="timeout"))),
-    Group("b", 1, (ScoredTrajectory(traj("b0", [4], [11, 12, 13, 14], 1), 0.5),
-                   ScoredTrajectory(traj("b1", [4], [], 1, FinishReason.REJECTED), 0.0))),
+    Group(
+        "a",
+        3,
+        (
+            ScoredTrajectory(traj("a0", [5, 6, 7], [8, 9], 3), 1.0),
+            ScoredTrajectory(traj("a1", [5, 6, 7], [10], 3), 0.0, reward_error="timeout"),
+        ),
+    ),
+    Group(
+        "b",
+        1,
+        (
+            ScoredTrajectory(traj("b0", [4], [11, 12, 13, 14], 1), 0.5),
+            ScoredTrajectory(traj("b1", [4], [], 1, FinishReason.REJECTED), 0.0),
+        ),
+    ),
 ]
 
 

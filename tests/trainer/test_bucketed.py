@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax.parallel import sharding
 from dora_jax.core.records import TrainBatch
+from dora_jax.parallel import sharding
 from dora_jax.store import InProcessTier, ParamStore
 from dora_jax.trainer import Trainer
 from dora_jax.trainer.batching import bucket_length
@@ -33,9 +33,14 @@ def long_tailed_batch(seed: int, versions) -> TrainBatch:
     valid[6] = 0.0
     inference = np.where(loss_mask > 0, -np.log(CFG.vocab_size) + rng.normal(0, 0.1, (B, T)), 0.0)
     return TrainBatch(
-        tokens_BT=tokens, loss_mask_BT=loss_mask, inference_logps_BT=inference.astype(np.float32),
-        rewards_B=rewards, valid_B=valid, versions_B=np.broadcast_to(np.asarray(versions), (B,)).copy(),
-        group_ids_B=np.arange(B, dtype=np.int32) // G, traj_ids=tuple(f"t{i}" for i in range(B)),
+        tokens_BT=tokens,
+        loss_mask_BT=loss_mask,
+        inference_logps_BT=inference.astype(np.float32),
+        rewards_B=rewards,
+        valid_B=valid,
+        versions_B=np.broadcast_to(np.asarray(versions), (B,)).copy(),
+        group_ids_B=np.arange(B, dtype=np.int32) // G,
+        traj_ids=tuple(f"t{i}" for i in range(B)),
     )
 
 
@@ -71,7 +76,10 @@ def test_token_budget_gives_long_rows_small_micro_batches_and_short_rows_large_o
         assert m.size == 2 or m.size * m.length <= 1024
         assert m.size % 2 == 0
     assert [(m.length, m.size) for m in plan[0]] == [(344, 2), (64, 16)]
-    assert [lengths[m.rows].tolist() for m in plan[0]] == [[300, 150], [60, 40, 14, 13, 12, 11, 10, 10, 9, 9, 8, 7, 6, 5]]
+    assert [lengths[m.rows].tolist() for m in plan[0]] == [
+        [300, 150],
+        [60, 40, 14, 13, 12, 11, 10, 10, 9, 9, 8, 7, 6, 5],
+    ]
 
 
 @pytest.mark.slow
@@ -86,8 +94,9 @@ def test_bucketed_steps_equal_fixed_shape_steps(model, loss_norm):  # noqa: F811
     for name, bucket, budget, rows in (("fixed", 0, 0, 4), ("bucketed", 8, 0, 4), ("budget", 8, 128, 8)):
         store = ParamStore(InProcessTier())
         replace = dict(length_bucket=bucket, micro_batch_tokens=budget, micro_batch_size=rows)
-        trainers[name] = Trainer(graphdef, params, axes, mesh, dataclasses.replace(config, **replace), store,
-                                 compiler_options=FAST_COMPILE)
+        trainers[name] = Trainer(
+            graphdef, params, axes, mesh, dataclasses.replace(config, **replace), store, compiler_options=FAST_COMPILE
+        )
         trainers[name].publish()
     assert trainers["bucketed"].warmup(T, B) == [8, 16, 32, 64] and trainers["fixed"].warmup(T, B) == []
     assert trainers["budget"].warmup(T, B, pad_to=T) == [8, 16, 32, 64]
@@ -104,10 +113,21 @@ def test_bucketed_steps_equal_fixed_shape_steps(model, loss_norm):  # noqa: F811
     for name in ("bucketed", "budget"):
         for fixed, bucketed in zip(metrics["fixed"], metrics[name]):
             assert fixed.dropped_groups == bucketed.dropped_groups >= 1 and fixed.loss_tokens == bucketed.loss_tokens
-            for field in ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "tis_mean", "tis_max", "entropy",
-                          "kl", "clip_frac_high"):
-                np.testing.assert_allclose(getattr(bucketed, field), getattr(fixed, field), rtol=1e-4, atol=1e-6,
-                                           err_msg=f"{name}: {field}")
+            for field in (
+                "loss",
+                "grad_norm",
+                "ratio_mean",
+                "ratio_min",
+                "ratio_max",
+                "tis_mean",
+                "tis_max",
+                "entropy",
+                "kl",
+                "clip_frac_high",
+            ):
+                np.testing.assert_allclose(
+                    getattr(bucketed, field), getattr(fixed, field), rtol=1e-4, atol=1e-6, err_msg=f"{name}: {field}"
+                )
         for a, b in zip(jax.tree.leaves(host(trainers[name].params)), jax.tree.leaves(host(trainers["fixed"].params))):
             # as in test_trainer: Adam's sqrt(v) turns fp32 summation-order noise into <= 2% of lr
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * config.lr, err_msg=name)

@@ -81,8 +81,14 @@ def run(inputs, cfg):
 
     def loss_fn(logp_BT):
         return policy_loss(
-            logp_BT, jnp.asarray(beh, jnp.float32), jnp.asarray(inf, jnp.float32), jnp.asarray(adv, jnp.float32),
-            mask, weights, cfg, ref_logps_BT=jnp.asarray(ref, jnp.float32),
+            logp_BT,
+            jnp.asarray(beh, jnp.float32),
+            jnp.asarray(inf, jnp.float32),
+            jnp.asarray(adv, jnp.float32),
+            mask,
+            weights,
+            cfg,
+            ref_logps_BT=jnp.asarray(ref, jnp.float32),
         )
 
     (loss, stats), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp, jnp.float32))
@@ -102,7 +108,11 @@ def test_loss_matches_reference(inputs, cfg):
     want, counts = reference_loss(logp, beh, inf, adv, loss_mask, valid, cfg, ref)
     loss, stats, grad = run(inputs, cfg)
     np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
-    assert (int(stats.clip_low), int(stats.clip_high), int(stats.clip_dual)) == (counts["low"], counts["high"], counts["dual"])
+    assert (int(stats.clip_low), int(stats.clip_high), int(stats.clip_dual)) == (
+        counts["low"],
+        counts["high"],
+        counts["dual"],
+    )
     assert counts["low"] > 0 and counts["high"] > 0 and (counts["dual"] > 0) == (cfg.dual_clip is not None)
     assert int(stats.tokens) == int((loss_mask * valid[:, None]).sum())
     assert np.isfinite(grad).all()

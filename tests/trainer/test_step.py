@@ -12,7 +12,9 @@ from dora_jax.models import ModelConfig, init_model, split
 from dora_jax.trainer.loss import LossConfig
 from dora_jax.trainer.step import StepInputs, init_state, train_step
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16
+)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 B, T = 8, 16
 
@@ -25,8 +27,10 @@ def test_micro_batches_add_up_to_the_mini_batch():
     lengths = rng.integers(6, T + 1, B)
     mask = (np.arange(T)[None] >= 3) & (np.arange(T)[None] < lengths[:, None])
     flat = dict(
-        tokens=rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32), mask=mask.astype(np.float32),
-        inference=np.full((B, T), -4.0, np.float32), behaviour=rng.normal(-4.2, 0.2, (B, T)).astype(np.float32),
+        tokens=rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+        mask=mask.astype(np.float32),
+        inference=np.full((B, T), -4.0, np.float32),
+        behaviour=rng.normal(-4.2, 0.2, (B, T)).astype(np.float32),
     )
     rewards_B = jnp.asarray(rng.permutation(np.arange(B) % 2), jnp.float32)
     valid_B = jnp.ones(B).at[3].set(0.0)
@@ -34,11 +38,17 @@ def test_micro_batches_add_up_to_the_mini_batch():
     for M in (1, 4):  # one micro-batch of 8 rows, or four of 2
         inputs = StepInputs(
             *[jnp.asarray(flat[k].reshape(1, M, B // M, T)) for k in ("tokens", "mask", "inference", "behaviour")],
-            rewards_B=rewards_B, valid_B=valid_B, group_ids_B=jnp.arange(B) // 4,
+            rewards_B=rewards_B,
+            valid_B=valid_B,
+            group_ids_B=jnp.arange(B) // 4,
         )
         step = jax.jit(
             functools.partial(
-                train_step, graphdef=graphdef, tx=tx, estimator="grpo", dynamic_sampling=False,
+                train_step,
+                graphdef=graphdef,
+                tx=tx,
+                estimator="grpo",
+                dynamic_sampling=False,
                 loss_config=LossConfig(loss_norm="seq_mean_token_mean", tis_cap=1.2),
             ),
             compiler_options=FAST_COMPILE,

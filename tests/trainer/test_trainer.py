@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dora_jax.parallel import sharding
-from dora_jax.models import ModelConfig, init_model, logical_axes, split
 from dora_jax.core.records import TrainBatch
+from dora_jax.models import ModelConfig, init_model, logical_axes, split
+from dora_jax.parallel import sharding
 from dora_jax.store import InProcessTier, ParamStore
 from dora_jax.trainer import Trainer, TrainerConfig
 from dora_jax.trainer.step import sequence_logps
@@ -17,12 +17,23 @@ from dora_jax.trainer.step import sequence_logps
 # Tests compile at XLA's lowest backend optimisation level: 3x faster compiles, same numbers to
 # fp32 tolerance (the trainer's default is XLA's default).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 B, T, G = 16, 32, 4
 # Every optional feature on, so the sharded == single-device check covers them all.
 CONFIG = TrainerConfig(
-    lr=3e-3, schedule="cosine", warmup_steps=0, decay_steps=100, clip_grad_norm=1.0, tis_cap=2.0, kl_coef=0.01,
-    loss_norm="seq_mean_token_mean", dynamic_sampling=True, num_updates=2, micro_batch_size=4,
+    lr=3e-3,
+    schedule="cosine",
+    warmup_steps=0,
+    decay_steps=100,
+    clip_grad_norm=1.0,
+    tis_cap=2.0,
+    kl_coef=0.01,
+    loss_norm="seq_mean_token_mean",
+    dynamic_sampling=True,
+    num_updates=2,
+    micro_batch_size=4,
     max_nonfinite_in_a_row=3,
 )
 
@@ -41,9 +52,14 @@ def make_batch(seed: int, versions) -> TrainBatch:
     valid[5] = 0.0
     inference = np.where(loss_mask > 0, -np.log(CFG.vocab_size) + rng.normal(0, 0.1, (B, T)), 0.0)
     return TrainBatch(
-        tokens_BT=tokens, loss_mask_BT=loss_mask, inference_logps_BT=inference.astype(np.float32),
-        rewards_B=rewards, valid_B=valid, versions_B=np.broadcast_to(np.asarray(versions), (B,)).copy(),
-        group_ids_B=np.arange(B, dtype=np.int32) // G, traj_ids=tuple(f"t{i}" for i in range(B)),
+        tokens_BT=tokens,
+        loss_mask_BT=loss_mask,
+        inference_logps_BT=inference.astype(np.float32),
+        rewards_B=rewards,
+        valid_B=valid,
+        versions_B=np.broadcast_to(np.asarray(versions), (B,)).copy(),
+        group_ids_B=np.arange(B, dtype=np.int32) // G,
+        traj_ids=tuple(f"t{i}" for i in range(B)),
     )
 
 
@@ -71,8 +87,16 @@ def first_step(model):
     sharded.publish()
     batch = make_batch(0, 0)
     metrics8, metrics1 = sharded.train_step(batch), single.train_step(batch)
-    return dict(sharded=sharded, single=single, store=store, params8=host(sharded.params),
-                params1=host(single.params), metrics8=metrics8, metrics1=metrics1, params0=host(params))
+    return dict(
+        sharded=sharded,
+        single=single,
+        store=store,
+        params8=host(sharded.params),
+        params1=host(single.params),
+        metrics8=metrics8,
+        metrics1=metrics1,
+        params0=host(params),
+    )
 
 
 def test_sharded_step_equals_single_device(first_step):
@@ -85,8 +109,11 @@ def test_sharded_step_equals_single_device(first_step):
         np.testing.assert_allclose(getattr(m8, field), getattr(m1, field), rtol=1e-4, atol=1e-6, err_msg=field)
     assert m8.ratio_max > 1.0  # the second update saw the first one's change
     moved = 0.0
-    for a, b, p0 in zip(jax.tree.leaves(first_step["params8"]), jax.tree.leaves(first_step["params1"]),
-                        jax.tree.leaves(first_step["params0"])):
+    for a, b, p0 in zip(
+        jax.tree.leaves(first_step["params8"]),
+        jax.tree.leaves(first_step["params1"]),
+        jax.tree.leaves(first_step["params0"]),
+    ):
         # Adam divides by sqrt(v): in a coordinate whose gradient is near zero, fp32
         # reduction-order noise moves the update by up to ~1% of the step size (lr = 3e-3); a
         # sharding bug moves whole tensors by O(lr), so bound the max by 2% of lr and the mean tightly.
@@ -99,7 +126,7 @@ def test_sharded_step_equals_single_device(first_step):
 @pytest.fixture(scope="module")
 def later_steps(first_step):
     """Two more steps on the sharded trainer with batches mixing versions; each version published."""
-    trainer, store = first_step["sharded"], first_step["store"]
+    trainer = first_step["sharded"]
     trainer.publish()
     m2 = trainer.train_step(make_batch(1, np.arange(B) % 2))  # versions 0 and 1
     trainer.publish()
@@ -171,7 +198,9 @@ def test_nonfinite_updates_are_skipped_then_raise(first_step):
 def test_bad_batches_are_refused(first_step):
     trainer = first_step["single"]
     short = dataclasses.replace(make_batch(0, trainer.version), tokens_BT=np.zeros((12, T), np.int32))
-    with pytest.raises(ValueError, match=r"batch of 12 samples does not split into trainer.num_updates=2 x trainer.micro_batch_size=4"):
+    with pytest.raises(
+        ValueError, match=r"batch of 12 samples does not split into trainer.num_updates=2 x trainer.micro_batch_size=4"
+    ):
         trainer.train_step(short)
     with pytest.raises(ValueError, match=r"newer than the trainer's version"):
         trainer.train_step(make_batch(0, trainer.version + 1))

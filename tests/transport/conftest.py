@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from dora_jax.parallel import sharding
 from dora_jax.models import init_model, split
+from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import RolloutEngine
 from tests.rollout.conftest import ENGINE, TINY
 

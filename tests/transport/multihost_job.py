@@ -58,9 +58,17 @@ def drive(worker, fetch) -> dict:
 
     worker.load_version(0, fetch(0))
     for i in range(6):
-        worker.submit(Request(traj_id=f"t{i}", group_id=f"g{i // 2}", prompt_id=f"p{i}",
-                              prompt_ids=tuple(range(3, 8 + i)), version=0, max_new_tokens=10 + 3 * i,
-                              sampling=SamplingParams(temperature=1.0, seed=100 + i)))
+        worker.submit(
+            Request(
+                traj_id=f"t{i}",
+                group_id=f"g{i // 2}",
+                prompt_id=f"p{i}",
+                prompt_ids=tuple(range(3, 8 + i)),
+                version=0,
+                max_new_tokens=10 + 3 * i,
+                sampling=SamplingParams(temperature=1.0, seed=100 + i),
+            )
+        )
     done = {}
 
     def step():
@@ -106,16 +114,22 @@ def trainer_step(devices, name: str):
     (trainer, metrics)."""
     import dataclasses
 
-    from dora_jax.parallel import sharding
     from dora_jax.models import init_model, logical_axes, split
+    from dora_jax.parallel import sharding
     from dora_jax.trainer import Trainer
     from tests.trainer.test_trainer import CFG, CONFIG, FAST_COMPILE, make_batch
 
     model = init_model(dataclasses.replace(CFG, num_layers=1), seed=0)
     graphdef, params = split(model)
     config = dataclasses.replace(CONFIG, **TRAINERS[name])
-    trainer = Trainer(graphdef, params, logical_axes(model), sharding.make_mesh(devices, TRAINER_MESH), config,
-                      compiler_options=FAST_COMPILE)
+    trainer = Trainer(
+        graphdef,
+        params,
+        logical_axes(model),
+        sharding.make_mesh(devices, TRAINER_MESH),
+        config,
+        compiler_options=FAST_COMPILE,
+    )
     metrics = trainer.train_step(make_batch(0, 0))
     return trainer, metrics
 
@@ -131,8 +145,9 @@ def main(mode: str, process_id: int, port: int, workdir: str) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=N_PROCESSES,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=N_PROCESSES, process_id=process_id
+    )
     jax.config.update("jax_disable_most_optimizations", True)  # as fast_compiles(), for the whole job
     if mode != "slices":
         raise SystemExit(f"unknown mode {mode!r}")
@@ -196,8 +211,13 @@ def _trainer(workdir: str) -> None:
         trainer, metrics = trainer_step(jax.devices(), name)
         leaves = multihost_utils.process_allgather(jax.tree.leaves(trainer.params), tiled=True)
         if jax.process_index() == 0:
-            np.savez(os.path.join(workdir, f"trainer_{name}.npz"), *[np.asarray(x) for x in leaves],
-                     loss=metrics.loss, grad_norm=metrics.grad_norm, traces=step_traces(trainer))
+            np.savez(
+                os.path.join(workdir, f"trainer_{name}.npz"),
+                *[np.asarray(x) for x in leaves],
+                loss=metrics.loss,
+                grad_norm=metrics.grad_norm,
+                traces=step_traces(trainer),
+            )
 
 
 if __name__ == "__main__":

@@ -22,25 +22,42 @@ pytestmark = pytest.mark.slow  # every test here starts a multi-process job (lau
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 STEPS, TBS = 6, 16
 TINY = [
-    "--config=configs/smoke.py", f"--config.num_steps={STEPS}", "--config.init.sft_steps=0",
-    "--config.model.hidden_size=64", "--config.model.intermediate_size=128", "--config.model.head_dim=16",
-    "--config.rollout.num_slices=2", "--config.rollout.slots=2", "--config.rollout.cache_length=128",
-    "--config.rollout.max_prefill_length=64", "--config.rollout.max_new_tokens=48",
-    "--config.rollout.temperature=1.5", "--config.task.k_max=20",
-    f"--config.coordinator.train_batch_size={TBS}", f"--config.coordinator.rollout_batch_size={2 * TBS}",
-    f"--config.trainer.micro_batch_size={TBS}", "--config.trainer.pad_to=128", "--config.log.tensorboard=False",
+    "--config=configs/smoke.py",
+    f"--config.num_steps={STEPS}",
+    "--config.init.sft_steps=0",
+    "--config.model.hidden_size=64",
+    "--config.model.intermediate_size=128",
+    "--config.model.head_dim=16",
+    "--config.rollout.num_slices=2",
+    "--config.rollout.slots=2",
+    "--config.rollout.cache_length=128",
+    "--config.rollout.max_prefill_length=64",
+    "--config.rollout.max_new_tokens=48",
+    "--config.rollout.temperature=1.5",
+    "--config.task.k_max=20",
+    f"--config.coordinator.train_batch_size={TBS}",
+    f"--config.coordinator.rollout_batch_size={2 * TBS}",
+    f"--config.trainer.micro_batch_size={TBS}",
+    "--config.trainer.pad_to=128",
+    "--config.log.tensorboard=False",
 ]
 
 
 def _launch(workdir, *extra, timeout=600):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "dora_jax.launch_local", *TINY, f"--workdir={workdir}", *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dora_jax.launch_local", *TINY, f"--workdir={workdir}", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _summary(proc) -> dict:
     out = proc.stdout
-    return json.loads(out[out.index("{"):])
+    return json.loads(out[out.index("{") :])
 
 
 def _left_running(workdir) -> list[str]:
@@ -94,9 +111,14 @@ def test_a_killed_rollout_process_is_survived(tmp_path):
 def test_ctrl_c_tears_every_process_down(tmp_path):
     workdir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    launcher = subprocess.Popen([sys.executable, "-m", "dora_jax.launch_local", *TINY, "--config.num_steps=1000",
-                                 f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dora_jax.launch_local", *TINY, "--config.num_steps=1000", f"--workdir={workdir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     ledger = workdir / "ledger.jsonl"
     while not (ledger.exists() and '"ev":"finish"' in ledger.read_text()):

@@ -46,9 +46,16 @@ class _Job:
         self._procs = []
         for i, (out, err) in enumerate(self._logs):
             with open(out, "w") as stdout, open(err, "w") as stderr:
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.transport.multihost_job", mode, str(i), str(port), str(workdir)],
-                    cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True))
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.transport.multihost_job", mode, str(i), str(port), str(workdir)],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=stdout,
+                        stderr=stderr,
+                        text=True,
+                    )
+                )
         self._results = None
 
     def wait(self, timeout: float = 300) -> list[subprocess.CompletedProcess]:
@@ -58,8 +65,10 @@ class _Job:
                     proc.wait(timeout=timeout)
             finally:
                 self.kill()
-            self._results = [subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
-                             for p, (out, err) in zip(self._procs, self._logs)]
+            self._results = [
+                subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
+                for p, (out, err) in zip(self._procs, self._logs)
+            ]
         return self._results
 
     def wait_for(self, *names: str, timeout: float = 300):
@@ -129,8 +138,11 @@ def one_host_trainers(two_hosts):
     with multihost_job.fast_compiles():
         for name in multihost_job.TRAINERS:
             trainer, metrics = multihost_job.trainer_step(jax.devices()[:4], name)
-            references[name] = (jax.tree.leaves(jax.device_get(trainer.params)), metrics,
-                                multihost_job.step_traces(trainer))
+            references[name] = (
+                jax.tree.leaves(jax.device_get(trainer.params)),
+                metrics,
+                multihost_job.step_traces(trainer),
+            )
     return references
 
 
@@ -169,20 +181,48 @@ def test_hosts_of_one_slice_that_disagree_fail_naming_the_difference(two_hosts):
 
 def test_a_host_id_out_of_range_is_refused_before_any_work(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "dora_jax.rollout_worker", "--config=configs/smoke.py",
-                           f"--workdir={tmp_path}", "--slice_id=0", "--num_hosts=2", "--host_id=2",
-                           "--jax_coordinator=127.0.0.1:1"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dora_jax.rollout_worker",
+            "--config=configs/smoke.py",
+            f"--workdir={tmp_path}",
+            "--slice_id=0",
+            "--num_hosts=2",
+            "--host_id=2",
+            "--jax_coordinator=127.0.0.1:1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "--host_id=2 is out of range for --num_hosts=2; expected 0..1" in proc.stderr
 
 
 def test_launch_local_refuses_hosts_that_do_not_split_the_mesh(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, "-m", "dora_jax.launch_local", "--config=configs/smoke.py",
-                           f"--workdir={tmp_path}", "--hosts_per_slice=2"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dora_jax.launch_local",
+            "--config=configs/smoke.py",
+            f"--workdir={tmp_path}",
+            "--hosts_per_slice=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and not (tmp_path / "logs").exists()
-    assert ("--hosts_per_slice=2: mesh.rollout={'tensor': 1} has 1 devices, which do not split over 2 processes"
-            in proc.stderr), proc.stderr[-2000:]
+    assert (
+        "--hosts_per_slice=2: mesh.rollout={'tensor': 1} has 1 devices, which do not split over 2 processes"
+        in proc.stderr
+    ), proc.stderr[-2000:]
     assert "--config.mesh.rollout.tensor=2" in proc.stderr

@@ -25,8 +25,12 @@ from tests.rollout.conftest import run_to_end
 from tests.transport.conftest import Sink
 
 HASH = "c0ffee" * 10
-SAMPLINGS = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12),
-             SamplingParams(temperature=0.8, top_k=10, seed=13), SamplingParams(temperature=0.0)]
+SAMPLINGS = [
+    SamplingParams(temperature=1.0, seed=11),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=12),
+    SamplingParams(temperature=0.8, top_k=10, seed=13),
+    SamplingParams(temperature=0.0),
+]
 
 
 def _requests():
@@ -42,8 +46,11 @@ def _until(predicate, timeout=60.0, what="condition"):
 
 
 def _serve(num_slices=2, **timing):
-    service = CoordinatorService(Identity(HASH, dora_jax.__version__, num_slices, 4),
-                                 Timing(heartbeat_period_s=0.05, **timing), log=lambda m: None)
+    service = CoordinatorService(
+        Identity(HASH, dora_jax.__version__, num_slices, 4),
+        Timing(heartbeat_period_s=0.05, **timing),
+        log=lambda m: None,
+    )
     server, port = make_server(service, 0, host="127.0.0.1")
     return service, server, f"127.0.0.1:{port}"
 
@@ -76,8 +83,9 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
     agents, threads, outcomes = [], [], {}
     for sid, engine in enumerate(two_engines):
         worker = _slowed(RolloutWorker(engine, slice_id=sid, eos_ids=()), 0.02 if sid == 0 else 0.0)
-        agent = RolloutAgent(Client(address), worker, fetch_from_store(reader, engine.param_shardings), HASH,
-                             log=lambda m: None)
+        agent = RolloutAgent(
+            Client(address), worker, fetch_from_store(reader, engine.param_shardings), HASH, log=lambda m: None
+        )
         agent.register()
         agents.append(agent)
         threads.append(threading.Thread(target=lambda a=agent, s=sid: outcomes.setdefault(s, a.run()), daemon=True))
@@ -91,8 +99,11 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
         _until(lambda: service.worker_counters().get("generated_tokens", 0) >= 12, what="tokens on slice 0")
         progress = source.progress()  # what a checkpoint keeps; the slice goes on untouched
         assert sorted(progress) == [r.traj_id for r in _requests()]
-        assert all(len(r.prefix_response_ids) == len(r.prefix_logprobs) == len(r.prefix_versions) >= 1
-                   and set(r.prefix_versions) == {0} for r in progress.values())
+        assert all(
+            len(r.prefix_response_ids) == len(r.prefix_logprobs) == len(r.prefix_versions) >= 1
+            and set(r.prefix_versions) == {0}
+            for r in progress.values()
+        )
         items = source.export([r.traj_id for r in _requests()])
         assert len(items) == 4 and all(isinstance(i, SlotState) for i in items), items
         assert all(1 <= len(i.response_ids) < 40 for i in items)  # mid-generation

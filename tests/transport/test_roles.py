@@ -18,15 +18,33 @@ from dora_jax.transport.service import CoordinatorService, Identity, make_server
 pytestmark = pytest.mark.slow  # every test here starts a rollout_worker process
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-CONFIG = ["--config=configs/smoke.py", "--config.init.sft_steps=0", "--config.rollout.num_slices=2",
-          "--config.rollout.slots=4"]
+CONFIG = [
+    "--config=configs/smoke.py",
+    "--config.init.sft_steps=0",
+    "--config.rollout.num_slices=2",
+    "--config.rollout.slots=4",
+]
 
 
 def _rollout_worker(tmp_path, address, *extra, timeout=300):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "dora_jax.rollout_worker", *CONFIG, f"--workdir={tmp_path}",
-                           f"--coordinator={address}", "--slice_id=1", *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dora_jax.rollout_worker",
+            *CONFIG,
+            f"--workdir={tmp_path}",
+            f"--coordinator={address}",
+            "--slice_id=1",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_worker_with_another_config_is_refused(tmp_path):
