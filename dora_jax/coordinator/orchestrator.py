@@ -16,6 +16,7 @@ returns what to do; the coordinator carries it out through the ports. One cycle:
 from __future__ import annotations
 
 import collections
+import heapq
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -129,13 +130,17 @@ def _empty_slice(sid, trajs, keepers, slots, origin) -> list[Migration] | None:
 
 
 def _place(new_trajs, targets, trajs, slots) -> list[tuple[str, int]]:
+    """Each request to the target slice with the most free slots (lowest id on a tie)."""
     placements = []
     if not targets:
         return placements
+    free = [(len(trajs[k]) - slots[k], k) for k in targets]  # a min-heap of (-free, id)
+    heapq.heapify(free)
     for traj in new_trajs:
-        dst = max(targets, key=lambda k: (slots[k] - len(trajs[k]), -k))
+        used, dst = free[0]
         trajs[dst].append(traj)
         placements.append((traj, dst))
+        heapq.heapreplace(free, (used + 1, dst))
     return placements
 
 

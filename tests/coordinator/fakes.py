@@ -179,16 +179,11 @@ def longtail(seed, median=6, cap=80):
     return length_of
 
 
-def make_coordinator(
-    mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0, on_slice_dropped=None
-):
-    """A coordinator over `slices` DyingWorkers with long-tailed lengths; returns (coord, workers)."""
-    from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
+def config(mode, *, k_max=2, tbs=8, rbs=16, g=4):
+    """The scripted tests' coordinator settings: no periodic rebalance, responses up to 200 tokens."""
+    from dora_jax.coordinator.coordinator import CoordinatorConfig
 
-    ref = [None]
-    length_of = longtail(seed)
-    workers = {i: DyingWorker(i, slots, ref, length_of) for i in range(slices)}
-    cfg = CoordinatorConfig(
+    return CoordinatorConfig(
         mode=mode,
         k_max=k_max,
         train_batch_size=tbs,
@@ -197,6 +192,18 @@ def make_coordinator(
         max_new_tokens=200,
         rebalance_period_s=1e9,
     )
+
+
+def make_coordinator(
+    mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0, on_slice_dropped=None
+):
+    """A coordinator over `slices` DyingWorkers with long-tailed lengths; returns (coord, workers)."""
+    from dora_jax.coordinator.coordinator import Coordinator
+
+    ref = [None]
+    length_of = longtail(seed)
+    workers = {i: DyingWorker(i, slots, ref, length_of) for i in range(slices)}
+    cfg = config(mode, k_max=k_max, tbs=tbs, rbs=rbs, g=g)
     counter = iter(range(10**9))
     coord = Coordinator(
         cfg,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger
-from tests.coordinator.fakes import FakeWorker, InstantScorer, longtail, prompts
+from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts
 
 
 def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, fail_every=0, observe=None):
@@ -17,15 +17,7 @@ def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0
     ref = [None]
     length_of = longtail(seed)
     workers = {i: FakeWorker(i, slots, ref, length_of) for i in range(slices)}
-    cfg = CoordinatorConfig(
-        mode=mode,
-        k_max=k_max,
-        train_batch_size=tbs,
-        rollout_batch_size=rbs,
-        group_size=g,
-        max_new_tokens=200,
-        rebalance_period_s=1e9,
-    )
+    cfg = config(mode, k_max=k_max, tbs=tbs, rbs=rbs, g=g)
     ledger = Ledger(None)
     coord = Coordinator(cfg, workers, prompts(), InstantScorer(fail_every), ledger)
     ref[0] = coord
