@@ -3,7 +3,7 @@
 The command lives in dora_jax/cli/serve_coordinator.py.
 """
 
-from dora_jax.cli.serve_coordinator import run
+from dora_jax.cli.serve_coordinator import __doc__, run  # noqa: F401  (--help prints __main__'s docstring: the command's)
 
 if __name__ == "__main__":
     run()

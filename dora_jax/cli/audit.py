@@ -22,10 +22,14 @@ def audit_workdir(workdir: str):
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m dora_jax.audit WORKDIR", file=sys.stderr)
+    if len(argv) != 2 or argv[1] in ("-h", "--help"):
+        print(f"usage: python -m dora_jax.audit WORKDIR|LEDGER.jsonl\n\n{__doc__}", file=sys.stderr)
         return 2
-    report = audit_workdir(argv[1])
+    try:
+        report = audit_workdir(argv[1])
+    except FileNotFoundError as err:
+        print(f"dora_jax.audit: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(report.summary(), indent=1))
     violations = report.violations()
     print(

@@ -90,6 +90,9 @@ def test_torn_last_line_and_cli(tmp_path):
         f.write("\n" + json.dumps({"ev": "consume", "traj": "z", "step": 0, "trainer_version": 0, "t": 0}) + "\n")
     out = subprocess.run([sys.executable, "-m", "dora_jax.audit", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 1 and "audit FAILED" in out.stdout
+    missing = tmp_path / "nowhere"
+    out = subprocess.run([sys.executable, "-m", "dora_jax.audit", str(missing)], capture_output=True, text=True)
+    assert out.returncode == 2 and f"{missing}: no ledger" in out.stderr and "Traceback" not in out.stderr
 
 
 # ---- one hand-made bad ledger per check the auditor gained; each must fire, and only it.
