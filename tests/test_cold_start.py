@@ -13,7 +13,7 @@ from dora_jax.runtime import run_config
 from dora_jax.runtime.build import fresh_model_config, make_tokenizer
 from dora_jax.runtime.cold_start import cold_start
 from dora_jax.tasks import running_sums
-from tests.test_train_smoke import tiny_config
+from tests.helpers import tiny_config
 
 
 def _config(max_term: int, sft_steps: int):

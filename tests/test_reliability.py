@@ -10,7 +10,7 @@ from dora_jax.cli import chaos
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.runtime import faults, run_config, runner
 from dora_jax.runtime.checkpoint import RunCheckpointer, abstract_like
-from tests.test_train_smoke import CONFIG, tiny_config
+from tests.helpers import CONFIG, tiny_config
 
 STEPS, TBS = 6, 8
 OVERRIDES = [

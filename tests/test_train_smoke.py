@@ -14,36 +14,7 @@ import pytest
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.runtime import run_config, runner
-
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "smoke.py")
-
-
-def tiny_config(mode: str, steps: int = 4):
-    import importlib.util
-
-    from ml_collections import config_flags  # noqa: F401  (configs are plain modules)
-
-    spec = importlib.util.spec_from_file_location("smoke", CONFIG)
-    smoke = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(smoke)
-    c = smoke.get_config()
-    with c.unlocked():
-        c.mode = mode
-        c.num_steps = steps
-        c.init.sft_steps = 0
-        c.model.hidden_size, c.model.intermediate_size, c.model.head_dim = 64, 128, 16
-        c.rollout.num_slices = 3
-        c.rollout.slots = 4
-        c.rollout.cache_length = 128
-        c.rollout.max_prefill_length = 64
-        c.rollout.max_new_tokens = 40
-        c.task.k_max = 20
-        c.coordinator.train_batch_size = 8
-        c.coordinator.rollout_batch_size = 16
-        c.coordinator.group_size = 4
-        c.trainer.micro_batch_size = 8
-        c.log.tensorboard = True
-    return c
+from tests.helpers import CONFIG, tiny_config
 
 
 @pytest.mark.slow

@@ -1,0 +1,33 @@
+"""Helpers shared by the end-to-end tests: the smoke config, shrunk to a tiny model and a few steps."""
+
+import os
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "smoke.py")
+
+
+def tiny_config(mode: str, steps: int = 4):
+    import importlib.util
+
+    from ml_collections import config_flags  # noqa: F401  (configs are plain modules)
+
+    spec = importlib.util.spec_from_file_location("smoke", CONFIG)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    c = smoke.get_config()
+    with c.unlocked():
+        c.mode = mode
+        c.num_steps = steps
+        c.init.sft_steps = 0
+        c.model.hidden_size, c.model.intermediate_size, c.model.head_dim = 64, 128, 16
+        c.rollout.num_slices = 3
+        c.rollout.slots = 4
+        c.rollout.cache_length = 128
+        c.rollout.max_prefill_length = 64
+        c.rollout.max_new_tokens = 40
+        c.task.k_max = 20
+        c.coordinator.train_batch_size = 8
+        c.coordinator.rollout_batch_size = 16
+        c.coordinator.group_size = 4
+        c.trainer.micro_batch_size = 8
+        c.log.tensorboard = True
+    return c
