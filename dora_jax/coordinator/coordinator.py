@@ -14,6 +14,7 @@ state, so what it planned under the lock still holds when the call returns.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -166,6 +167,9 @@ class Coordinator:
         self._cond = threading.Condition(threading.Lock())
         self._next_group = 0
         self._last_rebalance = 0.0
+        # Wall seconds of the latest switching passes (placement, orchestrator, migrations), port
+        # calls included: what one rebalance costs the control plane.
+        self.switching_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.closed = False
 
     # ------------------------------------------------------------------ events in
@@ -398,16 +402,20 @@ class Coordinator:
     # ------------------------------------------------------------------ switching policies
     def _apply_switching(self) -> None:
         self._last_rebalance = self._clock()
-        while True:
-            self._place_old_versions()
-            if self.policy.switch == Switch.ORCHESTRATE:
-                self._orchestrate()
-            else:
-                self._switch_idle()
-            if not self._failing:
-                return
-            for sid, reason in list(self._failing.items()):
-                self._drop_slice(sid, reason)
+        start = time.perf_counter()
+        try:
+            while True:
+                self._place_old_versions()
+                if self.policy.switch == Switch.ORCHESTRATE:
+                    self._orchestrate()
+                else:
+                    self._switch_idle()
+                if not self._failing:
+                    return
+                for sid, reason in list(self._failing.items()):
+                    self._drop_slice(sid, reason)
+        finally:
+            self.switching_s.append(time.perf_counter() - start)
 
     def _place_old_versions(self) -> None:
         """Backlog requests of an older version (re-dispatched off a failed slice, or resumed from a
@@ -465,7 +473,8 @@ class Coordinator:
 
     def _orchestrate(self) -> None:
         self._absorb()
-        if not self._views():
+        views = self._views()
+        if not views:
             return  # every live slice is draining for an old version
         backlog, old = {}, []  # old: waiting for a draining slice
         for r in self.backlog:
@@ -473,7 +482,7 @@ class Coordinator:
                 backlog[r.traj_id] = r
             else:
                 old.append(r)
-        plan = orchestrator.plan_rebalance(self._views(), self.latest, list(backlog), self.origin)
+        plan = orchestrator.plan_rebalance(views, self.latest, list(backlog), self.origin)
         self.stats.rebalances += 1
         self._migrate(plan.migrations)
         for sid, version in plan.switches:

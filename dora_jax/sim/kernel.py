@@ -22,7 +22,9 @@ import enum
 import heapq
 import math
 import os
+import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger
@@ -111,6 +113,29 @@ class Snapshot:
     migration_s: float
     prefill_tokens: float
     weight_loads: int
+    coordinator_s: float  # host CPU seconds inside the coordinator (simulated ports' own time excluded)
+
+
+class _MeteredPort:
+    """A simulated slice as the coordinator sees it: every call's wall time is added to `meter`,
+    so that the coordinator's own cost can be told apart from the simulator's."""
+
+    def __init__(self, port: SimSlice, meter: list[float]):
+        self._port, self._meter = port, meter
+
+    def __getattr__(self, name):
+        value = getattr(self._port, name)
+        if not callable(value):
+            return value
+
+        def metered(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self._meter[0] += time.perf_counter() - start
+
+        return metered
 
 
 class Sim:
@@ -153,9 +178,11 @@ class Sim:
             os.remove(ledger_path)  # the Ledger appends; a simulated run starts its own
         self.ledger = Ledger(ledger_path, clock=self.clock)
         prompts = Prompts(lengths if lengths is not None else LengthStream(workload))
+        self._port_s = [0.0]  # wall seconds inside simulated ports, called by the coordinator
+        self.coordinator_s = 0.0  # wall seconds inside the coordinator, its port calls excluded
         self.coordinator = Coordinator(
             config,
-            self.ports,
+            {sid: _MeteredPort(port, self._port_s) for sid, port in self.ports.items()},
             prompts.next_prompt,
             InstantReward(),
             self.ledger,
@@ -181,8 +208,18 @@ class Sim:
         self._last = 0.0
 
     # ------------------------------------------------------------------ the loop
+    @contextmanager
+    def _in_coordinator(self):
+        """Charges the block's wall time, less the simulated ports' share, to the coordinator."""
+        start, ports = time.perf_counter(), self._port_s[0]
+        try:
+            yield
+        finally:
+            self.coordinator_s += time.perf_counter() - start - (self._port_s[0] - ports)
+
     def run(self) -> None:
-        self.coordinator.start()
+        with self._in_coordinator():
+            self.coordinator.start()
         self._reschedule()
         self._snapshot()
         if self._timer_on:
@@ -216,20 +253,23 @@ class Sim:
                 else:
                     self._process()
             self._reschedule()
-        self.coordinator.process()  # the last publish reaches the ledger
+        with self._in_coordinator():
+            self.coordinator.process()  # the last publish reaches the ledger
         self.ledger.close()
 
     def _process(self) -> None:
         """One iteration of the coordinator's loop, then the trainer's attempt to take a batch."""
         self._posted = False
-        self.coordinator.process()
+        with self._in_coordinator():
+            self.coordinator.process()
         self._try_train()
 
     def _finished(self, port: SimSlice, now: float) -> bool:
         done = port.finish(now)
         if not done:
             return False
-        self.coordinator.post_finished(port.slice_id, done)
+        with self._in_coordinator():
+            self.coordinator.post_finished(port.slice_id, done)
         g = self.workload.samples_per_prompt
         for traj in done:
             count = self._unfinished_groups.get(traj.group_id, 0) + 1
@@ -244,11 +284,13 @@ class Sim:
     def _try_train(self) -> None:
         if self.trainer_busy or self.steps_done >= self.steps:
             return
-        batch = self.coordinator.try_take_batch(self.version)
+        with self._in_coordinator():
+            batch = self.coordinator.try_take_batch(self.version)
+            if batch is not None:
+                self.coordinator.process()  # the take's follow-up: supply, switching
         if batch is None:
             self.window_waits += self._ready >= self.workload.batch_samples
             return
-        self.coordinator.process()  # the take's follow-up: supply, switching
         samples = sum(len(group.samples) for group in batch)
         tokens = sum(group.num_tokens for group in batch)
         self._ready -= samples
@@ -265,8 +307,9 @@ class Sim:
         self.trainer_busy = False
         self.version += 1
         self.steps_done += 1
-        self.coordinator.post_published(self.version)
-        self.coordinator.process()
+        with self._in_coordinator():
+            self.coordinator.post_published(self.version)
+            self.coordinator.process()
         self._snapshot()
 
     # ------------------------------------------------------------------ slices' finish events
@@ -311,5 +354,6 @@ class Sim:
                 migration_s=sum(c.migration_s for c in costs),
                 prefill_tokens=sum(c.prefill_tokens for c in costs),
                 weight_loads=sum(c.weight_loads for c in costs),
+                coordinator_s=self.coordinator_s,
             )
         )

@@ -192,6 +192,9 @@ def run_sweep(sc: Scenario) -> dict:
                         "trainer_wait_s",
                         "max_staleness",
                         "audit_ok",
+                        "coordinator_s_per_step",
+                        "orchestration_overhead",
+                        "rebalance_ms_p99",
                     )
                 }
                 for m, v in setting["modes"].items()
@@ -224,6 +227,9 @@ def format_table(results: dict) -> str:
             ("trainer_wait_s", "trainer_wait_s", "{:.0f}", 1.0),
             ("max_staleness", "max_staleness", "{}", 1.0),
             ("audit_ok", "audit_ok", "{}", 1.0),
+            ("coordinator_s/step", "coordinator_s_per_step", "{:.2f}", 1.0),
+            ("orchestration_share", "orchestration_overhead", "{:.4f}", 1.0),
+            ("rebalance_ms_p99", "rebalance_ms_p99", "{:.1f}", 1.0),
         ):
             cells = []
             for m in modes:
@@ -241,12 +247,15 @@ def format_table(results: dict) -> str:
     if sweep:
         modes = list(next(iter(sweep.values()))["modes"])
         lines.append(f"\n== scaling ({results['scaling']['batch_scaling']} batch): step time s / bubble ==")
-        lines.append(f"{'GPUs':>6}" + "".join(f"{m:>22}" for m in modes) + f"{'dora_vs_sync':>14}")
+        overhead = "dora orchestration share / rebalance p99 ms"
+        lines.append(f"{'GPUs':>6}" + "".join(f"{m:>22}" for m in modes) + f"{'dora_vs_sync':>14}  {overhead}")
         for n, row in sweep.items():
             cells = "".join(
                 f"{row['modes'][m]['step_time_s']:>13.0f} / {row['modes'][m]['bubble_ratio']:.2f}" for m in modes
             )
-            lines.append(f"{n:>6}{cells}{row['ratios'].get('dora_vs_sync', ''):>14}")
+            dora = row["modes"].get(Mode.DORA.value, {})
+            cost = f"{dora.get('orchestration_overhead', 0):.4f} / {dora.get('rebalance_ms_p99', 0):.1f}"
+            lines.append(f"{n:>6}{cells}{row['ratios'].get('dora_vs_sync', ''):>14}  {cost:>{len(overhead)}}")
     return "\n".join(lines)
 
 

@@ -52,6 +52,12 @@ class ModeResult:
     interrupts: int  # partial rollout: requests re-prefilled on a new version (whole run)
     rebalances: int  # orchestrator cycles (whole run)
     max_versions_in_flight: int
+    # The coordinator's own host cost (wall seconds on this machine, simulated ports excluded),
+    # in the window: per step, and as a share of the simulated step time.
+    coordinator_s_per_step: float
+    orchestration_overhead: float
+    rebalance_ms_p99: float  # one switching pass (placement, orchestrator, migrations), whole run
+    rebalance_ms_max: float
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -184,4 +190,13 @@ def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: in
         interrupts=stats.interrupts,
         rebalances=stats.rebalances,
         max_versions_in_flight=stats.max_versions_in_flight,
+        coordinator_s_per_step=(last.coordinator_s - first.coordinator_s) / measured,
+        orchestration_overhead=(last.coordinator_s - first.coordinator_s) / window,
+        rebalance_ms_p99=_percentile_ms(sim.coordinator.switching_s, 0.99),
+        rebalance_ms_max=_percentile_ms(sim.coordinator.switching_s, 1.0),
     )
+
+
+def _percentile_ms(seconds, q: float) -> float:
+    values = sorted(seconds)
+    return 1e3 * values[min(len(values) - 1, int(q * len(values)))] if values else 0.0

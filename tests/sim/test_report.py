@@ -52,7 +52,7 @@ def test_paper_config_is_locked_and_valid():
         c.run.no_such_field = 1
     sc = from_config(c)
     assert sc.options.modes == tuple(Mode) and sc.options.k_max == 3
-    assert sc.settings == (64, 128) and sc.sweep_accelerators == (64, 256, 1024)
+    assert sc.settings == (64, 128) and sc.sweep_accelerators == (64, 512, 4096)
     dora = sc.placements.cluster(sc.costs, Mode.DORA, 64, sc.workload)
     assert dora.rollout_accelerators + dora.train_accelerators == 64
 

@@ -264,3 +264,31 @@ def test_regression_golden(mode):
         r.max_staleness,
     )
     assert got == REGRESSION[mode]
+
+
+def test_the_coordinators_own_cost_is_measured_apart_from_the_simulated_slices(monkeypatch):
+    """orchestration_overhead counts the coordinator's host seconds, not the simulator's: a
+    simulated slice made 5 ms slower per submit leaves it where it was."""
+    import time
+
+    from dora_jax.sim.rollout_slice import SimSlice
+
+    workload = long_tail_workload()
+    cluster = tiny_cluster(groups=4, slots=16, train_fixed_s=200.0)
+    plain = simulate(cluster, workload, Mode.DORA, 3, steps=4, warmup=1)
+    assert plain.coordinator_s_per_step > 0 and plain.rebalance_ms_p99 > 0
+    assert plain.orchestration_overhead == pytest.approx(plain.coordinator_s_per_step / plain.step_time_s)
+    submit = SimSlice.submit
+    calls = [0]
+
+    def slow_submit(self, requests):
+        calls[0] += 1
+        time.sleep(0.005)
+        return submit(self, requests)
+
+    monkeypatch.setattr(SimSlice, "submit", slow_submit)
+    slow = simulate(cluster, workload, Mode.DORA, 3, steps=4, warmup=1)
+    assert slow.step_time_s == plain.step_time_s  # the same simulated run
+    assert calls[0] >= 4
+    slept_per_step = 0.005 * calls[0] / 4
+    assert slow.coordinator_s_per_step < plain.coordinator_s_per_step + 0.2 * slept_per_step
