@@ -104,3 +104,29 @@ def test_load_hf_places_shards_directly(tmp_path):
     ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
     ref = hf_logits(torch_model, ids)
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) < 1e-3
+
+
+def test_build_setup_reads_a_checkpoint_straight_into_the_trainer_shardings(tmp_path):
+    """No device ever holds a whole weight matrix: each gets its own shards of every 2-D+ param."""
+    import math
+
+    from dora_jax.runtime import run_config
+    from dora_jax.runtime.build import build_setup
+    from tests.helpers import tiny_config
+    from tests.models.hf_fixtures import make_checkpoint
+
+    make_checkpoint("qwen2", tmp_path / "ckpt")
+    c = tiny_config("dora")
+    with c.unlocked():
+        c.init.checkpoint = str(tmp_path / "ckpt")
+    mesh = sharding.make_mesh(jax.devices()[:4], {"fsdp": 2, "tensor": 2})
+    setup = build_setup(run_config.parse(c), str(tmp_path / "work"), mesh=mesh)
+    targets = sharding.tree_shardings(setup.axes, setup.params, mesh, sharding.TRAINER_RULES)
+    leaves = jax.tree.leaves_with_path(setup.params)
+    assert len(leaves) > 10
+    for (path, leaf), target in zip(leaves, jax.tree.leaves(targets)):
+        assert leaf.sharding.is_equivalent_to(target, leaf.ndim), jax.tree_util.keystr(path)
+        if leaf.ndim >= 2:
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            assert math.prod(shard) <= math.prod(leaf.shape) // 2, (jax.tree_util.keystr(path), shard, leaf.shape)
+            assert all(s.data.shape == shard for s in leaf.addressable_shards)

@@ -72,13 +72,13 @@ def train(config, workdir: str, client) -> None:
         client.register(pb.TRAINER, roles.identity_hash(), host_id=0)
         _log(f"registered with the coordinator at {client.address}; building the setup")
     os.makedirs(workdir, exist_ok=True)
-    setup, store = _setup_and_store(config, workdir, channel)
     try:
         mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
     except ValueError as err:
         raise SystemExit(
             f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}"
         ) from None
+    setup, store = _setup_and_store(config, workdir, channel, mesh)
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
     trainer.publish()
     report = _reporter(client, store) if leader else (lambda version, digests=None: None)
@@ -137,8 +137,9 @@ def _host_channel():
     return HostChannel()
 
 
-def _setup_and_store(config, workdir: str, channel):
-    """The run's setup and the ParamStore, emptied of an earlier run's versions.
+def _setup_and_store(config, workdir: str, channel, mesh):
+    """The run's setup (a HF checkpoint read straight into `mesh`'s shardings) and the ParamStore,
+    emptied of an earlier run's versions.
 
     Several hosts: host 0 builds the setup first (the SFT cold start, if any, runs on its own
     devices and is cached in WORKDIR/sft, which the trainer's hosts must share) and clears the
@@ -153,13 +154,13 @@ def _setup_and_store(config, workdir: str, channel):
     # process holds only the trainer's devices, so the rollout slices may overlap them there
     # (time_shared). On several hosts host 0 trains it alone, on its local devices (the first
     # ones of jax.devices()), so that the others need not take part in it.
-    mesh = dataclasses.replace(config.mesh, time_shared=True)
+    sft_mesh = dataclasses.replace(config.mesh, time_shared=True)
     if channel is not None:
-        mesh = dataclasses.replace(mesh, trainer=(("fsdp", jax.local_device_count()),))
-    sft_view = dataclasses.replace(config, mesh=mesh)
+        sft_mesh = dataclasses.replace(sft_mesh, trainer=(("fsdp", jax.local_device_count()),))
+    sft_view = dataclasses.replace(config, mesh=sft_mesh)
     root = roles.versions_root(workdir)
     if channel is None or channel.is_leader:
-        setup = build_setup(sft_view, workdir)
+        setup = build_setup(sft_view, workdir, mesh=mesh)
         store = ParamStore(TensorStoreTier(root))
         store.rollback_to(-1)  # versions of an earlier run in this root would clash with ours
         if channel is not None:
@@ -171,7 +172,7 @@ def _setup_and_store(config, workdir: str, channel):
             f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
             "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)"
         )
-    return build_setup(sft_view, workdir), ParamStore(TensorStoreTier(root))
+    return build_setup(sft_view, workdir, mesh=mesh), ParamStore(TensorStoreTier(root))
 
 
 def _runs_cold_start(config) -> bool:

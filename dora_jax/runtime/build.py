@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax.sharding import Mesh
+
 from dora_jax import models
 from dora_jax.models.tokenizer import CharTokenizer, HFTokenizer
+from dora_jax.parallel.sharding import TRAINER_RULES
 from dora_jax.runtime.cold_start import cold_start
 from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.tasks import running_sums
@@ -61,17 +64,26 @@ def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.Mo
     )
 
 
-def build_setup(config: RunConfig, workdir: str) -> Setup:
+def build_setup(config: RunConfig, workdir: str, mesh: Mesh | None = None) -> Setup:
+    """With `mesh` (the trainer's), a HF checkpoint is read straight into the trainer's shardings:
+    each device receives only its own shards, never a whole tensor (a 7B model in fp32 is 30 GB)."""
     tokenizer = make_tokenizer(config)
     task = make_task(task_config(config), tokenizer)
     dtype = models.dtype_from_name(config.model.dtype)
     param_dtype = models.dtype_from_name(config.model.param_dtype)
     start = config.init.checkpoint or config.model.hf_path
     if start:
-        model = models.load_hf(start, dtype=dtype, param_dtype=param_dtype, moe_dispatch=config.model.moe_dispatch)
+        model = models.load_hf(
+            start,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            mesh=mesh,
+            rules=TRAINER_RULES,
+            moe_dispatch=config.model.moe_dispatch,
+        )
     else:
         model_config = fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
-        model = cold_start(config, model_config, tokenizer, workdir)
+        model = cold_start(config, model_config, tokenizer, workdir, mesh=mesh)
     graphdef, params = models.split(model)
     eos = tuple(model.config.eos_ids) or tuple(tokenizer.eos_ids)
     return Setup(

@@ -100,12 +100,20 @@ def sft_running_sums(
     return nnx.merge(graphdef, jax.device_get(params))
 
 
-def cold_start(config: RunConfig, model_config: models.ModelConfig, tokenizer, workdir: str) -> models.Decoder:
-    """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint."""
+def cold_start(
+    config: RunConfig, model_config: models.ModelConfig, tokenizer, workdir: str, *, mesh=None
+) -> models.Decoder:
+    """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint (read
+    back into `mesh`'s trainer shardings when given)."""
     path = os.path.join(workdir, "sft")
     if os.path.exists(os.path.join(path, "DONE")):
         return models.load_hf(
-            path, dtype=model_config.dtype, param_dtype=model_config.param_dtype, moe_dispatch=model_config.moe_dispatch
+            path,
+            dtype=model_config.dtype,
+            param_dtype=model_config.param_dtype,
+            mesh=mesh,
+            rules=sharding.TRAINER_RULES,
+            moe_dispatch=model_config.moe_dispatch,
         )
     model = models.init_model(model_config, seed=config.seed)
     if config.init.sft_steps <= 0 or config.task.kind != "running_sums":

@@ -87,13 +87,13 @@ def run(
     if write_config is not None and not resuming:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(write_config, f, indent=1, default=str)
-    setup = setup or build_setup(config, workdir)
     slices = sharding.split_devices(
         dict(config.mesh.trainer),
         dict(config.mesh.rollout),
         config.rollout.num_slices,
         time_shared=config.mesh.time_shared,
     )
+    setup = setup or build_setup(config, workdir, mesh=slices.trainer)
     store = ParamStore(InProcessTier())
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, slices.trainer, config.trainer, store)
     checkpointer = RunCheckpointer(directory_of(workdir), keep=config.checkpoint_keep)
