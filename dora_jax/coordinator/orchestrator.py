@@ -16,8 +16,8 @@ returns what to do; the coordinator carries it out through the ports. One cycle:
 from __future__ import annotations
 
 import collections
-import heapq
 import dataclasses
+import heapq
 from collections.abc import Mapping, Sequence
 
 
