@@ -20,6 +20,7 @@ _HF_ARCHITECTURES = {
 }
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 MOE_DISPATCHES = ("dense", "grouped")  # see dora_jax.models.moe
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "pallas_tpu", "pallas_interpret")  # see .attention
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -66,6 +67,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense SwiGLU instead)
     moe_dispatch: str = "grouped"  # "dense" | "grouped": same numbers (dora_jax.models.moe)
+    # Full-forward attention kernel (dora_jax.models.attention): "auto" (splash on TPU, cuDNN on
+    # GPU, the reference on CPU) | "reference" | "xla" | "cudnn" | "pallas_tpu" | "pallas_interpret".
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -91,6 +95,8 @@ class ModelConfig:
                 f"model_type={self.model_type!r} biases all of q/k/v/o or none: attention_bias="
                 f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must match"
             )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
         if self.rope.kind not in ("default", "llama3"):
             raise ValueError(f"rope kind {self.rope.kind!r} not supported; expected 'default' or 'llama3'")
 

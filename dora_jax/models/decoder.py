@@ -9,6 +9,8 @@ Two call paths share every layer:
   * cached: `model(input_ids_BT, positions_BT, cache=KVCache)` -> (logits_BTV, KVCache): the T new
     tokens' keys/values are written at their positions and attention reads the cache (prefill
     with T = prompt length, decode with T = 1).
+The full forward's attention is `dora_jax.models.attention.causal_attention` (the kernel picked by
+backend, `ModelConfig.attention`); the cached path attends over the cache with the reference.
 A full forward with `return_routing=True` also returns each MoE layer's `Routing` (router
 probabilities and chosen experts), for router metrics and the load-balancing loss.
 Every parameter carries logical axis names in its `out_sharding` metadata (`embed`, `heads`,
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dora_jax.models.attention import causal_attention, reference_attention
 from dora_jax.models.config import ModelConfig
 from dora_jax.models.moe import MoE
 from dora_jax.models.params import normal as _normal
@@ -97,9 +100,10 @@ class Attention(nnx.Module):
         q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq_F)
         k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq_F)
 
-        if cache is None:  # full forward: causal over the T tokens themselves
-            keys_BSKD, values_BSKD = k_BTKD, v_BTKD
-            key_pos_BS = positions_BT
+        if cache is None:  # full forward: causal over the T tokens themselves, the kernel by backend
+            out_BTHD = causal_attention(
+                q_BTHD, k_BTKD.astype(dt), v_BTKD.astype(dt), positions_BT, implementation=cfg.attention
+            )
             new_cache = (k_BTKD, v_BTKD)
         else:  # write the new rows at their positions, attend over the whole cache
             start_B = positions_BT[:, 0]
@@ -114,24 +118,12 @@ class Attention(nnx.Module):
             keys_BSKD, values_BSKD = new_cache[0][layer], new_cache[1][layer]
             S = keys_BSKD.shape[1]
             key_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (x_BTE.shape[0], S))
-        mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-        out_BTHD = _attend(q_BTHD, keys_BSKD.astype(dt), values_BSKD.astype(dt), mask_BTS)
+            mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+            out_BTHD = reference_attention(q_BTHD, keys_BSKD.astype(dt), values_BSKD.astype(dt), mask_BTS)
         y_BTE = jnp.einsum("bthd,hde->bte", out_BTHD, self.o_HDE[...].astype(dt))
         if cfg.attention_out_bias:
             y_BTE = y_BTE + self.o_bias_E[...].astype(dt)
         return y_BTE, new_cache
-
-
-def _attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
-    B, T, H, D = q_BTHD.shape
-    K = k_BSKD.shape[2]
-    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
-    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32)
-    scores_BKGTS = scores_BKGTS * (D**-0.5)
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKD.dtype)
-    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
-    return out_BTKGD.reshape(B, T, H, D)
 
 
 class MLP(nnx.Module):
@@ -192,6 +184,7 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         return_kv: bool = False,
         return_routing: bool = False,
+        return_hidden: bool = False,
     ):
         """Logits (float32) for every input position.
 
@@ -201,9 +194,13 @@ class Decoder(nnx.Module):
         (logits_BTV, updated cache).
         `return_routing=True` (full forward without `return_kv` only) returns (logits_BTV, routing)
         with one `Routing` per MoE layer (an empty tuple for a dense model).
+        `return_hidden=True` (full forward only) returns the final-normed hidden states x_BTE in
+        place of the logits, for `unembed` to project a slice of the vocabulary at a time.
         """
         if return_routing and (cache is not None or return_kv):
             raise ValueError("return_routing=True is for the full forward only (no cache, no return_kv)")
+        if return_hidden and (cache is not None or return_kv):
+            raise ValueError("return_hidden=True is for the full forward only (no cache, no return_kv)")
         cfg = self.config
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -221,14 +218,29 @@ class Decoder(nnx.Module):
             else:
                 stacked = layer_cache
         x_BTE = self.final_norm(x_BTE)
-        head_EV = self.embed_VE[...].T if cfg.tie_word_embeddings else self.lm_head_EV[...]
-        logits_BTV = jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        logits_BTV = x_BTE if return_hidden else self.unembed(x_BTE)
         if return_routing:
             return logits_BTV, tuple(routings)
         if cache is None and not return_kv:
             return logits_BTV
         kv = KVCache(*stacked) if cache is not None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
         return logits_BTV, kv
+
+    def unembed(self, x_BTE, start=0, size: int | None = None):
+        """Logits (float32) of the vocabulary entries [start, start + size) (default: all of them)
+        from final hidden states, through the tied embedding or the LM head; `start` may be traced,
+        so a scan can walk the vocabulary one slice at a time."""
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            head_VE = self.embed_VE[...]
+            if size is not None:
+                head_VE = jax.lax.dynamic_slice_in_dim(head_VE, start, size, axis=0)
+            head_EV = head_VE.T
+        else:
+            head_EV = self.lm_head_EV[...]
+            if size is not None:
+                head_EV = jax.lax.dynamic_slice_in_dim(head_EV, start, size, axis=1)
+        return jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

@@ -17,6 +17,8 @@ given tokens_BT[:, :t] (position 0 is never in the loss).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -36,6 +38,10 @@ class LossConfig:
     loss_norm: str = "token_mean"
     t_max: int = 4096  # the constant of loss_norm="constant"
     kl_coef: float = 0.0  # > 0 adds the k3 KL to a reference policy
+    # Vocabulary entries per slice of the token log-prob / entropy pass (`hidden_token_logps`); 0 or
+    # >= V: one [B, T, V] float32 log-softmax. 8192: 19 slices for Qwen's 152,064 (a [T, 8192] fp32
+    # slice is 128 MiB per 4K-token row against 2.3 GiB whole), each a matmul wide enough for the MXU.
+    vocab_chunk: int = 8192
 
     def __post_init__(self):
         if not 0 <= self.eps_low < 1:
@@ -52,6 +58,8 @@ class LossConfig:
             raise ValueError(f"t_max={self.t_max}; expected > 0")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef={self.kl_coef}; expected >= 0")
+        if self.vocab_chunk < 0:
+            raise ValueError(f"vocab_chunk={self.vocab_chunk}; expected 0 (off) or a slice width >= 1")
 
 
 def token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -64,6 +72,54 @@ def token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array) -> tuple[jax.Array,
     entropy_BT = -jnp.sum(jnp.exp(logprobs_BTV) * logprobs_BTV, axis=-1)
     zeros_B1 = jnp.zeros((tokens_BT.shape[0], 1), jnp.float32)
     return jnp.concatenate([zeros_B1, picked_BT], 1), jnp.concatenate([zeros_B1, entropy_BT], 1)
+
+
+def hidden_token_logps(
+    unembed: Callable[..., jax.Array], x_BTE: jax.Array, tokens_BT: jax.Array, vocab_size: int, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """`token_logps(unembed(x_BTE), tokens_BT)` without a [B, T, V] array, forward or backward.
+
+    `unembed(x_BTE, start, size)` returns the float32 logits z of vocabulary entries
+    [start, start + size). The vocabulary is walked in slices of `chunk` under `lax.scan`, each slice
+    rematerialised in the backward pass (`jax.checkpoint`), carrying per token an online softmax:
+      m = running max (no gradient: the results do not depend on it),
+      s = sum_v exp(z_v - m),   u = sum_v exp(z_v - m) z_v,   z_y = the target's logit;
+    then logsumexp = m + log s, logp = z_y - logsumexp and H = logsumexp - u / s (= -sum p log p).
+    A last slice narrower than `chunk` takes the remainder. `chunk` 0 or >= V: one unsliced pass.
+    """
+    if chunk <= 0 or chunk >= vocab_size:
+        return token_logps(unembed(x_BTE), tokens_BT)
+    x_BTE, targets_BT = x_BTE[:, :-1], tokens_BT[:, 1:]
+
+    def add_slice(carry, start, size):
+        max_BT, sum_BT, dot_BT, picked_BT = carry
+        logits_BTC = unembed(x_BTE, start, size)
+        new_max_BT = jnp.maximum(max_BT, jax.lax.stop_gradient(logits_BTC.max(-1)))
+        scale_BT = jnp.exp(max_BT - new_max_BT)  # 0 on the first slice (max_BT = -inf)
+        exp_BTC = jnp.exp(logits_BTC - new_max_BT[..., None])
+        local_BT = targets_BT - start
+        inside_BT = (local_BT >= 0) & (local_BT < size)
+        target_BT = jnp.take_along_axis(logits_BTC, jnp.clip(local_BT, 0, size - 1)[..., None], -1)[..., 0]
+        return (
+            new_max_BT,
+            sum_BT * scale_BT + exp_BTC.sum(-1),
+            dot_BT * scale_BT + (exp_BTC * logits_BTC).sum(-1),
+            picked_BT + jnp.where(inside_BT, target_BT, 0.0),
+        )
+
+    zeros_BT = jnp.zeros(targets_BT.shape, jnp.float32)
+    carry = (jnp.full(targets_BT.shape, -jnp.inf, jnp.float32), zeros_BT, zeros_BT, zeros_BT)
+    full = vocab_size // chunk
+    body = jax.checkpoint(lambda carry, start: (add_slice(carry, start, chunk), None))
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(full, dtype=jnp.int32) * chunk)
+    if vocab_size % chunk:
+        tail = functools.partial(add_slice, start=full * chunk, size=vocab_size % chunk)
+        carry = jax.checkpoint(tail)(carry)
+    max_BT, sum_BT, dot_BT, picked_BT = carry
+    lse_BT = max_BT + jnp.log(sum_BT)
+    zeros_B1 = jnp.zeros((tokens_BT.shape[0], 1), jnp.float32)
+    logps_BT = jnp.concatenate([zeros_B1, picked_BT - lse_BT], 1)
+    return logps_BT, jnp.concatenate([zeros_B1, lse_BT - dot_BT / sum_BT], 1)
 
 
 def token_weights(mask_BT: jax.Array, loss_norm: str, t_max: int) -> jax.Array:

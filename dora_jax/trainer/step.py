@@ -29,7 +29,7 @@ from flax import nnx
 
 from dora_jax.models.moe import expert_load, load_balancing_loss
 from dora_jax.trainer.advantages import group_advantages, informative_samples
-from dora_jax.trainer.loss import LossConfig, LossStats, policy_loss, token_logps, token_weights
+from dora_jax.trainer.loss import LossConfig, LossStats, hidden_token_logps, policy_loss, token_weights
 
 SCHEDULES = ("constant", "cosine")
 
@@ -117,10 +117,18 @@ def init_state(params, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(params=params, opt_state=tx.init(params), updates=jnp.zeros((), jnp.int32))
 
 
-def sequence_logps(graphdef, params, tokens_BT):
+def model_token_logps(model, tokens_BT, vocab_chunk: int, *, return_routing: bool = False):
+    """(logps_BT, entropy_BT) of a full forward of `model`, the vocabulary taken `vocab_chunk`
+    entries at a time (`hidden_token_logps`); with `return_routing`, also the MoE routing."""
+    out = model(tokens_BT, return_hidden=True, return_routing=return_routing)
+    x_BTE, routing = out if return_routing else (out, None)
+    logps = hidden_token_logps(model.unembed, x_BTE, tokens_BT, model.config.vocab_size, vocab_chunk)
+    return (logps, routing) if return_routing else logps
+
+
+def sequence_logps(graphdef, params, tokens_BT, vocab_chunk: int = LossConfig.vocab_chunk):
     """(logps_BT, entropy_BT) of a full forward of the model `nnx.merge(graphdef, params)`."""
-    logits_BTV = nnx.merge(graphdef, params)(tokens_BT)
-    return token_logps(logits_BTV, tokens_BT)
+    return model_token_logps(nnx.merge(graphdef, params), tokens_BT, vocab_chunk)
 
 
 def _micro_loss(
@@ -137,11 +145,14 @@ def _micro_loss(
     """Loss and (LossStats, (router_load_LX, router_aux_loss)) of one micro-batch (a dict of
     [C, ...] arrays) under `params`; the aux loss enters with weight router_aux_coef / micro_batches
     (a Python int, or a traced count where the number of micro-batches varies per update)."""
-    logits_CTV, routing = nnx.merge(graphdef, params)(micro["tokens"], return_routing=True)
-    logps_CT, entropy_CT = token_logps(logits_CTV, micro["tokens"])
+    model = nnx.merge(graphdef, params)
+    (logps_CT, entropy_CT), routing = model_token_logps(
+        model, micro["tokens"], loss_config.vocab_chunk, return_routing=True
+    )
     ref_CT = None
     if ref_params is not None:
-        ref_CT = jax.lax.stop_gradient(sequence_logps(graphdef, ref_params, micro["tokens"])[0])
+        ref_logps_CT = sequence_logps(graphdef, ref_params, micro["tokens"], loss_config.vocab_chunk)[0]
+        ref_CT = jax.lax.stop_gradient(ref_logps_CT)
     loss, stats = policy_loss(
         logps_CT,
         micro["behaviour"],

@@ -171,6 +171,63 @@ def test_token_logps_and_entropy():
     np.testing.assert_allclose(np.asarray(entropy), want_h, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_chunked_logps_entropy_and_gradient_equal_unchunked(tied):
+    """The sliced online softmax (V = 61, slices of 16 and a tail of 13) equals one log-softmax over
+    the whole vocabulary: log-probs, entropy and the loss's gradient wrt every parameter."""
+    from dora_jax.models import ModelConfig, init_model, split
+    from dora_jax.trainer.step import sequence_logps
+
+    cfg = ModelConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    graphdef, params = split(init_model(cfg, seed=3))
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 9)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(3, 9)), jnp.float32)
+
+    def loss(params, chunk):  # a logp term and an entropy term, so both gradients are checked
+        logps, entropy = sequence_logps(graphdef, params, tokens, chunk)
+        return jnp.sum(weights * logps) + 0.3 * jnp.sum(weights * entropy), (logps, entropy)
+
+    (want, (want_logps, want_h)), want_grads = jax.value_and_grad(loss, has_aux=True)(params, 0)
+    for chunk in (16, 7, 60):
+        (got, (logps, h)), grads = jax.value_and_grad(loss, has_aux=True)(params, chunk)
+        np.testing.assert_allclose(np.asarray(logps), np.asarray(want_logps), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_chunked_pass_never_holds_a_whole_vocab_array():
+    """Compiled, the chunked gradient's temporaries stay far below one [B, T, V] float32 array."""
+    from dora_jax.trainer.loss import hidden_token_logps
+
+    B, T, E, V = 2, 256, 16, 8192
+    rng = np.random.default_rng(5)
+    head_EV = jnp.asarray(rng.normal(size=(E, V)) * 0.1, jnp.float32)
+    x_BTE = jnp.asarray(rng.normal(size=(B, T, E)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+
+    def temp_bytes(chunk):
+        def loss(head_EV, x_BTE):
+            def unembed(x, start=0, size=None):
+                head = head_EV if size is None else jax.lax.dynamic_slice_in_dim(head_EV, start, size, 1)
+                return jnp.einsum("bte,ev->btv", x, head)
+
+            logps, entropy = hidden_token_logps(unembed, x_BTE, tokens, V, chunk)
+            return logps.sum() + entropy.sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        return grad.lower(head_EV, x_BTE).compile().memory_analysis().temp_size_in_bytes
+
+    whole_BTV = B * T * V * 4
+    assert temp_bytes(0) >= whole_BTV
+    assert temp_bytes(512) < whole_BTV / 4
+
+
 def test_bad_config_errors():
     with pytest.raises(ValueError, match=r"loss_norm='sum'; expected one of"):
         LossConfig(loss_norm="sum")
@@ -178,3 +235,5 @@ def test_bad_config_errors():
         LossConfig(dual_clip=1.1)
     with pytest.raises(ValueError, match=r"tis_cap=0"):
         LossConfig(tis_cap=0)
+    with pytest.raises(ValueError, match=r"vocab_chunk=-1; expected 0 \(off\)"):
+        LossConfig(vocab_chunk=-1)
