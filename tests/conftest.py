@@ -9,6 +9,8 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile for TPU topologies with libtpu (ahead of time, no TPU): several processes may load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A cache made here is this session's alone: remove it at exit so repeated runs do not fill /tmp.
     _cache_dir = tempfile.mkdtemp(prefix="dora_jax_xla_cache_")
