@@ -49,6 +49,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.head_dim = 64  # per-head width
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # storage dtype of params (the trainer's master weights)
+    c.model.attention = "auto"  # full-forward kernel: splash (Pallas) on TPU, cuDNN on GPU
+    c.model.remat = "dots"  # the backward pass keeps the weight matmuls' outputs, recomputes the rest
 
     c.init = ml_collections.ConfigDict()
     c.init.checkpoint = ""  # a HF checkpoint to start RL from instead of model.hf_path; "" = model.hf_path
@@ -109,6 +111,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.num_updates = 1  # optimizer updates per batch
     c.trainer.micro_batch_size = 8  # rows per forward/backward (2 per trainer chip)
     c.trainer.pad_to = 128  # sequence lengths are padded to a multiple of this (bounded compiles)
+    c.trainer.length_bucket = 128  # rows sorted by length, each micro-batch padded to its own 128 x 2^k
+    c.trainer.vocab_chunk = 8192  # log-probs over the 152K vocabulary 8K entries at a time
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 50  # periodic checkpoints into the workdir

@@ -51,6 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.head_dim = 128  # per-head width
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # storage dtype of params (the trainer's master weights)
+    c.model.attention = "auto"  # full-forward kernel: splash (Pallas) on TPU, cuDNN on GPU
+    c.model.remat = "full"  # the backward pass recomputes each layer from its input (16K-token rows)
 
     c.init = ml_collections.ConfigDict()
     c.init.checkpoint = ""  # a HF checkpoint to start RL from instead of model.hf_path; "" = model.hf_path
@@ -112,6 +114,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.num_updates = 2  # optimizer updates per batch (mini-batches of 256)
     c.trainer.micro_batch_size = 16  # rows per forward/backward (one per trainer chip)
     c.trainer.pad_to = 512  # sequence lengths are padded to a multiple of this (bounded compiles)
+    c.trainer.length_bucket = 512  # rows sorted by length, each micro-batch padded to its own 512 x 2^k
+    c.trainer.vocab_chunk = 8192  # log-probs over the 152K vocabulary 8K entries at a time
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 25  # periodic checkpoints into the workdir (spot VMs get preempted)

@@ -32,6 +32,7 @@ ENTRY_MODULES = {
     "serve_coordinator",
     "trainer_worker",
     "rollout_worker",
+    "tpu_compile",
 }
 JAX_FREE = {"core", "coordinator", "sim"}
 
@@ -101,4 +102,4 @@ def test_every_command_keeps_its_module_name_and_has_a_short_name():
         targets[module.rsplit(".", 1)[1]] = name
     assert set(targets) == ENTRY_MODULES
     for name in ENTRY_MODULES:  # `python -m dora_jax.<name>` runs what the short name runs
-        assert f"from dora_jax.cli.{name} import run" in (ROOT / f"{name}.py").read_text()
+        assert f"from dora_jax.cli.{name} import __doc__, run" in (ROOT / f"{name}.py").read_text()

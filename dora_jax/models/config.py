@@ -20,6 +20,7 @@ _HF_ARCHITECTURES = {
 }
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 MOE_DISPATCHES = ("dense", "grouped")  # see dora_jax.models.moe
+REMAT_POLICIES = ("none", "dots", "full")  # see dora_jax.models.decoder.Decoder
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "pallas_tpu", "pallas_interpret")  # see .attention
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -70,6 +71,9 @@ class ModelConfig:
     # Full-forward attention kernel (dora_jax.models.attention): "auto" (splash on TPU, cuDNN on
     # GPU, the reference on CPU) | "reference" | "xla" | "cudnn" | "pallas_tpu" | "pallas_interpret".
     attention: str = "auto"
+    # Full forward, per layer: "none" keeps every activation for the backward pass; "dots" keeps
+    # only the weight matmuls' outputs and recomputes the rest; "full" keeps each layer's input only.
+    remat: str = "none"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -95,6 +99,8 @@ class ModelConfig:
                 f"model_type={self.model_type!r} biases all of q/k/v/o or none: attention_bias="
                 f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must match"
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
         if self.rope.kind not in ("default", "llama3"):

@@ -30,6 +30,7 @@ from dora_jax.models.moe import MoE
 from dora_jax.models.params import normal as _normal
 from dora_jax.models.params import param as _param
 from dora_jax.models.rope import apply_rope, inverse_frequencies
+from dora_jax.parallel.sharding import constrain
 
 
 @flax.struct.dataclass
@@ -99,6 +100,9 @@ class Attention(nnx.Module):
         inv_freq_F = inverse_frequencies(cfg.rope, cfg.head_dim)  # a host constant, folded by XLA
         q_BTHD = apply_rope(q_BTHD, positions_BT, inv_freq_F)
         k_BTKD = apply_rope(k_BTKD, positions_BT, inv_freq_F)
+        q_BTHD = constrain(q_BTHD, ("batch", "length", "heads", "head_dim"))
+        k_BTKD = constrain(k_BTKD, ("batch", "length", "kv_heads", "head_dim"))
+        v_BTKD = constrain(v_BTKD, ("batch", "length", "kv_heads", "head_dim"))
 
         if cache is None:  # full forward: causal over the T tokens themselves, the kernel by backend
             out_BTHD = causal_attention(
@@ -139,7 +143,8 @@ class MLP(nnx.Module):
     def __call__(self, x_BTE):
         dt = self.dtype
         gate_BTM = jax.nn.silu(x_BTE @ self.gate_EM[...].astype(dt))
-        return (gate_BTM * (x_BTE @ self.up_EM[...].astype(dt))) @ self.down_ME[...].astype(dt)
+        hidden_BTM = constrain(gate_BTM * (x_BTE @ self.up_EM[...].astype(dt)), ("batch", "length", "mlp"))
+        return hidden_BTM @ self.down_ME[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -160,7 +165,7 @@ class Block(nnx.Module):
             h_BTE, routing = self.mlp(self.post_attn_norm(x_BTE))
         else:
             h_BTE = self.mlp(self.post_attn_norm(x_BTE))
-        return x_BTE + h_BTE, new_cache, routing
+        return constrain(x_BTE + h_BTE, _RESIDUAL), new_cache, routing
 
 
 class Decoder(nnx.Module):
@@ -205,11 +210,15 @@ class Decoder(nnx.Module):
         B, T = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x_BTE = jnp.take(self.embed_VE[...], input_ids_BT, axis=0).astype(cfg.dtype)
+        x_BTE = constrain(jnp.take(self.embed_VE[...], input_ids_BT, axis=0).astype(cfg.dtype), _RESIDUAL)
         new_k, new_v, routings = [], [], []
         stacked = None if cache is None else (cache.k_LBSKD, cache.v_LBSKD)
+        remat = cache is None and cfg.remat != "none"
         for i, layer in enumerate(self.layers):
-            x_BTE, layer_cache, routing = layer(x_BTE, positions_BT, stacked, i)
+            if remat:  # the backward pass recomputes what the policy does not keep
+                x_BTE, layer_cache, routing = _rematerialised(cfg.remat)(layer, x_BTE, positions_BT)
+            else:
+                x_BTE, layer_cache, routing = layer(x_BTE, positions_BT, stacked, i)
             if routing is not None:
                 routings.append(routing)
             if cache is None:
@@ -240,7 +249,20 @@ class Decoder(nnx.Module):
             head_EV = self.lm_head_EV[...]
             if size is not None:
                 head_EV = jax.lax.dynamic_slice_in_dim(head_EV, start, size, axis=1)
-        return jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        logits_BTV = jnp.einsum("bte,ev->btv", x_BTE, head_EV.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("batch", "length", "vocab"))
+
+
+_RESIDUAL = ("batch", "length", "embed")  # the residual stream's layout: rows split, features whole
+_REMAT_POLICIES = {
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _rematerialised(policy: str):
+    """A block's full forward under `jax.checkpoint` with the named policy (ModelConfig.remat)."""
+    return nnx.remat(lambda block, x_BTE, positions_BT: block(x_BTE, positions_BT), policy=_REMAT_POLICIES[policy])
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

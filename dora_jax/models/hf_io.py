@@ -160,17 +160,20 @@ def load_hf(
     mesh: jax.sharding.Mesh | None = None,
     rules: sharding_lib.Rules = sharding_lib.TRAINER_RULES,
     moe_dispatch: str | None = None,
+    attention: str | None = None,
+    remat: str | None = None,
 ) -> Decoder:
     """Loads a HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint directory as our decoder.
 
     `dtype` is the compute dtype; params are stored in `param_dtype` (default: `dtype`). With a
     `mesh`, every param is placed directly with its target sharding: each device receives only
     its own shard (`make_array_from_callback`), never a full copy per device. `moe_dispatch`
-    ("dense" | "grouped") overrides the config's MoE computation.
+    ("dense" | "grouped") overrides the config's MoE computation, `attention` its attention kernel and
+    `remat` its rematerialisation policy (ModelConfig; none of the three changes a number).
     """
     cfg = read_config(path, dtype=dtype, param_dtype=param_dtype)
-    if moe_dispatch is not None:
-        cfg = cfg.replace(moe_dispatch=moe_dispatch)
+    compute = dict(moe_dispatch=moe_dispatch, attention=attention, remat=remat)
+    cfg = cfg.replace(**{k: v for k, v in compute.items() if v is not None})
     files = _tensor_files(path)
     abstract = nnx.eval_shape(lambda: init_model(cfg))
     graphdef, abstract_state = nnx.split(abstract)

@@ -9,6 +9,7 @@ rollout slice's is `reshard(params, tree_shardings(axes, params, rollout_mesh, R
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -145,6 +146,29 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Lays out an activation by its logical axis `names`, through the mesh (`jax.set_mesh`) and the
+    rule table (`nnx.logical_axis_rules`) the caller traces under; without both, `x` as it is (the
+    single-device paths, the rollout engine). A dimension whose rule's mesh axis an earlier one took
+    stays whole: with batch over (data, fsdp), `embed` (fsdp for params) is not split again."""
+    from flax.core import spmd
+
+    mesh, rules = jax.sharding.get_abstract_mesh(), spmd.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))
+
+
+@contextlib.contextmanager
+def activation_layout(mesh: Mesh, rules: Rules):
+    """Inside a traced function: the mesh and rule table by which `constrain` lays activations
+    out and the Pallas attention kernel is mapped over devices (dora_jax.models.attention)."""
+    from flax.core import spmd
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), spmd.logical_axis_rules(rules):
+        yield
 
 
 def logical_sharding(names, shape, mesh: Mesh, rules: Rules) -> NamedSharding:

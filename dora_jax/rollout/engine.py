@@ -602,6 +602,38 @@ class RolloutEngine:
             jax.block_until_ready(self._read_jit(state, np.int32(0), rows=size))
         jax.block_until_ready((state, result))
 
+    def abstract_decode_state(self) -> DecodeState:
+        """`init_decode_state()` as ShapeDtypeStructs carrying the slice's shardings (no memory)."""
+        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config))
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), zero_state, self._state_shardings
+        )
+
+    def lower_programs(self) -> list[tuple[str, jax.stages.Lowered]]:
+        """Every program `warmup` compiles, lowered on abstract params and decode state (nothing is
+        placed or run), for ahead-of-time compilation (dora_jax.runtime.aot): [(name, Lowered)]
+        with prefill per bucket, insert and read_slot per row bucket (an import is an insert),
+        generate."""
+        abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+        params = jax.tree.map(abstract, split(abstract_model(self.model_config))[1], self._param_shardings)
+        state = self.abstract_decode_state()
+        scalars = (np.int32(0), np.int32(1), np.zeros((2,), np.uint32), np.float32(1), np.float32(1), np.int32(0))
+        programs = []
+        for bucket in self.config.prefill_buckets:
+            tokens = jax.ShapeDtypeStruct((bucket,), jnp.int32)
+            lowered = self._prefill_jit.lower(params, tokens, None, *scalars, np.bool_(True), sampler=None)
+            programs.append((f"prefill[T={bucket}]", lowered))
+        programs.append(("generate", self._generate_jit.lower(params, state, sampler=None)))
+        cfg = self.model_config
+        one_row = jax.tree.map(abstract, _empty_prefix(cfg, 1), self._prefix_shardings)
+        for rows in sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}):
+            kv_shape = (cfg.num_layers, rows, cfg.num_kv_heads, cfg.head_dim)
+            kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(cfg.dtype), sharding=self._prefix_shardings.k_LRKD)
+            prefix = one_row.replace(k_LRKD=kv, v_LRKD=kv)
+            programs.append((f"insert[rows={rows}]", self._insert_jit.lower(prefix, state, np.int32(0))))
+            programs.append((f"read_slot[rows={rows}]", self._read_jit.lower(state, np.int32(0), rows=rows)))
+        return programs
+
     @property
     def param_shardings(self) -> Any:
         """NamedShardings of the params on this slice (a tree like `models.split(model)[1]`)."""

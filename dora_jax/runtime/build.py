@@ -61,6 +61,8 @@ def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.Mo
         param_dtype=models.dtype_from_name(m.param_dtype),
         eos_token_id=tuple(eos_ids),
         bos_token_id=CharTokenizer.BOS,
+        attention=m.attention,
+        remat=m.remat,
     )
 
 
@@ -80,6 +82,8 @@ def build_setup(config: RunConfig, workdir: str, mesh: Mesh | None = None) -> Se
             mesh=mesh,
             rules=TRAINER_RULES,
             moe_dispatch=config.model.moe_dispatch,
+            attention=config.model.attention,
+            remat=config.model.remat,
         )
     else:
         model_config = fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)

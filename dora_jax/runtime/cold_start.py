@@ -114,6 +114,8 @@ def cold_start(
             mesh=mesh,
             rules=sharding.TRAINER_RULES,
             moe_dispatch=model_config.moe_dispatch,
+            attention=model_config.attention,
+            remat=model_config.remat,
         )
     model = models.init_model(model_config, seed=config.seed)
     if config.init.sft_steps <= 0 or config.task.kind != "running_sums":

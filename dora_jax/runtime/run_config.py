@@ -13,6 +13,7 @@ import ml_collections
 from dora_jax.coordinator.coordinator import CoordinatorConfig
 from dora_jax.core.modes import Mode
 from dora_jax.core.records import SamplingParams
+from dora_jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from dora_jax.parallel.sharding import MESH_AXES
 from dora_jax.tasks import running_sums
 from dora_jax.tasks.sources import SourceConfig
@@ -36,6 +37,8 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_dispatch: str = "grouped"  # "dense" | "grouped"
+    attention: str = "auto"  # the full forward's kernel (dora_jax.models.attention)
+    remat: str = "none"  # "none" | "dots" | "full": what the backward pass recomputes (ModelConfig.remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +173,15 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         moe_intermediate_size=int(m.get("moe_intermediate_size", 0)),
         norm_topk_prob=bool(m.get("norm_topk_prob", False)),
         moe_dispatch=str(m.get("moe_dispatch", "grouped")),
+        attention=str(m.get("attention", "auto")),
+        remat=str(m.get("remat", "none")),
     )
     if model.moe_dispatch not in ("dense", "grouped"):
         raise ValueError(f"model.moe_dispatch={model.moe_dispatch!r}; expected 'dense' or 'grouped'")
+    if model.attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"model.attention={model.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
+    if model.remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={model.remat!r}; expected one of {REMAT_POLICIES}")
     i = c.init
     init = InitSpec(str(i.checkpoint), int(i.sft_steps), int(i.sft_batch_size), float(i.sft_lr))
     return RunConfig(

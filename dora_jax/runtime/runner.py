@@ -338,7 +338,9 @@ def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
 def fingerprint(config: RunConfig, setup: Setup) -> dict:
     """What a resumed run may not change."""
     model = {
-        k: str(v) for k, v in dataclasses.asdict(setup.model_config).items() if k != "moe_dispatch"
+        k: str(v)
+        for k, v in dataclasses.asdict(setup.model_config).items()
+        if k not in ("moe_dispatch", "attention", "remat")
     }  # same numbers
     return {
         "model": model,

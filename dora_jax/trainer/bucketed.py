@@ -16,6 +16,7 @@ trainer mesh spans several hosts, which all run this loop on the same batch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -130,6 +131,7 @@ class BucketedStep:
         shards: int = 1,
         compiler_options=None,
         on_trace=lambda: None,
+        layout=contextlib.nullcontext,
     ):
         self._config, self._pad_to, self._behaviour, self._shards = config, pad_to, behaviour, shards
         self._rows_CT = NamedSharding(mesh, PartitionSpec(batch_axes, None))
@@ -147,7 +149,8 @@ class BucketedStep:
                 router_aux_coef=config.router_aux_coef,
                 micro_batches=micro_batches,
             )
-            return jax.value_and_grad(fn, has_aux=True)(params, micro, weights_CT, ref_params)
+            with layout():
+                return jax.value_and_grad(fn, has_aux=True)(params, micro, weights_CT, ref_params)
 
         # `micro_batches` is traced: with a token budget the count varies from update to update.
         self._grad = jax.jit(
@@ -301,6 +304,42 @@ class BucketedStep:
         B = rows_per_update * c.num_updates
         self._advantages(np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.float32))
         return lengths
+
+    def lower(
+        self, state, ref_params, max_length: int, rows_per_update: int, widths=(None,)
+    ) -> list[tuple[str, jax.stages.Lowered]]:
+        """The programs `warmup` compiles, lowered on `state` (abstract values with shardings are
+        enough: nothing runs), for ahead-of-time compilation: [(name, Lowered)]."""
+        c, params = self._config, state.params
+        abstract = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+        programs = []
+        for T in bucket_lengths(max_length, self._pad_to, widths):
+            rows = functools.partial(
+                micro_rows,
+                T,
+                micro_batch_size=c.micro_batch_size,
+                token_budget=c.micro_batch_tokens,
+                shards=self._shards,
+            )
+            R, chunk = rows(limit=rows_per_update), rows(limit=c.micro_batch_size)  # gradient, recompute
+            tokens = abstract((1, 1, chunk, T), jnp.int32, self._rows_UMCT)
+            programs.append((f"recompute[rows={chunk},T={T}]", self._behaviour.lower(params, tokens, chunk=chunk)))
+            zeros = lambda dtype, R=R, T=T: abstract((R, T), dtype, self._rows_CT)  # noqa: E731
+            micro = dict(
+                tokens=zeros(jnp.int32),
+                mask=zeros(jnp.float32),
+                inference=zeros(jnp.float32),
+                behaviour=zeros(jnp.float32),
+                adv=abstract((R,), jnp.float32, self._rows_C),
+            )
+            count = abstract((), jnp.float32, self._replicated)
+            lowered = self._grad.lower(params, micro, zeros(jnp.float32), ref_params, count)
+            programs.append((f"grad[rows={R},T={T}]", lowered))
+        grads = params  # the gradient function's outputs: the params' shapes, dtypes and shardings
+        loss = abstract((), jnp.float32, self._replicated)
+        programs.append(("grad_sum", self._add.lower(grads, grads)))
+        programs.append(("optimizer_update", self._apply.lower(state, grads, loss)))
+        return programs
 
     def _put(self, x_CT: np.ndarray) -> jax.Array:
         return jax.device_put(x_CT, self._rows_CT)

@@ -14,6 +14,7 @@ forward at most, instead of k * B for "whole batch per version, then select rows
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +73,7 @@ class BehaviourLogps:
         chunk: int,
         on_trace: Callable[[], None],
         compiler_options=None,
+        layout: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self._chunk = chunk
         self._rows_sharding = rows_sharding  # the sharding of a [U, M, C, T] array
@@ -79,7 +81,8 @@ class BehaviourLogps:
 
         def traced(*args, **kwargs):
             on_trace()
-            return _fill_chunk(*args, **kwargs)
+            with layout():
+                return _fill_chunk(*args, **kwargs)
 
         self._fill = jax.jit(
             functools.partial(traced, graphdef=graphdef),
@@ -102,3 +105,10 @@ class BehaviourLogps:
                 current, params = version, params_of(version)
             out_UMCT = self._fill(params, out_UMCT, tokens_UMCT, _unravel(src_C, lead), _unravel(dst_C, lead))
         return out_UMCT
+
+    def lower(self, params, tokens_UMCT, chunk: int | None = None) -> jax.stages.Lowered:
+        """The chunk program lowered for token buffers shaped like `tokens_UMCT` (abstract values
+        with shardings are enough: nothing runs), for ahead-of-time compilation."""
+        out_UMCT = jax.ShapeDtypeStruct(tokens_UMCT.shape, jnp.float32, sharding=self._rows_sharding)
+        index_C3 = jax.ShapeDtypeStruct((chunk or self._chunk, 3), jnp.int32, sharding=self._replicated)
+        return self._fill.lower(params, out_UMCT, tokens_UMCT, index_C3, index_C3)

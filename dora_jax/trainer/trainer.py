@@ -22,7 +22,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.core.records import TrainBatch
-from dora_jax.parallel.sharding import TRAINER_RULES, Rules, logical_to_spec, replicated, tree_shardings
+from dora_jax.parallel.sharding import (
+    TRAINER_RULES,
+    Rules,
+    activation_layout,
+    logical_to_spec,
+    replicated,
+    tree_shardings,
+)
 from dora_jax.store import ParamStore
 from dora_jax.store.digest import params_digest
 from dora_jax.trainer.advantages import ESTIMATORS
@@ -62,6 +69,7 @@ class TrainerConfig:
     t_max: int = 4096  # the constant of loss_norm="constant"
     kl_coef: float = 0.0  # k3 KL to the initial params; 0 = off (no reference kept)
     router_aux_coef: float = 0.0  # MoE load-balancing loss weight; 0 = off (RL keeps the router as trained)
+    vocab_chunk: int = LossConfig.vocab_chunk  # log-probs over the vocabulary this many entries at a time
     # Advantages (see dora_jax.trainer.advantages).
     advantage: str = "grpo"  # "grpo" | "dr_grpo" | "rloo"
     dynamic_sampling: bool = False  # DAPO: mask groups whose rewards are all equal
@@ -101,6 +109,7 @@ class TrainerConfig:
             loss_norm=self.loss_norm,
             t_max=self.t_max,
             kl_coef=self.kl_coef,
+            vocab_chunk=self.vocab_chunk,
         )
 
     def optimizer_config(self) -> OptimizerConfig:
@@ -175,6 +184,36 @@ class Trainer:
     ):
         """`version` is the version of `params` (0 for a fresh run, the checkpoint's on resume);
         `compiler_options` go to every jit (XLA debug options, e.g. TPU scheduler flags)."""
+        self._build(graphdef, params, axes, mesh, config, store, rules, version, compiler_options)
+        placed = jax.device_put(params, self.param_shardings, may_alias=False)
+        self._ref_params = placed if config.kl_coef > 0 else None
+        self._state = self._init_jit(placed)
+
+    @classmethod
+    def abstract(
+        cls,
+        graphdef,
+        params,
+        axes,
+        mesh: Mesh,
+        config: TrainerConfig = TrainerConfig(),
+        *,
+        rules: Rules = TRAINER_RULES,
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> Trainer:
+        """A Trainer over abstract `params` (ShapeDtypeStructs, e.g. `jax.eval_shape` of a model
+        init): the same jits and shardings as the real one, its state ShapeDtypeStructs carrying
+        those shardings, no device memory. For ahead-of-time compilation (the `lower_*` methods,
+        dora_jax.runtime.aot); it cannot step."""
+        trainer = cls.__new__(cls)
+        trainer._build(graphdef, params, axes, mesh, config, None, rules, 0, compiler_options)
+        placed = _with_shardings(params, trainer.param_shardings)
+        trainer._ref_params = placed if config.kl_coef > 0 else None
+        trainer._state = _with_shardings(jax.eval_shape(trainer._init_jit, placed), trainer.state_shardings)
+        return trainer
+
+    def _build(self, graphdef, params, axes, mesh, config, store, rules, version, compiler_options) -> None:
+        """Shardings and jitted programs (everything but the state itself)."""
         self.config, self.mesh, self._store, self._version = config, mesh, store, int(version)
         self._compiler_options = dict(compiler_options or {}) or None
         self._nonfinite_in_a_row = 0
@@ -182,6 +221,9 @@ class Trainer:
         self.trace_counts: collections.Counter[str] = collections.Counter()
         # The mesh axes that "batch" maps to (asked with a size every axis divides).
         batch_axes = logical_to_spec(("batch",), (mesh.devices.size,), mesh, rules)[0]
+        # Every program traces the model under the mesh and rules: activations laid out by their
+        # logical axes (rows over the batch axes), the attention kernel mapped over the devices.
+        self._layout = functools.partial(activation_layout, mesh, rules)
         shards = 1 if batch_axes is None else int(np.prod([mesh.shape[a] for a in np.atleast_1d(batch_axes)]))
         if config.micro_batch_size % shards:
             raise ValueError(
@@ -207,16 +249,13 @@ class Trainer:
         self.state_shardings = TrainState(
             params=self.param_shardings, opt_state=opt_shardings, updates=self._replicated
         )
-        placed = jax.device_put(params, self.param_shardings, may_alias=False)
-        self._ref_params = placed if config.kl_coef > 0 else None
-        init_jit = jax.jit(
+        self._init_jit = jax.jit(
             init,
             in_shardings=(self.param_shardings,),
             out_shardings=self.state_shardings,
-            donate_argnums=() if self._ref_params is not None else (0,),
+            donate_argnums=() if config.kl_coef > 0 else (0,),
             compiler_options=self._compiler_options,
         )
-        self._state = init_jit(placed)
 
         self._digests: dict[int, str] = {}  # version -> params digest (dora_jax.store.digest)
         self._used_digests: dict[int, str] = {}  # those the current step recomputed with
@@ -228,6 +267,7 @@ class Trainer:
             config.micro_batch_size,
             on_trace=lambda: self.trace_counts.update(["recompute"]),
             compiler_options=self._compiler_options,
+            layout=self._layout,
         )
         self._step = self._compile_step(graphdef)
         self._bucketed = None
@@ -246,6 +286,7 @@ class Trainer:
                 shards=shards,
                 compiler_options=self._compiler_options,
                 on_trace=lambda: self.trace_counts.update(["bucketed"]),
+                layout=self._layout,
             )
 
     def _compile_step(self, graphdef):
@@ -263,11 +304,12 @@ class Trainer:
 
         def traced(state, inputs, ref_params):
             self.trace_counts["train_step"] += 1
-            return step(state, inputs, ref_params)
+            with self._layout():
+                return step(state, inputs, ref_params)
 
         rows, flat = self._rows_UMCT, self._replicated
         inputs_shardings = StepInputs(rows, rows, rows, rows, flat, flat, flat)
-        ref_shardings = self.param_shardings if self._ref_params is not None else None
+        ref_shardings = self.param_shardings if config.kl_coef > 0 else None
         return jax.jit(
             traced,
             in_shardings=(self.state_shardings, inputs_shardings, ref_shardings),
@@ -353,6 +395,40 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return self._finish(outputs, versions_B, elapsed)
 
+    # ------------------------------------------------- ahead-of-time compilation
+    def lower_train_step(self, batch_size: int, length: int) -> jax.stages.Lowered:
+        """The whole-batch step (`trainer.length_bucket` = 0) lowered for `batch_size` rows of
+        `length` positions, on this trainer's state (abstract or real: nothing runs)."""
+        U, C = self.config.num_updates, self.config.micro_batch_size
+        rows = lambda dtype: jax.ShapeDtypeStruct(  # noqa: E731
+            (U, batch_size // (U * C), C, length), dtype, sharding=self._rows_UMCT
+        )
+        flat = lambda dtype: jax.ShapeDtypeStruct((batch_size,), dtype, sharding=self._replicated)  # noqa: E731
+        inputs = StepInputs(
+            tokens_UMCT=rows(np.int32),
+            loss_mask_UMCT=rows(np.float32),
+            inference_logps_UMCT=rows(np.float32),
+            behaviour_logps_UMCT=rows(np.float32),
+            rewards_B=flat(np.float32),
+            valid_B=flat(np.float32),
+            group_ids_B=flat(np.int32),
+        )
+        return self._step.lower(self._state, inputs, self._ref_params)
+
+    def lower_recompute(self, batch_size: int, length: int) -> jax.stages.Lowered:
+        """The behaviour log-prob chunk program for a whole-batch step's [U, M, C, T] buffers."""
+        U, C = self.config.num_updates, self.config.micro_batch_size
+        tokens = jax.ShapeDtypeStruct((U, batch_size // (U * C), C, length), np.int32, sharding=self._rows_UMCT)
+        return self._behaviour.lower(self._state.params, tokens)
+
+    def lower_bucketed(self, batch_size: int, max_length: int, widths=(None,)) -> list[tuple[str, jax.stages.Lowered]]:
+        """With `length_bucket`, every program `warmup` compiles (gradient and recompute per bucket,
+        the gradient sum, the optimizer update), lowered; [] without."""
+        if self._bucketed is None:
+            return []
+        rows_per_update = batch_size // self.config.num_updates
+        return self._bucketed.lower(self._state, self._ref_params, max_length, rows_per_update, widths)
+
     # -------------------------------------------------------------- internals
     def _rows(self, x_BT: np.ndarray, dtype) -> jax.Array:
         """A host [B, T] array laid out [U, M, C, T] on the trainer mesh."""
@@ -433,3 +509,8 @@ def _router_metrics(outputs) -> dict:
         router_load_ratio=tuple(float(r) for r in ratio_L),
         router_aux_loss=float(outputs.router_aux_loss),
     )
+
+
+def _with_shardings(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s leaves carrying `shardings` (a matching tree)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

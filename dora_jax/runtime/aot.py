@@ -1,0 +1,530 @@
+"""Ahead-of-time compilation of every program a role runs, for a TPU topology, on a CPU machine.
+
+With `libtpu` installed and `JAX_PLATFORMS=cpu`, `jax.experimental.topologies.get_topology_desc`
+hands out the devices of a TPU slice that is not here (`v5p:2x2x4` is a v5p-32), and lowering a
+jitted function on `ShapeDtypeStruct`s sharded over a mesh of those devices runs the real TPU
+compiler. Its `memory_analysis()` and `cost_analysis()` describe each program on one chip.
+
+`compile_roles(config, pod, target)` builds each role's mesh on its topology (`mesh.trainer` on
+the trainer slice, `mesh.rollout` on one rollout slice; a single host splits its chips as the
+embedded run does), the params abstractly (`jax.eval_shape` of the model init: no weights in
+memory), the Trainer and the RolloutEngine over them (`Trainer.abstract`,
+`RolloutEngine.lower_programs`), and compiles: the train step (each bucket length with
+`trainer.length_bucket`, else the widest batch), the behaviour recompute, the optimizer update
+(inside the whole-batch step, or alone when bucketed); prefill per bucket, generate, insert and
+slot export per row bucket (an import is an insert).
+
+Memory per chip: resident = what stays between programs (trainer: params, optimizer state, the
+KL reference, the param versions the ParamStore keeps for recompute: K + 1 copies on device in
+one process, one at a time read from a tensorstore tier in a multi-slice pod; rollout: params and
+the decode state with its KV cache); peak = resident + the largest program's transient bytes
+(temporaries plus outputs that alias no input). Time per program: XLA's `optimal_seconds` where
+positive, else a roofline max(flops / peak FLOP/s, bytes / HBM bandwidth) marked "roofline".
+XLA counts a `lax.scan` body once, so the whole-batch train step is compiled with one micro-batch
+per update (M = 1: the same micro-batch program, temporaries and gradient accumulator; inputs M
+times smaller) and its flops, bytes and time are XLA's figures times the U x M micro-batch trips
+(the optimizer update, U times in truth, is then counted U x M times: small next to a
+micro-batch's forward and backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dora_jax import models
+from dora_jax.parallel import sharding as sharding_lib
+from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+from dora_jax.runtime import build
+from dora_jax.runtime.run_config import RunConfig
+from dora_jax.trainer import Trainer
+from dora_jax.trainer.batching import bucket_length
+from dora_jax.trainer.bucketed import bucket_lengths
+
+INSTALL = 'pip install -e ".[tpu]"'  # libtpu, pinned to what jax[tpu] pins for the jax version
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    generation: str
+    hbm_bytes: int
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes_per_s: float
+
+
+# Per chip, from the Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, /v5e,
+# /v5p, /v6e; read 2026-11): HBM capacity, peak bf16 FLOP/s, HBM bandwidth.
+CHIPS = {
+    "v4": Chip("v4", 32 * GiB, 275e12, 1228e9),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9),
+    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9),
+}
+# Accelerator type prefix (gcloud's, as in launch/tpu_types.py) -> (generation, cores per unit of
+# the suffix): v4 and v5p types count TensorCores (2 per chip), v5e and v6e count chips.
+_TYPE_PREFIXES = {"v4": ("v4", 2), "v5p": ("v5p", 2), "v5litepod": ("v5e", 1), "v5e": ("v5e", 1), "v6e": ("v6e", 1)}
+_TORUS_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
+# `device_kind` of a local TPU -> generation (for --target=local).
+_DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5p": "v5p", "TPU v5": "v5p"}
+_DEVICE_KINDS.update({"TPU v6 lite": "v6e", "TPU v6e": "v6e"})
+
+# HF config.json fields of the checkpoints the real configs name (model.hf_path's last part),
+# for when the checkpoint is not on this machine.
+_QWEN = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6, bos_token_id=151643, use_sliding_window=False)
+KNOWN_ARCHITECTURES = {
+    "qwen2.5-0.5b-instruct": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        eos_token_id=151645,
+    ),
+    "qwen2.5-7b": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        eos_token_id=151643,
+    ),
+    "qwen3-30b-a3b": dict(
+        _QWEN,
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        eos_token_id=151645,
+        attention_bias=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+}
+KNOWN_ARCHITECTURES["qwen2.5-0.5b"] = KNOWN_ARCHITECTURES["qwen2.5-0.5b-instruct"]
+KNOWN_ARCHITECTURES["qwen2.5-7b-instruct"] = KNOWN_ARCHITECTURES["qwen2.5-7b"]
+
+
+# ---------------------------------------------------------------------------------- topologies
+def topology_of_type(name: str, field: str) -> str:
+    """`v5p-32` -> `v5p:2x2x4`: the topology name of a Cloud TPU accelerator type."""
+    prefix, _, suffix = name.rpartition("-")
+    if prefix not in _TYPE_PREFIXES or not suffix.isdigit():
+        raise ValueError(
+            f"{field}={name!r} is not a known TPU accelerator type; expected <prefix>-<size> with prefix "
+            f"one of {sorted(_TYPE_PREFIXES)} (e.g. v5p-32, v5litepod-8, v6e-8, v4-16)"
+        )
+    generation, cores = _TYPE_PREFIXES[prefix]
+    chips, rest = divmod(int(suffix), cores)
+    dims = [2, 2, 1] if _TORUS_DIMS[generation] == 3 else [1, 1]
+    if rest or chips < math.prod(dims) or chips & (chips - 1):
+        smallest = math.prod(dims) * cores
+        raise ValueError(
+            f"{field}={name!r}: {int(suffix)} is not a slice size of {prefix}; expected a power of two >= {smallest}"
+        )
+    while math.prod(dims) < chips:  # double the smallest axis (the last of equals): 2x2x1 -> 2x2x2 -> 2x2x4 -> 2x4x4
+        axis = max(i for i, d in enumerate(dims) if d == min(dims))
+        dims[axis] *= 2
+    return f"{generation}:{'x'.join(map(str, dims))}"
+
+
+def chip_of_topology(topology: str, field: str) -> Chip:
+    generation, _, shape = topology.partition(":")
+    if generation not in CHIPS or not shape:
+        raise ValueError(
+            f"{field}={topology!r} is not a TPU topology; expected <generation>:<shape> with generation one "
+            f"of {sorted(CHIPS)} (e.g. v5e:2x2, v5p:2x2x4)"
+        )
+    return CHIPS[generation]
+
+
+def topology_devices(topology: str, field: str) -> list:
+    """The devices of a TPU slice described by `topology`, from libtpu (no TPU needed)."""
+    chip_of_topology(topology, field)
+    if importlib.util.find_spec("libtpu") is None:
+        raise RuntimeError(f"compiling for a TPU topology needs libtpu, which is not installed: {INSTALL}")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu
+    if "xla_tpu_no_crash_on_oom" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+        # An over-capacity program reports the bytes it asks for instead of failing to compile.
+        os.environ["LIBTPU_INIT_ARGS"] = (
+            os.environ.get("LIBTPU_INIT_ARGS", "") + " --xla_tpu_no_crash_on_oom=true"
+        ).strip()
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    except Exception as err:  # libtpu's own message says which part of the name it refused
+        raise ValueError(f"{field}={topology!r}: libtpu does not know this topology ({err})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleTarget:
+    """One role to compile: its mesh on its topology's devices."""
+
+    role: str  # "trainer" | "rollout"
+    topology: str
+    mesh: Mesh
+    chip: Chip | None  # None: a local non-TPU device (capacity from the device where it says)
+    store_versions_on_device: bool  # the ParamStore's versions live on the trainer's chips (one process)
+
+
+def _covering_mesh(devices, shape: dict, mesh_field: str, type_field: str, type_name: str) -> Mesh:
+    if sharding_lib.mesh_size(shape) != len(devices):
+        raise ValueError(
+            f"{mesh_field}={shape} spans {sharding_lib.mesh_size(shape)} chips but {type_field}={type_name!r} "
+            f"has {len(devices)}; the mesh must cover its slice (e.g. {mesh_field}={{'fsdp': {len(devices)}}})"
+        )
+    return sharding_lib.make_mesh(devices, shape)
+
+
+def plan_roles(config: RunConfig, pod, target: str) -> list[RoleTarget]:
+    """The roles to compile. `target`: "pod" (the config's `pod` section: `pod` is that ConfigDict),
+    "local" (this machine's devices) or a topology name such as "v5e:2x2" (one host's chips); the
+    last two split their devices as the embedded run does."""
+    trainer_shape, rollout_shape = dict(config.mesh.trainer), dict(config.mesh.rollout)
+    if target == "pod":
+        if pod is None:
+            raise ValueError("the config has no `pod` section; pass --target=local or --target=TOPOLOGY (e.g. v5e:2x4)")
+        layout = str(pod.layout)
+        trainer_topology = topology_of_type(str(pod.trainer_type), "pod.trainer_type")
+        if layout == "single_host":
+            return _split_host(config, trainer_topology, topology_devices(trainer_topology, "pod.trainer_type"))
+        if layout not in ("slices", "multislice"):
+            raise ValueError(f"pod.layout={layout!r}; expected one of ['single_host', 'slices', 'multislice']")
+        rollout_field = "pod.rollout_type" if layout == "slices" else "pod.trainer_type"
+        rollout_type = str(pod.rollout_type) if layout == "slices" else str(pod.trainer_type)
+        rollout_topology = topology_of_type(rollout_type, rollout_field)
+        devices = topology_devices(trainer_topology, "pod.trainer_type")
+        trainer = _covering_mesh(devices, trainer_shape, "mesh.trainer", "pod.trainer_type", str(pod.trainer_type))
+        devices = topology_devices(rollout_topology, rollout_field)
+        rollout = _covering_mesh(devices, rollout_shape, "mesh.rollout", rollout_field, rollout_type)
+        return [
+            RoleTarget("trainer", trainer_topology, trainer, chip_of_topology(trainer_topology, "pod"), False),
+            RoleTarget("rollout", rollout_topology, rollout, chip_of_topology(rollout_topology, "pod"), False),
+        ]
+    if target == "local":
+        devices = jax.devices()
+        return _split_host(config, f"local:{devices[0].device_kind}x{len(devices)}", devices)
+    return _split_host(config, target, topology_devices(target, "--target"))
+
+
+def _split_host(config: RunConfig, topology: str, devices) -> list[RoleTarget]:
+    slices = sharding_lib.split_devices(
+        dict(config.mesh.trainer),
+        dict(config.mesh.rollout),
+        config.rollout.num_slices,
+        devices=devices,
+        time_shared=config.mesh.time_shared,
+    )
+    chip = _chip_of_device(devices[0]) if topology.startswith("local:") else chip_of_topology(topology, "--target")
+    return [
+        RoleTarget("trainer", topology, slices.trainer, chip, True),
+        RoleTarget("rollout", topology, slices.rollout[0], chip, True),
+    ]
+
+
+def _chip_of_device(device) -> Chip | None:
+    generation = _DEVICE_KINDS.get(device.device_kind)
+    return CHIPS[generation] if generation else None
+
+
+# ---------------------------------------------------------------------------------- the model
+def model_config(config: RunConfig) -> models.ModelConfig:
+    """The architecture: the checkpoint's config.json where it is here, else the known-architecture
+    table by the checkpoint's directory name, else a fresh model from the `model` fields."""
+    m = config.model
+    dtype, param_dtype = models.dtype_from_name(m.dtype), models.dtype_from_name(m.param_dtype)
+    path = config.init.checkpoint or m.hf_path
+    if not path:
+        tokenizer = build.make_tokenizer(config)
+        return build.fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
+    if os.path.exists(os.path.join(path, "config.json")):
+        cfg = models.read_config(path, dtype=dtype, param_dtype=param_dtype)
+    else:
+        name = os.path.basename(os.path.normpath(path)).lower()
+        field = "init.checkpoint" if config.init.checkpoint else "model.hf_path"
+        if name not in KNOWN_ARCHITECTURES:
+            raise ValueError(
+                f"{field}={path!r} has no config.json here and {name!r} is not a known architecture "
+                f"({', '.join(sorted(KNOWN_ARCHITECTURES))}); point it at a HF checkpoint directory"
+            )
+        source = f"dora_jax.runtime.aot.KNOWN_ARCHITECTURES[{name!r}]"
+        cfg = models.ModelConfig.from_hf(KNOWN_ARCHITECTURES[name], dtype=dtype, param_dtype=param_dtype, source=source)
+        for ours, theirs in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_heads", "num_heads")):
+            if getattr(m, ours) != getattr(cfg, theirs):
+                raise ValueError(f"model.{ours}={getattr(m, ours)} but {source} has {getattr(cfg, theirs)}")
+    return cfg.replace(moe_dispatch=m.moe_dispatch, attention=m.attention, remat=m.remat)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def bytes_per_chip(tree) -> int:
+    """Bytes one device holds of a tree of arrays / ShapeDtypeStructs with NamedShardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def matmul_params(cfg: models.ModelConfig) -> int:
+    """Weights one token multiplies through (the experts it is routed to, the LM head)."""
+    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
+    sparse = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    sparse += cfg.hidden_size * cfg.num_experts  # the router
+    mlp = sum(sparse if cfg.is_moe_layer(i) else dense for i in range(cfg.num_layers))
+    return cfg.num_layers * attention + mlp + cfg.hidden_size * cfg.vocab_size
+
+
+def train_model_flops(cfg: models.ModelConfig, rows: int, length: int) -> float:
+    """Model flops of a forward and backward over rows x length tokens (causal attention: half
+    of the T x T scores), the usual 6 N D + attention."""
+    tokens = rows * length
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * tokens  # 4 L H D T^2 / 2 per row
+    return 3.0 * (2 * matmul_params(cfg) * tokens + attention)
+
+
+# ---------------------------------------------------------------------------------- compiling
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    lower: Callable[[], jax.stages.Lowered]
+    trips: int = 1  # scan trips XLA's cost analysis counts once
+    model_flops: float | None = None  # per chip, per call
+
+
+def trainer_programs(config: RunConfig, trainer: Trainer, cfg, chips: int, lengths=()) -> list[Program]:
+    t, batch = config.trainer, config.coordinator.train_batch_size
+    max_length = config.rollout.cache_length
+    if t.length_bucket:
+        widths = tuple(bucket_lengths(max_length, config.pad_to))  # as Trainer.warmup sees them
+        return [
+            Program(name, lambda lowered=lowered: lowered)
+            for name, lowered in trainer.lower_bucketed(batch, max_length, widths)
+        ]
+    lengths = sorted(set(lengths) | {bucket_length(max_length, config.pad_to)})  # the widest batch
+    U, C = t.num_updates, t.micro_batch_size
+    M = batch // (U * C)
+    programs = []
+    for T in lengths:
+        flops = train_model_flops(cfg, batch, T) / chips  # the whole batch: the record is scaled to it
+        programs.append(
+            Program(
+                f"train_step[B={batch},U={U},M={M},C={C},T={T}]",
+                lambda T=T: trainer.lower_train_step(U * C, T),  # one micro-batch per update
+                trips=U * M,
+                model_flops=flops,
+            )
+        )
+        programs.append(Program(f"recompute[C={C},T={T}]", lambda T=T: trainer.lower_recompute(batch, T)))
+    return programs
+
+
+def compile_program(program: Program, chip: Chip | None, log=print) -> dict:
+    start = time.perf_counter()
+    record = {"name": program.name}
+    try:
+        compiled = program.lower().compile()
+    except Exception as err:  # e.g. RESOURCE_EXHAUSTED where libtpu still refuses: report, go on
+        record.update(error=f"{type(err).__name__}: {' '.join(str(err).split())[:600]}")
+        log(f"  {program.name}: compile failed: {record['error']}")
+        return record
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
+    flops = float(cost.get("flops", 0.0)) * program.trips
+    accessed = float(cost.get("bytes accessed", 0.0)) * program.trips
+    seconds, estimate = float(cost.get("optimal_seconds", -1.0)) * program.trips, "xla"
+    if seconds <= 0:
+        seconds, estimate = None, None
+        if chip is not None:
+            seconds, estimate = max(flops / chip.peak_flops, accessed / chip.hbm_bytes_per_s), "roofline"
+    record.update(
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        flops=flops,
+        bytes_accessed=accessed,
+        estimated_s=seconds,
+        estimate=estimate,
+        scan_trips=program.trips,
+    )
+    if program.model_flops is not None:
+        record["model_flops"] = program.model_flops
+        if seconds and chip is not None:
+            record["mfu"] = program.model_flops / seconds / chip.peak_flops
+    log(
+        f"  {program.name}: compiled in {time.perf_counter() - start:.1f} s: temp {record['temp_bytes'] / GiB:.2f} "
+        f"GiB, {flops / 1e12:.3f} TFLOP, estimated {seconds} s ({estimate})"
+    )
+    return record
+
+
+def transient_bytes(record: dict) -> int:
+    """Bytes a program needs beyond what is resident: temporaries and outputs aliasing no input."""
+    return record["temp_bytes"] + max(0, record["output_bytes"] - record["alias_bytes"])
+
+
+def compile_role(config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), log=print) -> dict:
+    log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
+    if cfg.attention == "auto" and target.mesh.devices.flat[0].platform == "tpu":
+        # "auto" reads the default backend, which is this host's CPU while compiling for TPU chips.
+        cfg = cfg.replace(attention="pallas_tpu")
+    graphdef, abstract_params = models.split(models.abstract_model(cfg))
+    chips = int(target.mesh.devices.size)
+    if target.role == "trainer":
+        axes = models.logical_axes(models.abstract_model(cfg))
+        trainer = Trainer.abstract(graphdef, abstract_params, axes, target.mesh, config.trainer)
+        params = bytes_per_chip(trainer.state.params)
+        versions = config.coordinator.k_max + 1 if target.store_versions_on_device else 1
+        resident = {
+            "params": params,
+            "optimizer_state": bytes_per_chip(trainer.state) - params,
+            "kl_reference": params if config.trainer.kl_coef > 0 else 0,
+            f"param_versions_x{versions}": params * versions,
+        }
+        programs = trainer_programs(config, trainer, cfg, chips, train_lengths)
+    else:
+        engine_config = EngineConfig(
+            num_slots=config.rollout.slots,
+            cache_length=config.rollout.cache_length,
+            max_prefill_length=config.rollout.max_prefill_length,
+        )
+        engine = RolloutEngine(cfg, engine_config, target.mesh)
+        resident = {
+            "params": bytes_per_chip(_abstract(abstract_params, engine.param_shardings)),
+            "decode_state": bytes_per_chip(engine.abstract_decode_state()),
+        }
+        programs = [Program(name, lambda lowered=lowered: lowered) for name, lowered in engine.lower_programs()]
+    records = [compile_program(p, target.chip, log) for p in programs]
+    return _role_record(target, resident, records)
+
+
+def _role_record(target: RoleTarget, resident: dict, records: list[dict]) -> dict:
+    capacity = target.chip.hbm_bytes if target.chip else _device_limit(target.mesh)
+    compiled = [r for r in records if "error" not in r]
+    largest = max(compiled, key=transient_bytes, default=None)
+    resident_total = sum(resident.values())
+    peak = resident_total + (transient_bytes(largest) if largest else 0)
+    fits = None if capacity is None else bool(peak <= capacity and len(compiled) == len(records))
+    return {
+        "role": target.role,
+        "topology": target.topology,
+        "chips": int(target.mesh.devices.size),
+        "mesh": {k: int(v) for k, v in target.mesh.shape.items()},
+        "hbm_capacity_bytes_per_chip": capacity,
+        "resident_bytes_per_chip": resident_total,
+        "resident_breakdown": resident,
+        "peak_bytes_per_chip": peak,
+        "largest_program": largest["name"] if largest else None,
+        "fits": fits,
+        "programs": records,
+    }
+
+
+def _device_limit(mesh: Mesh) -> int | None:
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def compile_roles(
+    config: RunConfig, pod, target: str, *, train_lengths=(), roles=("trainer", "rollout"), log=None, on_role=None
+):
+    """compile.json's content (without "config") for `config` on `target` (see `plan_roles`).
+    `on_role(partial_result)` is called after each role (big models compile for many minutes)."""
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    cfg = model_config(config)
+    plans = [p for p in plan_roles(config, pod, target) if p.role in roles]
+    cache = jax.config.jax_enable_compilation_cache
+    # A TPU executable compiled for a topology cannot be read back without a TPU client: no cache.
+    jax.config.update("jax_enable_compilation_cache", target == "local" and cache)
+    records = []
+    try:
+        for plan in plans:
+            records.append(compile_role(config, plan, cfg, train_lengths=train_lengths, log=log))
+            if on_role is not None:
+                on_role(_result(records))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    return _result(records)
+
+
+def _result(records: list[dict]) -> dict:
+    return {"roles": records, "fits": all(r["fits"] is not False for r in records)}
+
+
+def does_not_fit(result: dict) -> list[str]:
+    """One line per role that does not fit: the program, its bytes and the capacity."""
+    lines = []
+    for role in result["roles"]:
+        if role["fits"] is not False:
+            continue
+        failed = [p["name"] for p in role["programs"] if "error" in p]
+        if failed:
+            lines.append(f"{role['role']} on {role['topology']}: {', '.join(failed)} did not compile")
+        largest = next((p for p in role["programs"] if p["name"] == role["largest_program"]), None)
+        if role["peak_bytes_per_chip"] > role["hbm_capacity_bytes_per_chip"] and largest is not None:
+            gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+            lines.append(
+                f"{role['role']} on {role['topology']} does not fit: {largest['name']} needs "
+                f"{gib(transient_bytes(largest))} per chip on top of {gib(role['resident_bytes_per_chip'])} "
+                f"resident = {gib(role['peak_bytes_per_chip'])} > {gib(role['hbm_capacity_bytes_per_chip'])} HBM"
+            )
+    return lines
+
+
+def table(result: dict) -> str:
+    """The roles and their programs as text."""
+    gib = lambda n: "-" if n is None else f"{n / GiB:.2f}"  # noqa: E731
+    lines = [f"{'role':8} {'topology':12} {'chips':>5} {'resident GiB':>12} {'peak GiB':>9} {'HBM GiB':>8}  fits"]
+    for r in result["roles"]:
+        lines.append(
+            f"{r['role']:8} {r['topology']:12} {r['chips']:>5} {gib(r['resident_bytes_per_chip']):>12} "
+            f"{gib(r['peak_bytes_per_chip']):>9} {gib(r['hbm_capacity_bytes_per_chip']):>8}  {r['fits']}"
+        )
+    lines.append("")
+    lines.append(f"{'program':52} {'temp GiB':>9} {'args GiB':>9} {'TFLOP':>9} {'est ms':>9}  estimate")
+    for r in result["roles"]:
+        for p in r["programs"]:
+            if "error" in p:
+                lines.append(f"{r['role'] + ' ' + p['name']:52} {p['error']}")
+                continue
+            ms = "-" if p["estimated_s"] is None else f"{p['estimated_s'] * 1e3:.2f}"
+            name = f"{r['role']} {p['name']}"
+            lines.append(
+                f"{name:52} {gib(p['temp_bytes']):>9} {gib(p['argument_bytes']):>9} {p['flops'] / 1e12:>9.3f} "
+                f"{ms:>9}  {p['estimate']}" + (f" (MFU {p['mfu']:.1%})" if "mfu" in p else "")
+            )
+    return "\n".join(lines)

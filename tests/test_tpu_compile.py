@@ -1,0 +1,132 @@
+"""Ahead-of-time compilation for TPU topologies on this CPU machine (dora_jax.runtime.aot and the
+`python -m dora_jax.tpu_compile` command): a tiny model's programs compile for a v5e:2x2 and fit,
+a huge one is reported as not fitting with the program named, bad input is refused by name."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from dora_jax.runtime import aot, run_config
+from tests.helpers import tiny_config
+
+ROLE_KEYS = {
+    "role",
+    "topology",
+    "chips",
+    "hbm_capacity_bytes_per_chip",
+    "resident_bytes_per_chip",
+    "peak_bytes_per_chip",
+    "fits",
+    "programs",
+}
+PROGRAM_KEYS = {
+    "name",
+    "argument_bytes",
+    "output_bytes",
+    "temp_bytes",
+    "alias_bytes",
+    "flops",
+    "bytes_accessed",
+    "estimated_s",
+}
+
+
+def _config(**model):
+    """The smoke config shrunk to a 2-layer model and short rows: 2 trainer chips + 2 rollout chips."""
+    c = tiny_config("dora")
+    with c.unlocked():
+        c.rollout.num_slices = 2
+        c.rollout.cache_length = 32
+        c.rollout.max_prefill_length = 16
+        c.rollout.max_new_tokens = 24
+        c.trainer.length_bucket = 0  # one whole-batch train step (T = 32)
+        for field, value in model.items():
+            setattr(c.model, field, value)
+    return c
+
+
+def test_accelerator_types_map_to_topologies():
+    assert aot.topology_of_type("v5p-32", "pod.trainer_type") == "v5p:2x2x4"
+    assert aot.topology_of_type("v5p-8", "pod.rollout_type") == "v5p:2x2x1"
+    assert aot.topology_of_type("v5litepod-8", "pod.trainer_type") == "v5e:2x4"
+    assert aot.topology_of_type("v6e-256", "pod.trainer_type") == "v6e:16x16"
+    assert aot.topology_of_type("v4-16", "pod.trainer_type") == "v4:2x2x2"
+    with pytest.raises(ValueError, match=r"pod.trainer_type='v5p-33'.*power of two"):
+        aot.topology_of_type("v5p-33", "pod.trainer_type")
+    with pytest.raises(ValueError, match=r"pod.rollout_type='tpu9-8' is not a known TPU accelerator type"):
+        aot.topology_of_type("tpu9-8", "pod.rollout_type")
+
+
+@pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
+def test_a_tiny_model_compiles_for_v5e_and_fits():
+    config = run_config.parse(_config())
+    result = aot.compile_roles(config, None, "v5e:2x2")
+    assert result["fits"] is True
+    trainer, rollout = result["roles"]
+    for role in result["roles"]:
+        assert ROLE_KEYS <= set(role)
+        assert role["topology"] == "v5e:2x2" and role["hbm_capacity_bytes_per_chip"] == 16 * 2**30
+        assert 0 < role["resident_bytes_per_chip"] < role["peak_bytes_per_chip"] < 2**30
+        for program in role["programs"]:
+            assert PROGRAM_KEYS <= set(program), program
+            assert program["argument_bytes"] > 0 and program["estimated_s"] > 0
+    assert (trainer["role"], trainer["chips"], rollout["role"], rollout["chips"]) == ("trainer", 2, "rollout", 1)
+    step = trainer["programs"][0]
+    assert step["name"] == "train_step[B=8,U=1,M=1,C=8,T=32]"
+    assert step["flops"] > 0 and step["bytes_accessed"] > 0 and step["model_flops"] > 0
+    names = [p["name"] for p in trainer["programs"] + rollout["programs"]]
+    expected = ["train_step[B=8,U=1,M=1,C=8,T=32]", "recompute[C=8,T=32]", "prefill[T=16]", "generate"]
+    assert names == expected + ["insert[rows=16]", "read_slot[rows=16]", "insert[rows=32]", "read_slot[rows=32]"]
+    assert aot.does_not_fit(result) == []
+    json.dumps(result)  # compile.json's content
+
+
+@pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
+def test_a_huge_model_does_not_fit_and_the_program_is_named():
+    # 2 layers of 3.5B params each: 28 GB of fp32 weights for one 16 GiB chip.
+    c = _config(hidden_size=16384, intermediate_size=65536, num_heads=128, num_kv_heads=16, head_dim=128)
+    config = run_config.parse(c)
+    result = aot.compile_roles(config, None, "v5e:2x2", roles=("rollout",))
+    (rollout,) = result["roles"]
+    assert result["fits"] is False and rollout["fits"] is False
+    assert rollout["peak_bytes_per_chip"] > rollout["hbm_capacity_bytes_per_chip"]
+    (line,) = aot.does_not_fit(result)
+    assert line.startswith(f"rollout on v5e:2x2 does not fit: {rollout['largest_program']} needs")
+    assert "GiB HBM" in line
+
+
+def test_bad_topologies_and_meshes_are_refused_by_name():
+    config = run_config.parse(_config())
+    with pytest.raises(ValueError, match=r"--target='v9z:2x2' is not a TPU topology"):
+        aot.plan_roles(config, None, "v9z:2x2")
+    pod = ml_collections.ConfigDict({"layout": "slices", "trainer_type": "v5litepod-4", "rollout_type": "v5litepod-1"})
+    with pytest.raises(
+        ValueError, match=r"mesh.trainer=\{'fsdp': 2\} spans 2 chips but pod.trainer_type='v5litepod-4' has 4"
+    ):
+        aot.plan_roles(config, pod, "pod")
+    with pytest.raises(ValueError, match="the config has no `pod` section"):
+        aot.plan_roles(config, None, "pod")
+
+
+def test_without_libtpu_the_install_command_is_named(monkeypatch):
+    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r'pip install -e "\.\[tpu\]"'):
+        aot.topology_devices("v5e:2x2", "--target")
+
+
+def test_the_command_names_a_bad_target_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "dora_jax.tpu_compile", "--config=configs/smoke.py", f"--out={tmp_path}"]
+        + ["--target=v5e:3x3"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "tpu_compile: --target='v5e:3x3'" in result.stderr
+    assert "Traceback" not in result.stderr
