@@ -274,16 +274,8 @@ class BucketedStep:
         of any of `widths` positions (gradient and recompute) on dummy rows, so that a long sample
         arriving mid-run costs no compile. Params are not changed. Returns the lengths."""
         c, params = self._config, state.params
-        lengths = bucket_lengths(max_length, self._pad_to, widths)
-        for T in lengths:
-            rows = functools.partial(
-                micro_rows,
-                T,
-                micro_batch_size=c.micro_batch_size,
-                token_budget=c.micro_batch_tokens,
-                shards=self._shards,
-            )
-            R, chunk = rows(limit=rows_per_update), rows(limit=c.micro_batch_size)  # gradient, recompute
+        shapes = self._micro_shapes(max_length, rows_per_update, widths)
+        for T, R, chunk in shapes:
             tokens = np.zeros((chunk, T), np.int32)
             self._behaviour(
                 jax.device_put(tokens[None, None], self._rows_UMCT), np.full(chunk, version), params_of, chunk=chunk
@@ -303,16 +295,12 @@ class BucketedStep:
         self._apply.lower(state, grads, loss).compile()
         B = rows_per_update * c.num_updates
         self._advantages(np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.float32))
-        return lengths
+        return [T for T, _, _ in shapes]
 
-    def lower(
-        self, state, ref_params, max_length: int, rows_per_update: int, widths=(None,)
-    ) -> list[tuple[str, jax.stages.Lowered]]:
-        """The programs `warmup` compiles, lowered on `state` (abstract values with shardings are
-        enough: nothing runs), for ahead-of-time compilation: [(name, Lowered)]."""
-        c, params = self._config, state.params
-        abstract = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
-        programs = []
+    def _micro_shapes(self, max_length: int, rows_per_update: int, widths) -> list[tuple[int, int, int]]:
+        """(T, gradient rows, recompute rows) of every micro-batch a row of up to `max_length`
+        positions can get in a batch of any of `widths` positions."""
+        c, shapes = self._config, []
         for T in bucket_lengths(max_length, self._pad_to, widths):
             rows = functools.partial(
                 micro_rows,
@@ -321,7 +309,18 @@ class BucketedStep:
                 token_budget=c.micro_batch_tokens,
                 shards=self._shards,
             )
-            R, chunk = rows(limit=rows_per_update), rows(limit=c.micro_batch_size)  # gradient, recompute
+            shapes.append((T, rows(limit=rows_per_update), rows(limit=c.micro_batch_size)))
+        return shapes
+
+    def lower(
+        self, state, ref_params, max_length: int, rows_per_update: int, widths=(None,)
+    ) -> list[tuple[str, jax.stages.Lowered]]:
+        """The programs `warmup` compiles, lowered on `state` (abstract values with shardings are
+        enough: nothing runs), for ahead-of-time compilation: [(name, Lowered)]."""
+        params = state.params
+        abstract = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+        programs = []
+        for T, R, chunk in self._micro_shapes(max_length, rows_per_update, widths):
             tokens = abstract((1, 1, chunk, T), jnp.int32, self._rows_UMCT)
             programs.append((f"recompute[rows={chunk},T={T}]", self._behaviour.lower(params, tokens, chunk=chunk)))
             zeros = lambda dtype, R=R, T=T: abstract((R, T), dtype, self._rows_CT)  # noqa: E731
