@@ -48,6 +48,7 @@ def get_config(arg=None):
         # (~16 ms per micro-batch gradient here) and no compute.
         c.mesh.trainer = {"fsdp": 1}
         c.log.tensorboard = False
+        c.eval.every_steps = 0  # a throughput bench: no evaluation rounds on the slices
         c.bench = {
             "median_len": 24.0,
             "sigma": 1.1,

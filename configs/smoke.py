@@ -113,7 +113,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = 0  # 0 = no periodic checkpoints (SIGTERM still saves one)
     c.checkpoint.keep = 3  # newest checkpoints kept in WORKDIR/checkpoints
 
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every_steps = 25  # evaluate the newest version at 0, every N steps and at the last step (0 = off)
+    c.eval.num_prompts = 128  # held-out prompts (running_sums: draws training never makes)
+    c.eval.samples = 4  # sampled responses per prompt: eval/pass@4; plus one greedy response each
+    c.eval.path = ""  # an eval file (file tasks); "" = held out from the task's own source
+    c.eval.final_timeout_s = 600.0  # the run waits this long for the last round
+
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True  # write TensorBoard events under WORKDIR/tb
+    c.log.wandb = False  # also log to Weights & Biases (pip install -e ".[wandb]")
+    c.log.wandb_project = "dora_jax"
+    c.log.wandb_name = ""  # "" = wandb's generated run name
+    c.log.wandb_tags = ("smoke",)
+    c.log.wandb_mode = "online"  # online | offline (no network; `wandb sync` later) | disabled
     c.lock()
     return c

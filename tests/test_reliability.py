@@ -28,6 +28,7 @@ OVERRIDES = [
     "--config.coordinator.rollout_batch_size=16",
     "--config.trainer.micro_batch_size=8",
     "--config.log.tensorboard=False",
+    "--config.eval.every_steps=0",
     f"--config.num_steps={STEPS}",
     "--config.checkpoint.every_steps=2",
 ]

@@ -1,7 +1,7 @@
 """`python -m dora_jax.audit WORKDIR`: audits a run's ledger for C1, C2, C3 and exactly-once.
 
 Prints a JSON summary (staleness histogram, versions concurrently in flight, migrations with and
-without KV) and exits 1 on a violation of what the run's mode promises.
+without KV, evaluation rounds counted apart) and exits 1 on a violation of what the run's mode promises.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ def main(argv: list[str]) -> int:
         f"violations={violations} max_staleness={report.max_staleness} "
         f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv}"
     )
+    if report.eval_dispatched:
+        greedy = [
+            round(e["eval/reward_greedy"], 3) for e in report.evaluations if e.get("eval/reward_greedy") is not None
+        ]
+        print(
+            f"evaluation (never trained on, not counted in C2): {len(report.evaluations)} rounds, "
+            f"{report.eval_finished} of {report.eval_dispatched} requests finished, greedy reward by round {greedy}"
+        )
     return 0 if report.ok else 1
 
 

@@ -36,6 +36,8 @@ def main(argv):
     from dora_jax.runtime.metrics import plot_reward_curve, read_metrics
 
     rows = read_metrics(result.workdir)  # every step of the run, resumed ones included
+    evals = [r for r in rows if "eval/reward_greedy" in r]
+    rows = [r for r in rows if "reward_mean" in r]
     curve = plot_reward_curve(result.workdir)
     print(
         json.dumps(
@@ -46,6 +48,19 @@ def main(argv):
                 "wall_s": round(result.wall_s, 2),
                 "reward_first3": _mean(r["reward_mean"] for r in rows[:3]),
                 "reward_last3": _mean(r["reward_mean"] for r in rows[-3:]),
+                "eval": {
+                    "steps": [r["step"] for r in evals],
+                    "reward_greedy": [_mean([r["eval/reward_greedy"]]) for r in evals],
+                    **{
+                        k: [_mean([r.get(k)]) for r in evals]
+                        for k in sorted({k for r in evals for k in r})
+                        if "pass@" in k
+                    },
+                    "wall_s": round(sum(r["eval/wall_s"] for r in evals), 2),
+                    "leaked_train_prompts": evals[-1]["eval/leaked_train_prompts"] if evals else 0,
+                }
+                if evals
+                else None,
                 "resumed_from": result.resumed_from,
                 "preempted": result.preempted,
                 "checkpoint_errors": result.checkpoint_errors,

@@ -16,6 +16,10 @@ its last `load_version`.
   exactly once: no trajectory is consumed twice, none consumed without a dispatch and a finish.
   weights: every `load_version` and every `behaviour` record (the params the trainer used to
      recompute behaviour log-probs) of one version carry the same params digest.
+  evaluation: requests dispatched with `"eval": true` (dora_jax.coordinator.evaluation) are held
+     to C1 like any other, are counted apart (`eval_dispatched`, `eval_finished`,
+     `eval_unfinished_at_end`: not C2 losses, they were never for training), and an evaluation
+     trajectory that is consumed is an exactly-once violation (it must never be trained on).
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class AuditReport:
     exactly_once_violations: list = dataclasses.field(default_factory=list)
     weights_violations: list = dataclasses.field(default_factory=list)
     stranded: int = 0  # unconsumed samples that can no longer be trained (counted in C2)
+    eval_dispatched: int = 0
+    eval_finished: int = 0
+    eval_unfinished_at_end: int = 0  # evaluation requests lost (a preemption) or cut off by the run's end
+    evaluations: list = dataclasses.field(default_factory=list)  # each `eval` event's summary
 
     @property
     def max_staleness(self) -> int:
@@ -131,6 +139,7 @@ class _Walk:
         self.group_version: dict[str, int] = {}  # version of each consumed group
         self.digests: dict[int, dict[str, str]] = collections.defaultdict(dict)  # version -> digest -> first seen
         self.trained_at = -1  # newest trainer version that consumed
+        self.eval_trajs: set[str] = set()
         self.staleness = collections.Counter()
 
     def on_resume(self, event: dict) -> None:
@@ -169,8 +178,12 @@ class _Walk:
                     f"{traj}: re-dispatched under version {version}, first {self.version_of[traj]}"
                 )
         else:
-            report.dispatched += 1
             self.version_of[traj] = version
+            if event.get("eval"):
+                self.eval_trajs.add(traj)
+                report.eval_dispatched += 1
+            else:
+                report.dispatched += 1
         self._lands(traj, version, event["slice"], "dispatched")
         if traj not in self.finished:
             self._leaves(traj)
@@ -205,13 +218,18 @@ class _Walk:
             report.exactly_once_violations.append(f"{traj}: finished twice")
         self.finished.add(traj)
         self._leaves(traj)
-        report.finished += 1
+        if traj in self.eval_trajs:
+            report.eval_finished += 1
+        else:
+            report.finished += 1
         seen = sorted(set(event["versions_seen"]))
         if seen and seen != [self.version_of[traj]]:
             report.c1_violations.append(f"{traj}: dispatched as v{self.version_of[traj]} but sampled by {seen}")
 
     def on_consume(self, event: dict) -> None:
         report, traj, trainer_version = self.report, event["traj"], int(event["trainer_version"])
+        if traj in self.eval_trajs:
+            report.exactly_once_violations.append(f"{traj}: an evaluation trajectory was trained on")
         if traj in self.consumed:
             report.exactly_once_violations.append(f"{traj}: consumed twice")
         elif traj not in self.finished:
@@ -235,18 +253,22 @@ class _Walk:
     def on_publish(self, event: dict) -> None:
         self.report.publishes += 1
 
+    def on_eval(self, event: dict) -> None:
+        self.report.evaluations.append({k: v for k, v in event.items() if k not in ("ev", "t")})
+
     def on_drop(self, event: dict) -> None:
         self.report.c2_violations.append(f"{event['traj']}: dropped ({event.get('reason', '?')})")
 
     def finish(self) -> None:
         report = self.report
-        report.in_flight_at_end = len(self.in_flight)
-        report.unconsumed_finished_at_end = len(self.finished - self.consumed)
+        report.eval_unfinished_at_end = len(self.eval_trajs - self.finished)
+        report.in_flight_at_end = len(self.in_flight) - len(self.eval_trajs & set(self.in_flight))
+        report.unconsumed_finished_at_end = len(self.finished - self.consumed - self.eval_trajs)
         report.staleness_histogram = dict(self.staleness)
         if self.bound is None or self.trained_at < 0:
             return
         for traj, version in self.version_of.items():
-            if traj not in self.consumed and version + self.bound < self.trained_at + 1:
+            if traj not in self.consumed and traj not in self.eval_trajs and version + self.bound < self.trained_at + 1:
                 report.stranded += 1
                 report.c2_violations.append(
                     f"{traj} (v{version}): never consumed, and after the take at trainer version "

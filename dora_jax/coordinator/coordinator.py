@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from dora_jax.coordinator import events, orchestrator
+from dora_jax.coordinator import evaluation, events, orchestrator
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
 from dora_jax.coordinator.transfer_queue import TransferQueue
@@ -112,6 +112,9 @@ class CoordinatorStats:
     late_finishes: int = 0  # finished on a slice already declared dead (re-dispatched meanwhile)
     trainer_wait_s: float = 0.0
     max_versions_in_flight: int = 0
+    eval_dispatched: int = 0  # evaluation requests (counted apart from the training samples above)
+    eval_finished: int = 0
+    evals: int = 0  # evaluation rounds completed
 
 
 class Coordinator:
@@ -161,6 +164,10 @@ class Coordinator:
         self._redispatch: set[str] = set()  # backlog ids that were dispatched before
         self._unsent: set[str] = set()  # groups none of whose requests was ever sent: only these may be re-tagged
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
+        self._evals: dict[str, evaluation.EvalRound] = {}  # evaluation rounds not yet complete
+        self._eval_of: dict[str, str] = {}  # evaluation trajectory -> its round
+        self._eval_unfinished = 0  # evaluation requests dispatched or waiting, not finished
+        self._next_eval = 0
         self._inbox: queue.Queue[events.Event] = queue.Queue()
         # A plain lock: `_port_call` releases it around each call, which a re-entrant lock held
         # twice would not do.
@@ -192,6 +199,18 @@ class Coordinator:
         """`snapshot()` taken by the loop thread (it calls the ports); for other threads."""
         future: Future = Future()
         self._inbox.put(events.SnapshotRequested(extra, future))
+        return future
+
+    def request_eval(
+        self, version: int, step: int, prompts: Sequence[tuple[str, Sequence[int]]], samples: int
+    ) -> Future[dict]:
+        """Evaluates `version` (the newest once the publishes posted before this are applied) on
+        `prompts` through the slices: one greedy and `samples` sampled responses each. The future
+        resolves to the round's summary (dora_jax.coordinator.evaluation) plus `responses`, a list
+        of (Trajectory, reward, error). Evaluation never enters a training batch."""
+        future: Future = Future()
+        frozen = tuple((str(pid), tuple(int(t) for t in ids)) for pid, ids in prompts)
+        self._inbox.put(events.EvalRequested(int(version), int(step), frozen, int(samples), future))
         return future
 
     def record_behaviour(self, step: int, digests: Mapping[int, str]) -> None:
@@ -263,6 +282,8 @@ class Coordinator:
                 self._on_slice_failed(slice_id, reason)
             case events.SliceJoined(port):
                 self._on_slice_joined(port)
+            case events.EvalRequested():
+                self._on_eval_requested(event)
             case events.SnapshotRequested(extra, result):
                 try:
                     result.set_result(self._snapshot(extra))
@@ -303,7 +324,7 @@ class Coordinator:
         elif supply == Supply.ONE_AHEAD:  # one_step_off: the next batch as the trainer takes one
             want = cfg.train_batch_size if (initial or after_take) and unconsumed == 0 else 0
         else:  # streaming: RBS in flight, and never more unconsumed than the takes that may still train on it
-            in_flight = len(self.requests) + len(self.backlog)
+            in_flight = len(self.requests) + len(self.backlog) - self._eval_unfinished
             want = min(cfg.rollout_batch_size - in_flight, self._takes_for_newest() * cfg.train_batch_size - unconsumed)
         new = []
         for _ in range(max(want, 0) // cfg.group_size):
@@ -359,6 +380,7 @@ class Coordinator:
             self.origin.setdefault(request.traj_id, slice_id)
             self.slice_trajs[slice_id].append(request.traj_id)
             again = request.traj_id in self._redispatch
+            is_eval = request.traj_id in self._eval_of
             self._redispatch.discard(request.traj_id)
             self._unsent.discard(request.group_id)
             self.ledger.write(
@@ -369,9 +391,13 @@ class Coordinator:
                 version=request.version,
                 slice=slice_id,
                 **({"redispatch": True} if again else {}),
+                **({"eval": True} if is_eval else {}),
                 **({"prefix_tokens": len(request.prefix_response_ids)} if request.prefix_response_ids else {}),
             )
-            self.stats.dispatched += not again
+            if is_eval:
+                self.stats.eval_dispatched += not again
+            else:
+                self.stats.dispatched += not again
             self.stats.redispatched += again
         if requests:
             self._port_call(slice_id, "submit", list(requests))
@@ -677,7 +703,12 @@ class Coordinator:
         self.requests.pop(traj.traj_id)
         sid = self.slice_of.pop(traj.traj_id)
         self.slice_trajs[sid].remove(traj.traj_id)
-        self.stats.finished += 1
+        is_eval = traj.traj_id in self._eval_of
+        if is_eval:
+            self.stats.eval_finished += 1
+            self._eval_unfinished -= 1
+        else:
+            self.stats.finished += 1
         self.ledger.write(
             "finish",
             traj=traj.traj_id,
@@ -686,6 +717,7 @@ class Coordinator:
             tokens=traj.num_tokens,
             reason=traj.finish_reason.value,
             slice=slice_id,
+            **({"eval": True} if is_eval else {}),
             **({"error": traj.error} if traj.error else {}),
         )
         self._score(traj)
@@ -701,6 +733,9 @@ class Coordinator:
     def _on_scored(self, traj: Trajectory, reward: float, error: str | None) -> None:
         if self.unscored.pop(traj.traj_id, None) is None:
             raise RuntimeError(f"{traj.traj_id} scored but not awaiting a reward")
+        if traj.traj_id in self._eval_of:
+            self._on_eval_scored(traj, reward, error)
+            return
         group = self.groups[traj.group_id]
         group.scored[traj.traj_id] = ScoredTrajectory(traj, float(reward), error)
         if error:
@@ -731,6 +766,55 @@ class Coordinator:
         self._supply(after_publish=True)
         self._apply_switching()
 
+    # ------------------------------------------------------------------ evaluation
+    def _on_eval_requested(self, event: events.EvalRequested) -> None:
+        if event.version > self.latest:
+            event.result.set_exception(ValueError(f"evaluation of version {event.version}: newest is {self.latest}"))
+            return
+        round_id = f"e{self._next_eval}"
+        self._next_eval += 1
+        cfg = self.config
+        requests = evaluation.make_requests(
+            round_id,
+            event.version,
+            event.prompts,
+            event.samples,
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=cfg.sampling,
+            stop_ids=tuple(cfg.stop_ids),
+            seed=cfg.seed,
+        )
+        run = evaluation.EvalRound(round_id, event.version, event.step, len(event.prompts), event.samples, event.result)
+        self.ledger.write("eval_start", round=round_id, version=event.version, step=event.step, requests=len(requests))
+        if not requests:
+            self._eval_done(run)
+            return
+        self._evals[round_id] = run
+        for request in requests:
+            self._eval_of[request.traj_id] = round_id
+        self._eval_unfinished += len(requests)
+        self.backlog += requests
+        self._count_versions_in_flight()
+        self._apply_switching()
+
+    def _on_eval_scored(self, traj: Trajectory, reward: float, error: str | None) -> None:
+        run = self._evals[self._eval_of[traj.traj_id]]
+        run.add(traj, float(reward), error)
+        if error:
+            self.ledger.write("reward_error", traj=traj.traj_id, error=error, eval=True)
+        if run.done:
+            del self._evals[run.round_id]
+            for traj_id in run.scored:
+                del self._eval_of[traj_id]
+            self._eval_done(run)
+
+    def _eval_done(self, run: evaluation.EvalRound) -> None:
+        summary = run.summary()
+        self.stats.evals += 1
+        self.ledger.write("eval", round=run.round_id, **summary)
+        responses = [run.scored[k] for k in sorted(run.scored)]
+        run.result.set_result({**summary, "responses": responses})
+
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self, extra: Callable[[], dict] | None = None) -> dict:
         """The coordinator's state as JSON, consistent with the ledger's first `ledger_offset`
@@ -750,15 +834,18 @@ class Coordinator:
                 progress.update(self._port_call(sid, "progress", default={}) or {})
         # Nothing below releases the lock: the state and the ledger offset are read together.
         extra_state = extra() if extra else {}
+        # Evaluation requests are not saved: a round in flight at a checkpoint is lost with the process.
         dispatched = [
-            progress.get(t, r) if progress.get(t, r).version == r.version else r for t, r in self.requests.items()
+            progress.get(t, r) if progress.get(t, r).version == r.version else r
+            for t, r in self.requests.items()
+            if t not in self._eval_of
         ]
         return {
             "latest": self.latest,
             "next_group": self._next_group,
             "dispatched": [records.request_to_json(r) for r in dispatched],
-            "backlog": [records.request_to_json(r) for r in self.backlog],
-            "redispatch": sorted(self._redispatch),
+            "backlog": [records.request_to_json(r) for r in self.backlog if r.traj_id not in self._eval_of],
+            "redispatch": sorted(t for t in self._redispatch if t not in self._eval_of),
             "groups": {
                 gid: {
                     "version": g.version,
@@ -767,7 +854,7 @@ class Coordinator:
                 }
                 for gid, g in self.groups.items()
             },
-            "unscored": [records.trajectory_to_json(t) for t in self.unscored.values()],
+            "unscored": [records.trajectory_to_json(t) for k, t in self.unscored.items() if k not in self._eval_of],
             "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
             "stats": dataclasses.asdict(self.stats),
             "ledger_offset": self.ledger.lines_written,

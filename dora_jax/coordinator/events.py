@@ -70,4 +70,16 @@ class SnapshotRequested:
     result: Future[dict]
 
 
-Event = Finished | Scored | Published | Taken | SliceFailed | SliceJoined | SnapshotRequested
+@dataclasses.dataclass(frozen=True)
+class EvalRequested:
+    """Evaluate `version` on held-out prompts (dora_jax.coordinator.evaluation); `result`
+    resolves to the round's summary once every response is scored."""
+
+    version: int
+    step: int
+    prompts: tuple[tuple[str, tuple[int, ...]], ...]
+    samples: int
+    result: Future[dict]
+
+
+Event = Finished | Scored | Published | Taken | SliceFailed | SliceJoined | SnapshotRequested | EvalRequested

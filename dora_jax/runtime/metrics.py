@@ -1,16 +1,79 @@
-"""Run metrics: one JSON object per training step in `metrics.jsonl`, mirrored to TensorBoard."""
+"""Run metrics: one JSON object per row in `metrics.jsonl`, mirrored to TensorBoard and, optionally, to
+Weights & Biases."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
+import threading
 from collections.abc import Mapping
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSpec:
+    """A Weights & Biases run to mirror the metrics into. `name` "" lets W&B pick one; `mode` "offline"
+    writes the run under WORKDIR/wandb/ for a later `wandb sync`, "disabled" makes every call a no-op."""
+
+    project: str = "dora_jax"
+    name: str = ""
+    tags: tuple[str, ...] = ()
+    mode: str = "online"
+
+    def __post_init__(self):
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"log.wandb_mode={self.mode!r}: expected one of {', '.join(map(repr, WANDB_MODES))}")
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "Weights & Biases logging needs the wandb package: pip install wandb"
+            ' (or the `wandb` extra: pip install -e ".[wandb]")'
+        ) from e
+    return wandb
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, *, tensorboard: bool = True):
+    """Appends rows to WORKDIR/metrics.jsonl and mirrors their finite scalars to TensorBoard (WORKDIR/tb)
+    and, given `wandb`, to a W&B run whose x-axis is the row's "step" (rows may arrive out of step order,
+    e.g. evaluation rows after later training rows). `write` and `close` may be called from several
+    threads."""
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        tensorboard: bool = True,
+        wandb: WandbSpec | None = None,
+        config: Mapping | None = None,
+    ):
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._max_step: int | None = None
+        self._wandb = self._run = None
+        if wandb is not None:
+            self._wandb = _import_wandb()
+            self._run = self._wandb.init(
+                project=wandb.project,
+                name=wandb.name or None,
+                tags=list(wandb.tags),
+                mode=wandb.mode,
+                dir=workdir,
+                config=dict(config or {}),
+                # A new run even when another writer's run is still active; never touches the global
+                # `wandb.run`'s lifetime: this writer only uses the run object it got here.
+                reinit="create_new",
+            )
+            self._run.define_metric("step")
+            self._run.define_metric("*", step_metric="step")
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -19,21 +82,47 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def write(self, step: int, scalars: Mapping[str, float], histograms: Mapping[str, list] | None = None) -> None:
-        row = {"step": step, **{k: _plain(v) for k, v in scalars.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in scalars.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
+        plain = {k: _plain(v) for k, v in scalars.items()}
+        row = {"step": step, **plain}
+        finite = {k: v for k, v in plain.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"write to a closed MetricsWriter ({self.path})")
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+            self._max_step = step if self._max_step is None else max(self._max_step, step)
+            if self._tb is not None:
+                for key, value in finite.items():
                     self._tb.add_scalar(key, value, step)
-            for key, values in (histograms or {}).items():
-                if len(values):
-                    self._tb.add_histogram(key, list(values), step)
+                for key, values in (histograms or {}).items():
+                    if len(values):
+                        self._tb.add_histogram(key, list(values), step)
+            if self._run is not None and finite:
+                # No `step=`: W&B's own step must increase, ours need not; "step" is the x-axis instead.
+                self._run.log({**finite, "step": step})
 
-    def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, images: Mapping[str, str] | None = None) -> None:
+        """Closes the files; with W&B, first logs each existing image file in `images` (key -> PNG path)
+        at the largest step written, then finishes the run. A second call does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._file.close()
+                if self._tb is not None:
+                    self._tb.close()
+            finally:
+                if self._run is not None:
+                    try:
+                        found = {k: p for k, p in (images or {}).items() if p and os.path.isfile(p)}
+                        if found:
+                            logged = {k: self._wandb.Image(p) for k, p in found.items()}
+                            if self._max_step is not None:
+                                logged["step"] = self._max_step
+                            self._run.log(logged)
+                    finally:
+                        self._run.finish()
 
 
 def _plain(value):
@@ -49,35 +138,55 @@ def read_metrics(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+_PASS_AT = re.compile(r"eval/pass@(\d+)")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str | None:
-    """Writes WORKDIR/`filename`: `reward_mean` per step from metrics.jsonl, its running mean (over
-    5 steps, or 1/20 of the run if longer), and the means of the first and last 3 steps in the
-    title. Returns the path, or None when no step has a reward (nothing to plot)."""
-    rows = [r for r in read_metrics(workdir) if r.get("reward_mean") is not None]
-    if not rows:
+    """Writes WORKDIR/`filename`: `reward_mean` per training step from metrics.jsonl, its running mean
+    (over 5 steps, or 1/20 of the run if longer), and, from the evaluation rows (those with
+    `eval/reward_greedy`), the held-out greedy reward and every `eval/pass@K` against step. The title
+    holds the means of the first and last 3 training steps and the first and last greedy eval reward.
+    Returns the path, or None when there is neither a training reward nor an eval row."""
+    all_rows = read_metrics(workdir)
+    rows = [r for r in all_rows if r.get("reward_mean") is not None]
+    eval_rows = sorted((r for r in all_rows if r.get("eval/reward_greedy") is not None), key=lambda r: r["step"])
+    if not rows and not eval_rows:
         return None
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    rewards = [r["reward_mean"] for r in rows]
-    window = max(5, len(rewards) // 20)
-    smoothed = [
-        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-        for i in range(len(rewards))
-    ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, rewards, marker=".", linewidth=1, alpha=0.6, label="reward_mean per step")
-    ax.plot(steps, smoothed, linewidth=2, label=f"running mean ({window} steps)")
+    title = [os.path.basename(os.path.normpath(workdir)) + ":"]
+    if rows:
+        steps = [r["step"] for r in rows]
+        rewards = [r["reward_mean"] for r in rows]
+        window = max(5, len(rewards) // 20)
+        smoothed = [_mean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, rewards, marker=".", linewidth=1, alpha=0.6, label="reward_mean per step")
+        ax.plot(steps, smoothed, linewidth=2, label=f"running mean ({window} steps)")
+        title.append(f"first 3 steps {_mean(rewards[:3]):.3f}, last 3 {_mean(rewards[-3:]):.3f}")
+    if eval_rows:
+        greedy = [r["eval/reward_greedy"] for r in eval_rows]
+        eval_steps = [r["step"] for r in eval_rows]
+        ax.plot(eval_steps, greedy, marker="o", linewidth=1.5, label="eval greedy reward (held-out)")
+        ks = sorted({int(m.group(1)) for r in eval_rows for key in r if (m := _PASS_AT.fullmatch(key))})
+        for k in ks:
+            points = [(r["step"], r[f"eval/pass@{k}"]) for r in eval_rows if r.get(f"eval/pass@{k}") is not None]
+            if points:
+                ax.plot(*zip(*points), marker="s", linewidth=1, linestyle="--", label=f"eval pass@{k}")
+        title.append(f"eval greedy {greedy[0]:.3f} -> {greedy[-1]:.3f}")
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
-    first, last = sum(rewards[:3]) / len(rewards[:3]), sum(rewards[-3:]) / len(rewards[-3:])
-    ax.set_title(f"{os.path.basename(os.path.normpath(workdir))}: first 3 steps {first:.3f}, last 3 {last:.3f}")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(" ".join(title[:2]) + "".join(", " + t for t in title[2:]), fontsize=9)
     fig.tight_layout()
     path = os.path.join(workdir, filename)
     fig.savefig(path)

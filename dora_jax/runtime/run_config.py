@@ -70,6 +70,37 @@ class MeshSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Evaluation during training (dora_jax.coordinator.evaluation): at version 0, every
+    `every_steps` steps and at the last step, `num_prompts` held-out prompts, each answered once
+    greedily and `samples` times at the run's sampling settings (pass@k with k = samples)."""
+
+    every_steps: int = 0  # 0 = no evaluation
+    num_prompts: int = 128
+    samples: int = 4
+    path: str = ""  # an eval file (the task's field mapping); "" = held out from the task's own source
+    final_timeout_s: float = 600.0  # how long the run waits for the last round after its last step
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0
+
+    def due(self, version: int, num_steps: int) -> bool:
+        """Whether `version` (params after that many steps) is evaluated."""
+        return self.enabled and (version % self.every_steps == 0 or version == num_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSpec:
+    tensorboard: bool = True
+    wandb: bool = False  # Weights & Biases (the `wandb` extra)
+    wandb_project: str = "dora_jax"
+    wandb_name: str = ""  # "" = wandb's generated name
+    wandb_tags: tuple[str, ...] = ()
+    wandb_mode: str = "online"  # online | offline (no network; `wandb sync` later) | disabled
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     mode: str
     num_steps: int
@@ -85,6 +116,8 @@ class RunConfig:
     checkpoint_every: int
     checkpoint_keep: int
     tensorboard: bool
+    eval: EvalSpec = EvalSpec()
+    log: LogSpec = LogSpec()
 
 
 def _mesh_shape(group: ml_collections.ConfigDict, field: str) -> tuple[tuple[str, int], ...]:
@@ -182,6 +215,30 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         raise ValueError(f"model.attention={model.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
     if model.remat not in REMAT_POLICIES:
         raise ValueError(f"model.remat={model.remat!r}; expected one of {REMAT_POLICIES}")
+    e = c.get("eval") or {}
+    evaluation = EvalSpec(
+        int(e.get("every_steps", 0)),
+        int(e.get("num_prompts", 128)),
+        int(e.get("samples", 4)),
+        str(e.get("path", "")),
+        float(e.get("final_timeout_s", 600.0)),
+    )
+    for field, value, low in (("every_steps", evaluation.every_steps, 0), ("samples", evaluation.samples, 0)):
+        if value < low:
+            raise ValueError(f"eval.{field}={value}; expected >= {low}")
+    if evaluation.enabled and evaluation.num_prompts < 1:
+        raise ValueError(f"eval.num_prompts={evaluation.num_prompts}; expected >= 1 when eval.every_steps > 0")
+    g = c.log
+    log = LogSpec(
+        bool(g.tensorboard),
+        bool(g.get("wandb", False)),
+        str(g.get("wandb_project", "dora_jax")),
+        str(g.get("wandb_name", "")),
+        tuple(str(t) for t in (g.get("wandb_tags") or ())),
+        str(g.get("wandb_mode", "online")),
+    )
+    if log.wandb_mode not in ("online", "offline", "disabled"):
+        raise ValueError(f"log.wandb_mode={log.wandb_mode!r}; expected 'online', 'offline' or 'disabled'")
     i = c.init
     init = InitSpec(str(i.checkpoint), int(i.sft_steps), int(i.sft_batch_size), float(i.sft_lr))
     return RunConfig(
@@ -199,6 +256,8 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         checkpoint_every=int(c.checkpoint.every_steps),
         checkpoint_keep=int(c.checkpoint.get("keep", 3)),
         tensorboard=bool(c.log.tensorboard),
+        eval=evaluation,
+        log=log,
     )
 
 
@@ -209,5 +268,8 @@ def task_config(config: RunConfig) -> TaskConfig:
             median_k=t.median_k, sigma=t.sigma, k_max=t.k_max, max_term=int(t.get("max_term", 2)), seed=config.seed
         )
         return TaskConfig(kind="running_sums", running_sums=rs)
-    source = SourceConfig(**{k: v for k, v in t.source.items()}, seed=config.seed)
+    fields = {k: v for k, v in t.source.items()}
+    if config.eval.enabled and not config.eval.path:
+        fields["hold_out"] = config.eval.num_prompts  # the eval prompts come from the file's last rows
+    source = SourceConfig(**fields, seed=config.seed)
     return TaskConfig(kind=t.kind, source=source)

@@ -7,6 +7,10 @@ another, and the trainer loop runs on the caller's thread:
     take TBS samples (version window) -> pack -> train step (behaviour log-probs per version from
     the ParamStore) -> publish v+1 to the store -> coordinator: rebalance / migrate / supplement.
 
+With `eval.every_steps`, the newest version is evaluated on held-out prompts at version 0, every
+that many steps and at the last step, through the same slices (dora_jax.runtime.evaluator): rows
+in metrics.jsonl and WORKDIR/eval_samples.jsonl; the run waits for the last round before it ends.
+
 Writes WORKDIR/config.json, ledger.jsonl, metrics.jsonl, TensorBoard events and, every
 `checkpoint.every_steps` steps and on preemption, WORKDIR/checkpoints (dora_jax.runtime.checkpoint).
 A workdir that already has a ledger is resumed: from its newest checkpoint that restores, or
@@ -39,10 +43,12 @@ from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.runtime import faults, training_loop
 from dora_jax.runtime.build import Setup, build_setup
 from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
-from dora_jax.runtime.metrics import MetricsWriter
-from dora_jax.runtime.run_config import RunConfig
+from dora_jax.runtime.evaluator import Evaluator
+from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, plot_reward_curve
+from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.runtime.supervisor import SliceSupervisor
 from dora_jax.store import InProcessTier, ParamStore, StoreError
+from dora_jax.tasks.eval_set import eval_prompts
 from dora_jax.tasks.prompt import Prompt
 from dora_jax.tasks.reward_scorer import RewardPoolScorer
 from dora_jax.trainer import Trainer
@@ -66,6 +72,7 @@ class RunResult:
     preempted: bool = False  # stopped early on request (SIGTERM), after a checkpoint
     checkpoint_errors: list = dataclasses.field(default_factory=list)
     checkpoint_s: list = dataclasses.field(default_factory=list)  # seconds the trainer spent per save
+    evals: list = dataclasses.field(default_factory=list)  # one metrics row per evaluation round (Evaluator)
 
 
 def run(
@@ -120,10 +127,19 @@ def run(
         max_prefill_length=config.rollout.max_prefill_length,
     )
     ledger = Ledger(ledger_path)
+    held_out = []
+    if config.eval.enabled:
+        held_out = eval_prompts(
+            task_config(config), setup.task, setup.tokenizer, config.eval.num_prompts, config.eval.path
+        )
+        prompts.update({p.prompt_id: p for p in held_out})
+    leaks: list = []  # the evaluator's LeakCounter, once it exists
 
     def next_prompt():
         prompt = setup.task.source.next()
         prompts[prompt.prompt_id] = prompt
+        if leaks:
+            leaks[0].check(prompt)
         return prompt.prompt_id, prompt.prompt_ids
 
     pool = None
@@ -169,7 +185,13 @@ def run(
         coord.restore(restored.meta["coordinator"] if restored else None)
     start_step = trainer.version
     _trim_metrics(workdir, start_step)
-    metrics_writer = MetricsWriter(workdir, tensorboard=config.tensorboard)
+    metrics_writer = MetricsWriter(
+        workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
+    )
+    evaluator = Evaluator(
+        config.eval, config.num_steps, held_out, coord, setup.tokenizer.decode, workdir, metrics_writer
+    )
+    leaks.append(evaluator.leaks)
     stop = threading.Event()
     loop_error: list[BaseException] = []
     all_threads = supervisor.all_threads  # grows as slices restart
@@ -186,6 +208,7 @@ def run(
 
     start = time.perf_counter()
     coord.start()
+    evaluator.maybe_request(trainer.version)
     loop = threading.Thread(target=coordinator_loop, name="coordinator", daemon=True)
     loop.start()
     checkpoint_errors, checkpoint_s = [], []
@@ -204,6 +227,8 @@ def run(
         checkpoint_s.append(time.perf_counter() - t0)
 
     def after_step(step: int) -> dict:
+        evaluator.maybe_request(step + 1)
+        evaluator.harvest()
         for sid, kind in faults.slices_to_fail(step):
             if kind == "load_error":
                 load_faults.add(sid)
@@ -240,6 +265,10 @@ def run(
         preempted = trainer.version < config.num_steps
         if preempted and not (rows and "checkpoint_s" in rows[-1]):
             save_checkpoint()  # preempted while waiting for a batch: nothing taken since the last step
+        if not preempted:
+            evaluator.harvest(timeout=config.eval.final_timeout_s)  # the last version's round
+            if evaluator.pending:
+                log.warning("%d evaluation rounds did not finish; their rows are missing", evaluator.pending)
     finally:
         try:
             checkpointer.close()
@@ -251,7 +280,7 @@ def run(
         for t in all_threads:
             t.stop()
         bar.close()
-        metrics_writer.close()
+        metrics_writer.close(images=_images(workdir))
         ledger.close()
         if pool is not None:
             pool.close()
@@ -280,7 +309,23 @@ def run(
         preempted=preempted,
         checkpoint_errors=checkpoint_errors,
         checkpoint_s=checkpoint_s,
+        evals=evaluator.results,
     )
+
+
+def wandb_spec(config: RunConfig) -> WandbSpec | None:
+    g = config.log
+    return WandbSpec(g.wandb_project, g.wandb_name, g.wandb_tags, g.wandb_mode) if g.wandb else None
+
+
+def _images(workdir: str) -> dict[str, str]:
+    """The run's PNGs for the trackers (the reward and evaluation curves)."""
+    try:
+        path = plot_reward_curve(workdir)
+    except Exception as err:  # a plot is never worth the run's results
+        log.warning("reward curve not drawn: %s", err)
+        return {}
+    return {"reward_curve": path} if path else {}
 
 
 class CoordinatorSource:

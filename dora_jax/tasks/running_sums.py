@@ -175,6 +175,13 @@ class RunningSumsSource:
         rng = np.random.default_rng([self.config.seed, index])
         return make_prompt(rng, self.config, self._tokenizer, f"running_sums/{self.config.seed}/{index}")
 
+    def held_out(self, index: int) -> Prompt:
+        """Evaluation prompt `index`: the same distribution from a stream training never draws
+        (`default_rng([seed, index, 1])`). Short prompts still recur in training (there are only
+        3^k prompts of k terms): the task has no held-out strings, only held-out draws."""
+        rng = np.random.default_rng([self.config.seed, index, 1])
+        return make_prompt(rng, self.config, self._tokenizer, f"running_sums/{self.config.seed}/eval{index}")
+
     def next(self) -> Prompt:
         prompt = self.prompt(self._index)
         self._index += 1

@@ -47,12 +47,15 @@ class SourceConfig:
     num_epochs: int | None = None  # None: cycle forever; else StopIteration after that many
     max_bad_fraction: float = 0.1  # more skipped rows than this fraction is an error
     min_rows_for_bad_check: int = 100  # visits before the fraction is judged (or a whole pass)
+    hold_out: int = 0  # the file's last N rows are never drawn: held out for evaluation (`held_out_prompts`)
 
     def __post_init__(self):
         if not 0 <= self.max_bad_fraction <= 1:
             raise ValueError(f"SourceConfig.max_bad_fraction={self.max_bad_fraction}: must be in [0, 1]")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"SourceConfig.max_prompt_tokens={self.max_prompt_tokens}: must be >= 1")
+        if self.hold_out < 0:
+            raise ValueError(f"SourceConfig.hold_out={self.hold_out}: must be >= 0")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"SourceConfig.num_epochs={self.num_epochs}: must be >= 1 or None")
 
@@ -120,6 +123,12 @@ class FileSource:
         self._rows = open_rows(config.path, config.format, needed, config.split)
         if self._rows.num_rows == 0:
             raise ValueError(f"{config.path}: no rows")
+        if config.hold_out >= self._rows.num_rows:
+            raise ValueError(
+                f"{config.path}: {self._rows.num_rows} rows, all held out for evaluation "
+                f"(hold_out={config.hold_out}: eval.num_prompts); lower it or give an eval file (eval.path)"
+            )
+        self._train_rows = self._rows.num_rows - config.hold_out
         self._name = os.path.basename(config.path.rstrip("/"))
         self.skipped: collections.Counter[str] = collections.Counter()
         self.examined = 0
@@ -133,12 +142,22 @@ class FileSource:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.config.shuffle:
-            return np.arange(self.num_rows)
-        return np.random.default_rng([self.config.seed, epoch]).permutation(self.num_rows)
+            return np.arange(self._train_rows)
+        return np.random.default_rng([self.config.seed, epoch]).permutation(self._train_rows)
+
+    def held_out_prompts(self) -> list[Prompt]:
+        """The usable prompts among the last `hold_out` rows, in file order (never drawn by `next`)."""
+        prompts = []
+        for row_index in range(self._train_rows, self.num_rows):
+            try:
+                prompts.append(self.prompt(row_index))
+            except BadRow:
+                continue
+        return prompts
 
     def next(self) -> Prompt:
         while True:
-            if self._position >= self.num_rows:
+            if self._position >= self._train_rows:
                 self._start_epoch(self._epoch + 1)
             row_index = int(self._order[self._position])
             self._position += 1
@@ -173,7 +192,7 @@ class FileSource:
         self.skipped[bad.reason] += 1
         if self._first_bad is None:
             self._first_bad = f"row {row_index}: {bad}"
-        judged = self.examined >= min(self.config.min_rows_for_bad_check, self.num_rows)
+        judged = self.examined >= min(self.config.min_rows_for_bad_check, self._train_rows)
         bad_count = sum(self.skipped.values())
         if judged and bad_count > self.config.max_bad_fraction * self.examined:
             c = self.config
@@ -216,6 +235,7 @@ class FileSource:
             "num_rows": self.num_rows,
             "seed": self.config.seed,
             "shuffle": self.config.shuffle,
+            "hold_out": self.config.hold_out,
             "epoch": self._epoch,
             "position": self._position,
             "good_this_epoch": self._good_this_epoch,
@@ -227,8 +247,8 @@ class FileSource:
     def restore(self, state: dict) -> None:
         """Continues from `state()`; refuses a state from another file, size, seed or order."""
         mine = self.state()
-        for key in ("kind", "path", "num_rows", "seed", "shuffle"):
-            if state.get(key) != mine[key]:
+        for key in ("kind", "path", "num_rows", "seed", "shuffle", "hold_out"):
+            if state.get(key, 0 if key == "hold_out" else None) != mine[key]:
                 raise ValueError(
                     f"{self.config.path}: cannot restore source state: {key} is "
                     f"{state.get(key)!r} in the state but {mine[key]!r} here"
