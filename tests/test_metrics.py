@@ -188,6 +188,7 @@ def _history_rows(records):
 
 def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, monkeypatch):
     import wandb  # noqa: F401  (the test extra installs it: this test never skips)
+
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: never the network
