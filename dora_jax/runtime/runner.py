@@ -184,7 +184,8 @@ def run(
     if resuming:
         coord.restore(restored.meta["coordinator"] if restored else None)
     start_step = trainer.version
-    _trim_metrics(workdir, start_step)
+    _trim_rows(os.path.join(workdir, "metrics.jsonl"), start_step)
+    _trim_rows(os.path.join(workdir, "eval_samples.jsonl"), start_step)
     metrics_writer = MetricsWriter(
         workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
     )
@@ -450,9 +451,9 @@ def _prompt_from_json(data: dict) -> Prompt:
     return Prompt(**{**data, "prompt_ids": tuple(data["prompt_ids"])})
 
 
-def _trim_metrics(workdir: str, start_step: int) -> None:
-    """A resumed run rewrites the steps after its checkpoint: drop the lost process's rows."""
-    path = os.path.join(workdir, "metrics.jsonl")
+def _trim_rows(path: str, start_step: int) -> None:
+    """A resumed run rewrites the steps after its checkpoint (and re-evaluates from there): drop
+    the lost process's rows of metrics.jsonl / eval_samples.jsonl."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:

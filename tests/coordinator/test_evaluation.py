@@ -194,3 +194,18 @@ def test_pass_at_k_and_greedy_reward_of_a_round():
     assert summary["eval/pass@2"] == 0.5
     assert summary["eval/response_len_mean"] == 4.0
     assert summary["eval/reward_mean"] == pytest.approx(1.5 / 4)
+
+
+def test_partial_rollout_continues_evaluation_requests_on_the_new_version_and_says_so():
+    coord, ledger, futures = drive("partial_rollout")
+    assert audit(ledger.memory).ok
+    for version, future in futures.items():
+        result = future.result()
+        round_id = next(e["round"] for e in ledger.memory if e["ev"] == "eval_start" and e["version"] == version)
+        mixed = [
+            e
+            for e in ledger.memory
+            if e["ev"] == "finish" and e["traj"].startswith(round_id + "/") and e["versions_seen"] != [version]
+        ]
+        assert result["eval/mixed_versions"] == len(mixed)
+    assert sum(f.result()["eval/mixed_versions"] for f in futures.values()) > 0
