@@ -147,6 +147,7 @@ class Coordinator:
         self._clock = clock
         self.latest = initial_version  # newest published version
         self._taken_at = initial_version - 1  # trainer version of the last take
+        self._slots = {sid: port.num_slots for sid, port in self.ports.items()}  # read once: a hot path
         self.slice_version: dict[int, int | None] = {sid: None for sid in self.ports}
         self.slice_trajs: dict[int, list[str]] = {sid: [] for sid in self.ports}
         self.requests: dict[str, Request] = {}  # in flight (dispatched, not finished)
@@ -462,7 +463,7 @@ class Coordinator:
             if not serving and version not in self.draining.values():
                 empty = [s for s in self.ports if not self.slice_trajs[s] and s not in self.draining]
                 reserve = 1 if len(old) > 1 or any(r.version == self.latest for r in self.backlog) else 0
-                slots = max(self.ports[s].num_slots for s in self.ports)
+                slots = max(self._slots[s] for s in self.ports)
                 wanted = max(1, min(-(-len(requests) // slots), len(empty) - reserve))
                 for sid in empty[:wanted]:
                     self._load(sid, version)
@@ -475,7 +476,7 @@ class Coordinator:
                 serving = self._serving(version)
             for request in requests:
                 if serving:
-                    sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self.ports[s].num_slots, s))
+                    sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self._slots[s], s))
                     self._send([request], sid)
                     sent.add(request.traj_id)
         if sent:
@@ -490,9 +491,7 @@ class Coordinator:
 
     def _views(self) -> list[orchestrator.SliceView]:
         return [
-            orchestrator.SliceView(
-                sid, self.slice_version[sid], self.ports[sid].num_slots, tuple(self.slice_trajs[sid])
-            )
+            orchestrator.SliceView(sid, self.slice_version[sid], self._slots[sid], tuple(self.slice_trajs[sid]))
             for sid in self.ports
             if sid not in self.draining
         ]
@@ -549,7 +548,7 @@ class Coordinator:
             if not serving:
                 remaining.append(request)
                 continue
-            sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self.ports[s].num_slots, s))
+            sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self._slots[s], s))
             self._send([request], sid)
         self.backlog = remaining
 
@@ -617,6 +616,7 @@ class Coordinator:
         if sid in self.ports:
             raise ValueError(f"slice {sid} joined but is already live")
         self.ports[sid] = port
+        self._slots[sid] = port.num_slots
         self.dead.discard(sid)
         self.slice_version[sid] = None
         self.slice_trajs[sid] = []
@@ -652,17 +652,16 @@ class Coordinator:
     def _pressure(self) -> bool:
         """A slice has queued work while a same-version slice has free slots, or an old-version
         slice sits empty while newer work waits."""
+        if self.backlog:
+            return True
+        # One pass (it runs on every batch of finishes; thousands of slices at pod scale): the
+        # versions with a slice that has a free slot; an over-full slice is never one of them.
+        free = {self.slice_version[o] for o in self.ports if len(self.slice_trajs[o]) < self._slots[o]}
         for sid, trajs in self.slice_trajs.items():
             v = self.slice_version[sid]
-            if len(trajs) > self.ports[sid].num_slots and any(
-                self.slice_version[o] == v and len(self.slice_trajs[o]) < self.ports[o].num_slots
-                for o in self.ports
-                if o != sid
-            ):
+            if (len(trajs) > self._slots[sid] and v in free) or (not trajs and v != self.latest):
                 return True
-            if not trajs and v != self.latest:
-                return True
-        return bool(self.backlog)
+        return False
 
     # ------------------------------------------------------------------ partial rollout
     def _interrupt_all(self) -> None:
