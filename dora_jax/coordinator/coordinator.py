@@ -264,6 +264,7 @@ class Coordinator:
             ):
                 self._apply_switching()  # periodic trigger
             self._cond.notify_all()
+        self.ledger.flush_if_due()
         return handled
 
     def _handle(self, event: events.Event) -> None:
@@ -832,6 +833,7 @@ class Coordinator:
             if hasattr(self.ports[sid], "progress"):
                 progress.update(self._port_call(sid, "progress", default={}) or {})
         # Nothing below releases the lock: the state and the ledger offset are read together.
+        self.ledger.flush()  # the offset counts only lines in the file
         extra_state = extra() if extra else {}
         # Evaluation requests are not saved: a round in flight at a checkpoint is lost with the process.
         dispatched = [
