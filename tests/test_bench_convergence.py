@@ -9,7 +9,8 @@ from dora_jax.bench import convergence
 
 def _result(greedy, wall_per_step):
     steps = 4
-    metrics = [{"step": s, "wall_s": wall_per_step * (s + 1), "reward_mean": 0.1 * s} for s in range(steps)]
+    # As RunResult.metrics holds them: one row per step from step 0, without a "step" key.
+    metrics = [{"wall_s": wall_per_step * (s + 1), "reward_mean": 0.1 * s} for s in range(steps)]
     evals = [{"step": v, "eval/reward_greedy": g, "eval/pass@4": min(1.0, g + 0.2)} for v, g in zip((4, 0, 2), greedy)]
     audit = SimpleNamespace(ok=True, max_staleness=1)
     return SimpleNamespace(metrics=metrics, evals=evals, wall_s=wall_per_step * steps + 1, audit=audit)

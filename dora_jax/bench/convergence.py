@@ -57,7 +57,7 @@ def main(cfg_dict, out_dir: str) -> dict:
 
 def curve(result: runner.RunResult, samples: int) -> dict:
     """Evaluation by version, with the wall time of that version's publish (0 for version 0)."""
-    published = {row["step"] + 1: row["wall_s"] for row in result.metrics}
+    published = {step + 1: row["wall_s"] for step, row in enumerate(result.metrics)}  # a fresh run: rows from step 0
     evals = sorted(result.evals, key=lambda r: r["step"])
     return {
         "eval_step": [r["step"] for r in evals],
