@@ -87,6 +87,7 @@ def _text(cell) -> str:
 def test_quickstart_notebook_runs_on_cpu(tmp_path):
     import nbclient  # the test extra installs these: the run never skips
     import nbformat
+
     nb = nbformat.read(NOTEBOOK, as_version=4)
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     params.source = "\n".join(
