@@ -169,7 +169,7 @@ class Coordinator:
         self._eval_of: dict[str, str] = {}  # evaluation trajectory -> its round
         self._eval_unfinished = 0  # evaluation requests dispatched or waiting, not finished
         self._next_eval = 0
-        self._inbox: queue.Queue[events.Event] = queue.Queue()
+        self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
         # A plain lock: `_port_call` releases it around each call, which a re-entrant lock held
         # twice would not do.
         self._cond = threading.Condition(threading.Lock())
