@@ -12,6 +12,9 @@ import re
 
 import pytest
 
+from dora_jax.coordinator.audit import audit
+from dora_jax.coordinator.ledger import read_ledger
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 VIOLATION_ROWS = ("C1", "C2", "C3", "exactly-once", "weights")
@@ -137,3 +140,14 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path):
     assert (config["num_steps"], config["mode"], config["init"]["sft_steps"]) == (4, "dora", 0)
     assert (config["eval"]["every_steps"], config["eval"]["num_prompts"], config["eval"]["samples"]) == (2, 8, 2)
     assert config["model"]["hidden_size"] == 64 and config["mesh"]["fake_cpu_devices"] == 8
+
+    # The dora end-to-end run of the suite (tests/test_train_smoke.py runs the other modes): the
+    # tiny config's invariants, from the ledger, evaluation included.
+    events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
+    report = audit(events)
+    assert report.ok and report.consumed == 4 * 8 and report.max_staleness <= 2, report.summary()
+    assert report.eval_dispatched == report.eval_finished == 3 * 8 * (1 + 2)
+    assert not [e for e in events if e["ev"] == "interrupt"] and not report.c1_violations
+    last = [r for r in rows if "reward_mean" in r][-1]
+    for key in ("tokens_per_s", "staleness_max", "versions_in_flight", "trainer_wait_s", "bubble_ratio"):
+        assert key in last, key

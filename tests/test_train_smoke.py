@@ -18,7 +18,8 @@ from tests.helpers import CONFIG, tiny_config
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dora", "sync", "one_step_off", "partial_rollout"])
+# dora's end-to-end run of this shape is tests/test_notebook.py's (the same tiny config, audited).
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout"])
 def test_embedded_run_keeps_mode_invariants(mode, tmp_path):
     config = run_config.parse(tiny_config(mode))
     result = runner.run(config, str(tmp_path), progress=False)
