@@ -227,3 +227,11 @@ def prompts():
         return f"p{i}", (1, 2, 3)
 
     return next_prompt
+
+
+def tick_some(workers, rng) -> None:
+    """One scheduling round: a random non-empty subset of the slices decodes a token, in random order."""
+    order = list(workers.values())
+    rng.shuffle(order)
+    for w in order[: rng.randint(1, len(order))]:
+        w.tick()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger
-from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts
+from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts, tick_some
 
 
 def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, fail_every=0, observe=None):
@@ -27,10 +27,7 @@ def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0
     while version < steps:
         ticks += 1
         assert ticks < 20000, "no progress"
-        order = list(workers.values())
-        rng.shuffle(order)
-        for w in order[: rng.randint(1, len(order))]:
-            w.tick()
+        tick_some(workers, rng)
         coord.process()
         batch = coord.try_take_batch(version)
         if batch is None:

@@ -7,11 +7,10 @@ from concurrent.futures import Future
 import pytest
 
 from dora_jax.coordinator.audit import audit
-from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.evaluation import EvalRound
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.core.records import FinishReason, Trajectory
-from tests.coordinator.fakes import DyingWorker, InstantScorer, config, longtail, prompts
+from tests.coordinator.fakes import make_coordinator, tick_some
 
 EVAL_PROMPTS = [(f"eval/q{i}", (1, 2, 3, i % 5)) for i in range(6)]
 SAMPLES = 3
@@ -20,12 +19,8 @@ SAMPLES = 3
 def drive(mode, *, steps=6, eval_at=(0, 3, 6), kill_slice_at_eval=None, seed=0):
     """Trains `steps` steps on fake slices, asking for an evaluation right after the publish of
     each version in `eval_at`; returns (coord, ledger, {version: future})."""
-    ref = [None]
-    length_of = longtail(seed)
-    workers = {i: DyingWorker(i, 4, ref, length_of) for i in range(3)}
     ledger = Ledger(None)
-    coord = Coordinator(config(mode), workers, prompts(), InstantScorer(), ledger)
-    ref[0] = coord
+    coord, workers = make_coordinator(mode, ledger, seed=seed)
     coord.start()
     futures = {}
 
@@ -45,10 +40,7 @@ def drive(mode, *, steps=6, eval_at=(0, 3, 6), kill_slice_at_eval=None, seed=0):
     while version < steps or not all(f.done() for f in futures.values()):
         ticks += 1
         assert ticks < 20000, "no progress"
-        order = list(workers.values())
-        rng.shuffle(order)
-        for w in order[: rng.randint(1, len(order))]:
-            w.tick()
+        tick_some(workers, rng)
         coord.process()
         if version < steps and coord.try_take_batch(version) is not None:
             version += 1
@@ -120,10 +112,7 @@ def test_a_slice_dying_mid_evaluation_re_dispatches_its_requests_under_the_same_
 
 def test_evaluation_requests_do_not_shrink_the_training_supply():
     """RBS counts training samples only: an evaluation round adds work, it does not displace it."""
-    ref = [None]
-    workers = {i: DyingWorker(i, 4, ref, longtail(0)) for i in range(3)}
-    coord = Coordinator(config("dora"), workers, prompts(), InstantScorer(), Ledger(None))
-    ref[0] = coord
+    coord, _ = make_coordinator("dora", Ledger(None))
     coord.start()
     before = len(coord.requests) + len(coord.backlog)
     coord.request_eval(0, 0, EVAL_PROMPTS, SAMPLES)
@@ -136,10 +125,7 @@ def test_evaluation_requests_do_not_shrink_the_training_supply():
 
 
 def test_an_evaluation_of_a_future_version_is_refused():
-    ref = [None]
-    workers = {i: DyingWorker(i, 4, ref, longtail(0)) for i in range(3)}
-    coord = Coordinator(config("dora"), workers, prompts(), InstantScorer(), Ledger(None))
-    ref[0] = coord
+    coord, _ = make_coordinator("dora", Ledger(None))
     coord.start()
     future = coord.request_eval(5, 5, EVAL_PROMPTS, SAMPLES)
     coord.process()
