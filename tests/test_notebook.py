@@ -98,7 +98,7 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path):
             "STEPS = 4",
             'MODE = "dora"',
             "EVAL_EVERY = 2",
-            "EVAL_PROMPTS = 8",
+            "EVAL_PROMPTS = 4",
             "EVAL_SAMPLES = 2",
             "SFT_STEPS = 0",
             f"WORKDIR = {str(tmp_path)!r}",
@@ -138,7 +138,7 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 0
     config = json.loads((tmp_path / "config.json").read_text())  # the parameters reached the run's config
     assert (config["num_steps"], config["mode"], config["init"]["sft_steps"]) == (4, "dora", 0)
-    assert (config["eval"]["every_steps"], config["eval"]["num_prompts"], config["eval"]["samples"]) == (2, 8, 2)
+    assert (config["eval"]["every_steps"], config["eval"]["num_prompts"], config["eval"]["samples"]) == (2, 4, 2)
     assert config["model"]["hidden_size"] == 64 and config["mesh"]["fake_cpu_devices"] == 8
 
     # The dora end-to-end run of the suite (tests/test_train_smoke.py runs the other modes): the
@@ -146,7 +146,7 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path):
     events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
     report = audit(events)
     assert report.ok and report.consumed == 4 * 8 and report.max_staleness <= 2, report.summary()
-    assert report.eval_dispatched == report.eval_finished == 3 * 8 * (1 + 2)
+    assert report.eval_dispatched == report.eval_finished == 3 * 4 * (1 + 2)
     assert not [e for e in events if e["ev"] == "interrupt"] and not report.c1_violations
     last = [r for r in rows if "reward_mean" in r][-1]
     for key in ("tokens_per_s", "staleness_max", "versions_in_flight", "trainer_wait_s", "bubble_ratio"):

@@ -88,9 +88,9 @@ def test_train_cli_writes_config_ledger_metrics_and_audits(tmp_path):
         "--config.coordinator.rollout_batch_size=32",
         "--config.rollout.max_new_tokens=40",
         "--config.task.k_max=16",
-        "--config.eval.every_steps=1",
-        "--config.eval.num_prompts=6",
-        "--config.eval.samples=2",
+        "--config.eval.every_steps=2",
+        "--config.eval.num_prompts=4",
+        "--config.eval.samples=1",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -99,18 +99,16 @@ def test_train_cli_writes_config_ledger_metrics_and_audits(tmp_path):
     assert json.load(open(tmp_path / "config.json"))["mode"] == "dora"
     audit_out = subprocess.run([sys.executable, "-m", "dora_jax.audit", str(tmp_path)], capture_output=True, text=True)
     assert audit_out.returncode == 0 and "audit OK" in audit_out.stdout
-    # Evaluation at versions 0, 1 and 2 (the last), through the slices, never trained on.
-    assert summary["eval"]["steps"] == [0, 1, 2]
+    # Evaluation at versions 0 and 2 (the last), through the slices, never trained on.
+    assert summary["eval"]["steps"] == [0, 2]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     evals = {r["step"]: r for r in rows if "eval/reward_greedy" in r}
-    assert sorted(evals) == [0, 1, 2] and all(
-        "eval/pass@2" in r and "eval/response_len_mean" in r for r in evals.values()
-    )
+    assert sorted(evals) == [0, 2] and all("eval/pass@1" in r and "eval/response_len_mean" in r for r in evals.values())
     samples = [json.loads(line) for line in open(tmp_path / "eval_samples.jsonl")]
-    assert len(samples) == 3 * 6 * 3 and sum(s["greedy"] for s in samples) == 3 * 6
+    assert len(samples) == 2 * 4 * 2 and sum(s["greedy"] for s in samples) == 2 * 4
     for step, row in evals.items():  # the row's greedy reward is the mean of its greedy samples' rewards
         greedy = [s["reward"] for s in samples if s["step"] == step and s["greedy"]]
         assert row["eval/reward_greedy"] == pytest.approx(sum(greedy) / len(greedy))
     report = audit(read_ledger(str(tmp_path / "ledger.jsonl")))
-    assert report.eval_dispatched == report.eval_finished == 3 * 6 * 3 and report.consumed == 2 * 16
-    assert "3 rounds, 54 of 54 requests finished" in audit_out.stdout
+    assert report.eval_dispatched == report.eval_finished == 2 * 4 * 2 and report.consumed == 2 * 16
+    assert "2 rounds, 16 of 16 requests finished" in audit_out.stdout
