@@ -33,12 +33,11 @@ def main(argv):
     signal.signal(signal.SIGTERM, lambda *_: preempt.set())
     result = runner.run(config, cli.WORKDIR.value, write_config=cli.config_as_json(cli.CONFIG.value), preempt=preempt)
     summary = result.audit.summary()
-    from dora_jax.runtime.metrics import plot_reward_curve, read_metrics
+    from dora_jax.runtime.metrics import read_metrics
 
     rows = read_metrics(result.workdir)  # every step of the run, resumed ones included
     evals = [r for r in rows if "eval/reward_greedy" in r]
     rows = [r for r in rows if "reward_mean" in r]
-    curve = plot_reward_curve(result.workdir)
     print(
         json.dumps(
             {
@@ -70,7 +69,7 @@ def main(argv):
                 "max_versions_in_flight": summary["max_versions_in_flight"],
                 "migrations_kv": summary["migrations_kv"],
                 "trainer_wait_s": round(result.coordinator_stats["trainer_wait_s"], 2),
-                "reward_curve": curve,
+                "reward_curve": result.reward_curve,
             }
         )
     )

@@ -33,13 +33,14 @@ class Evaluator:
         spec: EvalSpec,
         num_steps: int,
         prompts: Sequence[Prompt],
+        leaks: LeakCounter,
         coordinator,
         decode: Callable[[Sequence[int]], str],
         workdir: str,
         writer: MetricsWriter | None,
     ):
         self.spec, self.num_steps, self.prompts = spec, num_steps, list(prompts)
-        self.leaks = LeakCounter(self.prompts)
+        self.leaks = leaks  # counted where the training prompts are drawn (the runner's next_prompt)
         self._coord, self._decode, self._writer = coordinator, decode, writer
         self._samples_path = os.path.join(workdir, "eval_samples.jsonl")
         self._by_id = {p.prompt_id: p for p in self.prompts}

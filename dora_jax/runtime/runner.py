@@ -48,7 +48,7 @@ from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, plot_reward_curve
 from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.runtime.supervisor import SliceSupervisor
 from dora_jax.store import InProcessTier, ParamStore, StoreError
-from dora_jax.tasks.eval_set import eval_prompts
+from dora_jax.tasks.eval_set import LeakCounter, eval_prompts
 from dora_jax.tasks.prompt import Prompt
 from dora_jax.tasks.reward_scorer import RewardPoolScorer
 from dora_jax.trainer import Trainer
@@ -73,6 +73,7 @@ class RunResult:
     checkpoint_errors: list = dataclasses.field(default_factory=list)
     checkpoint_s: list = dataclasses.field(default_factory=list)  # seconds the trainer spent per save
     evals: list = dataclasses.field(default_factory=list)  # one metrics row per evaluation round (Evaluator)
+    reward_curve: str | None = None  # WORKDIR/reward_curve.png: training reward and evaluation curves
 
 
 def run(
@@ -133,13 +134,12 @@ def run(
             task_config(config), setup.task, setup.tokenizer, config.eval.num_prompts, config.eval.path
         )
         prompts.update({p.prompt_id: p for p in held_out})
-    leaks: list = []  # the evaluator's LeakCounter, once it exists
+    leaks = LeakCounter(held_out)  # training prompts that are also evaluation prompts
 
     def next_prompt():
         prompt = setup.task.source.next()
         prompts[prompt.prompt_id] = prompt
-        if leaks:
-            leaks[0].check(prompt)
+        leaks.check(prompt)
         return prompt.prompt_id, prompt.prompt_ids
 
     pool = None
@@ -190,9 +190,8 @@ def run(
         workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
     )
     evaluator = Evaluator(
-        config.eval, config.num_steps, held_out, coord, setup.tokenizer.decode, workdir, metrics_writer
+        config.eval, config.num_steps, held_out, leaks, coord, setup.tokenizer.decode, workdir, metrics_writer
     )
-    leaks.append(evaluator.leaks)
     stop = threading.Event()
     loop_error: list[BaseException] = []
     all_threads = supervisor.all_threads  # grows as slices restart
@@ -281,7 +280,8 @@ def run(
         for t in all_threads:
             t.stop()
         bar.close()
-        metrics_writer.close(images=_images(workdir))
+        curve = _reward_curve(workdir)
+        metrics_writer.close(images={"reward_curve": curve} if curve else None)
         ledger.close()
         if pool is not None:
             pool.close()
@@ -311,6 +311,7 @@ def run(
         checkpoint_errors=checkpoint_errors,
         checkpoint_s=checkpoint_s,
         evals=evaluator.results,
+        reward_curve=curve,
     )
 
 
@@ -319,14 +320,14 @@ def wandb_spec(config: RunConfig) -> WandbSpec | None:
     return WandbSpec(g.wandb_project, g.wandb_name, g.wandb_tags, g.wandb_mode) if g.wandb else None
 
 
-def _images(workdir: str) -> dict[str, str]:
-    """The run's PNGs for the trackers (the reward and evaluation curves)."""
+def _reward_curve(workdir: str) -> str | None:
+    """Draws WORKDIR/reward_curve.png (training reward and evaluation curves) for the trackers and
+    the caller; None when there is nothing to draw or drawing failed."""
     try:
-        path = plot_reward_curve(workdir)
+        return plot_reward_curve(workdir)
     except Exception as err:  # a plot is never worth the run's results
         log.warning("reward curve not drawn: %s", err)
-        return {}
-    return {"reward_curve": path} if path else {}
+        return None
 
 
 class CoordinatorSource:
