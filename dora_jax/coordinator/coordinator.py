@@ -19,7 +19,6 @@ import dataclasses
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -353,7 +352,7 @@ class Coordinator:
         requests = []
         for i in range(cfg.group_size):
             traj_id = f"{group_id}/{i}"
-            sampling = dataclasses.replace(cfg.sampling, seed=zlib.crc32(f"{cfg.seed}:{traj_id}".encode()) & 0x7FFFFFFF)
+            sampling = records.request_sampling(cfg.sampling, cfg.seed, traj_id)
             forced = self._forced_length(prompt_id, i) if self._forced_length else None
             requests.append(
                 Request(

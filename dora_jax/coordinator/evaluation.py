@@ -21,11 +21,10 @@ summary goes to the ledger as an `eval` event and to whoever asked:
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from dora_jax.core.records import Request, SamplingParams, Trajectory
+from dora_jax.core.records import Request, SamplingParams, Trajectory, request_sampling
 
 GREEDY = "g"  # the greedy sample's index in its trajectory id: e<round>/<prompt>/g
 
@@ -98,7 +97,7 @@ def make_requests(
             if index == GREEDY:
                 params = SamplingParams(temperature=0.0)
             else:
-                params = dataclasses.replace(sampling, seed=zlib.crc32(f"{seed}:{traj_id}".encode()) & 0x7FFFFFFF)
+                params = request_sampling(sampling, seed, traj_id)
             requests.append(
                 Request(traj_id, group_id, str(prompt_id), ids, version, max_new_tokens, params, stop_ids, None)
             )

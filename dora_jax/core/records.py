@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import zlib
 
 import numpy as np
 
@@ -28,6 +29,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+
+
+def request_sampling(sampling: SamplingParams, run_seed: int, traj_id: str) -> SamplingParams:
+    """A request's sampling settings with its own seed: a function of the run's seed and the
+    trajectory id only, so a re-dispatched or resumed request draws the same tokens."""
+    return dataclasses.replace(sampling, seed=zlib.crc32(f"{run_seed}:{traj_id}".encode()) & 0x7FFFFFFF)
 
 
 @dataclasses.dataclass(frozen=True)
