@@ -51,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # storage dtype of params (the trainer's master weights)
     c.model.attention = "auto"  # full-forward kernel: splash (Pallas) on TPU, cuDNN on GPU
     c.model.remat = "dots"  # the backward pass keeps the weight matmuls' outputs, recomputes the rest
+    c.model.scan_layers = True  # the trainer's blocks as one lax.scan: XLA compiles one block, not every layer
 
     c.init = ml_collections.ConfigDict()
     c.init.checkpoint = ""  # a HF checkpoint to start RL from instead of model.hf_path; "" = model.hf_path
@@ -112,6 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.micro_batch_size = 8  # rows per forward/backward (2 per trainer chip)
     c.trainer.pad_to = 128  # sequence lengths are padded to a multiple of this (bounded compiles)
     c.trainer.length_bucket = 128  # rows sorted by length, each micro-batch padded to its own 128 x 2^k
+    c.trainer.micro_batch_tokens = 8192  # token-budget micro-batches: 2K positions per chip (64 rows of 128, 8 of 1K)
     c.trainer.vocab_chunk = 8192  # log-probs over the 152K vocabulary 8K entries at a time
 
     c.checkpoint = ml_collections.ConfigDict()

@@ -53,6 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # storage dtype of params (the trainer's master weights)
     c.model.attention = "auto"  # full-forward kernel: splash (Pallas) on TPU, cuDNN on GPU
     c.model.remat = "full"  # the backward pass recomputes each layer from its input (16K-token rows)
+    c.model.scan_layers = True  # the trainer's blocks as one lax.scan: XLA compiles one block, not every layer
 
     c.init = ml_collections.ConfigDict()
     c.init.checkpoint = ""  # a HF checkpoint to start RL from instead of model.hf_path; "" = model.hf_path
@@ -115,6 +116,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.micro_batch_size = 16  # rows per forward/backward (one per trainer chip)
     c.trainer.pad_to = 512  # sequence lengths are padded to a multiple of this (bounded compiles)
     c.trainer.length_bucket = 512  # rows sorted by length, each micro-batch padded to its own 512 x 2^k
+    c.trainer.micro_batch_tokens = 65536  # token budget: 4K positions per chip (128 rows of 512, 16 of 4K)
     c.trainer.vocab_chunk = 8192  # log-probs over the 152K vocabulary 8K entries at a time
 
     c.checkpoint = ml_collections.ConfigDict()

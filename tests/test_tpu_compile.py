@@ -86,6 +86,20 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
 
 
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
+def test_scanned_layers_cost_what_the_unrolled_program_costs():
+    """XLA's cost analysis counts a scan body once: with model.scan_layers the train step's cost is
+    extrapolated from unrolled 1- and 2-block compiles, and matches the unrolled program's."""
+    unrolled = aot.compile_roles(run_config.parse(_config()), None, "v5e:2x2", roles=("trainer",))
+    scanned = aot.compile_roles(run_config.parse(_config(scan_layers=True)), None, "v5e:2x2", roles=("trainer",))
+    (a, b), (c, d) = unrolled["roles"][0]["programs"], scanned["roles"][0]["programs"]
+    for plain, scan in ((a, c), (b, d)):
+        assert scan["name"] == plain["name"] and "layers extrapolated" in scan["estimate"]
+        assert scan["flops"] == pytest.approx(plain["flops"], rel=0.02)
+        assert scan["bytes_accessed"] == pytest.approx(plain["bytes_accessed"], rel=0.1)
+    assert scanned["fits"] is True
+
+
+@pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
 def test_a_huge_model_does_not_fit_and_the_program_is_named():
     # 2 layers of 3.5B params each: 28 GB of fp32 weights for one 16 GiB chip.
     c = _config(hidden_size=16384, intermediate_size=65536, num_heads=128, num_kv_heads=16, head_dim=128)

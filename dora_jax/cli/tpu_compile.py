@@ -27,6 +27,12 @@ TARGET = flags.DEFINE_string(
 TRAIN_LENGTHS = flags.DEFINE_list(
     "train_lengths", [], "extra batch widths to compile the whole-batch train step for (the widest is always compiled)"
 )
+ESTIMATE_LENGTHS = flags.DEFINE_list(
+    "estimate_lengths",
+    None,
+    "with model.scan_layers: trainer widths whose programs get cost estimates (probe compiles of 1 and "
+    "2 unrolled blocks); default: the width nearest 4096",
+)
 ROLES = flags.DEFINE_list("roles", ["trainer", "rollout"], "roles to compile")
 
 
@@ -55,8 +61,15 @@ def main(argv):
         config = run_config.parse(config_dict)
         lengths = tuple(int(n) for n in TRAIN_LENGTHS.value)
         pod = config_dict.pod if "pod" in config_dict else None
+        estimate = None if ESTIMATE_LENGTHS.value is None else [int(n) for n in ESTIMATE_LENGTHS.value]
         result = aot.compile_roles(
-            config, pod, TARGET.value, train_lengths=lengths, roles=tuple(ROLES.value), on_role=write
+            config,
+            pod,
+            TARGET.value,
+            train_lengths=lengths,
+            estimate_lengths=estimate,
+            roles=tuple(ROLES.value),
+            on_role=write,
         )
     except (ValueError, RuntimeError) as err:
         print(f"tpu_compile: {err}", file=sys.stderr)

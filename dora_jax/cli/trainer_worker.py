@@ -102,6 +102,7 @@ def train(config, workdir: str, client) -> None:
             num_steps=config.num_steps,
             pad_to=config.pad_to,
             pad_id=setup.tokenizer.pad_id,
+            max_length=config.rollout.cache_length,
             writer=writer,
             on_row=on_row,
             start=start,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from flax import nnx
 
-from dora_jax.models.config import ModelConfig, RopeConfig, dtype_from_name, moe_fields
+from dora_jax.models.config import COMPUTE_FIELDS, ModelConfig, RopeConfig, dtype_from_name, moe_fields
 from dora_jax.models.decoder import KV_CACHE_AXES, Decoder, KVCache, init_model
 from dora_jax.models.hf_io import load_hf, read_config, save_hf
 from dora_jax.models.moe import Routing, expert_load, load_balancing_loss
+from dora_jax.models.params import in_compute_dtype
 
 
 def split(model: Decoder):
@@ -32,6 +33,7 @@ def abstract_model(config: ModelConfig) -> Decoder:
 
 
 __all__ = [
+    "COMPUTE_FIELDS",
     "KV_CACHE_AXES",
     "Decoder",
     "KVCache",
@@ -41,6 +43,7 @@ __all__ = [
     "abstract_model",
     "dtype_from_name",
     "expert_load",
+    "in_compute_dtype",
     "init_model",
     "load_balancing_loss",
     "load_hf",

@@ -21,6 +21,9 @@ _HF_ARCHITECTURES = {
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 MOE_DISPATCHES = ("dense", "grouped")  # see dora_jax.models.moe
 REMAT_POLICIES = ("none", "dots", "full")  # see dora_jax.models.decoder.Decoder
+# Fields that choose how the numbers are computed, not what they are: a checkpoint or a resumed run
+# may change them.
+COMPUTE_FIELDS = ("moe_dispatch", "attention", "remat", "scan_layers")
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "pallas_tpu", "pallas_interpret")  # see .attention
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -74,6 +77,10 @@ class ModelConfig:
     # Full forward, per layer: "none" keeps every activation for the backward pass; "dots" keeps
     # only the weight matmuls' outputs and recomputes the rest; "full" keeps each layer's input only.
     remat: str = "none"
+    # Full forward: the blocks run as one `lax.scan` over their params stacked along a layer axis
+    # (cast to `dtype` first: every block casts them so before use), so XLA compiles one block
+    # instead of `num_layers`. Same numbers; needs blocks of one kind (all dense or all MoE).
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,6 +110,12 @@ class ModelConfig:
             raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
+        if self.scan_layers and len({self.is_moe_layer(i) for i in range(self.num_layers)}) > 1:
+            raise ValueError(
+                "scan_layers=True needs blocks of one kind, but this model mixes dense and MoE blocks "
+                f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers={self.mlp_only_layers}); "
+                "expected scan_layers=False"
+            )
         if self.rope.kind not in ("default", "llama3"):
             raise ValueError(f"rope kind {self.rope.kind!r} not supported; expected 'default' or 'llama3'")
 

@@ -27,6 +27,7 @@ from flax import nnx
 from dora_jax.models.attention import causal_attention, reference_attention
 from dora_jax.models.config import ModelConfig
 from dora_jax.models.moe import MoE
+from dora_jax.models.params import in_compute_dtype
 from dora_jax.models.params import normal as _normal
 from dora_jax.models.params import param as _param
 from dora_jax.models.rope import apply_rope, inverse_frequencies
@@ -214,7 +215,11 @@ class Decoder(nnx.Module):
         new_k, new_v, routings = [], [], []
         stacked = None if cache is None else (cache.k_LBSKD, cache.v_LBSKD)
         remat = cache is None and cfg.remat != "none"
-        for i, layer in enumerate(self.layers):
+        if cache is None and cfg.scan_layers:
+            x_BTE, kv, routings = self._scanned_blocks(x_BTE, positions_BT, return_kv)
+            if kv is not None:
+                new_k, new_v = kv
+        for i, layer in enumerate(() if cache is None and cfg.scan_layers else self.layers):
             if remat:  # the backward pass recomputes what the policy does not keep
                 x_BTE, layer_cache, routing = _rematerialised(cfg.remat)(layer, x_BTE, positions_BT)
             else:
@@ -232,8 +237,32 @@ class Decoder(nnx.Module):
             return logits_BTV, tuple(routings)
         if cache is None and not return_kv:
             return logits_BTV
-        kv = KVCache(*stacked) if cache is not None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
-        return logits_BTV, kv
+        if cache is not None:
+            return logits_BTV, KVCache(*stacked)
+        if cfg.scan_layers:
+            return logits_BTV, KVCache(new_k, new_v)
+        return logits_BTV, KVCache(jnp.stack(new_k), jnp.stack(new_v))
+
+    def _scanned_blocks(self, x_BTE, positions_BT, return_kv: bool):
+        """The full forward's blocks as one `lax.scan` (ModelConfig.scan_layers): the blocks'
+        params stacked along a leading layer axis, cast to the compute dtype first (each block casts
+        them so before use, so no number changes; the stack holds half the bytes of fp32 masters).
+        Returns (x_BTE, (k_LBTKD, v_LBTKD) or None, one Routing per MoE layer)."""
+        cfg = self.config
+        graphdef, _ = nnx.split(self.layers[0])
+        states = [in_compute_dtype(nnx.state(layer), cfg.dtype) for layer in self.layers]
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+        def body(x_BTE, state):
+            x_BTE, (k_BTKD, v_BTKD), routing = nnx.merge(graphdef, state)(x_BTE, positions_BT)
+            return x_BTE, ((k_BTKD, v_BTKD) if return_kv else None, routing)
+
+        if cfg.remat != "none":  # the backward pass recomputes what the policy does not keep
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x_BTE, (kv, routing_L) = jax.lax.scan(body, x_BTE, stacked)
+        if routing_L is None:
+            return x_BTE, kv, []
+        return x_BTE, kv, [jax.tree.map(lambda a, i=i: a[i], routing_L) for i in range(cfg.num_layers)]
 
     def unembed(self, x_BTE, start=0, size: int | None = None):
         """Logits (float32) of the vocabulary entries [start, start + size) (default: all of them)

@@ -162,17 +162,19 @@ def load_hf(
     moe_dispatch: str | None = None,
     attention: str | None = None,
     remat: str | None = None,
+    scan_layers: bool | None = None,
 ) -> Decoder:
     """Loads a HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint directory as our decoder.
 
     `dtype` is the compute dtype; params are stored in `param_dtype` (default: `dtype`). With a
     `mesh`, every param is placed directly with its target sharding: each device receives only
     its own shard (`make_array_from_callback`), never a full copy per device. `moe_dispatch`
-    ("dense" | "grouped") overrides the config's MoE computation, `attention` its attention kernel and
-    `remat` its rematerialisation policy (ModelConfig; none of the three changes a number).
+    ("dense" | "grouped") overrides the config's MoE computation, `attention` its attention kernel,
+    `remat` its rematerialisation policy and `scan_layers` its layer loop (ModelConfig.COMPUTE_FIELDS:
+    none changes a number).
     """
     cfg = read_config(path, dtype=dtype, param_dtype=param_dtype)
-    compute = dict(moe_dispatch=moe_dispatch, attention=attention, remat=remat)
+    compute = dict(moe_dispatch=moe_dispatch, attention=attention, remat=remat, scan_layers=scan_layers)
     cfg = cfg.replace(**{k: v for k, v in compute.items() if v is not None})
     files = _tensor_files(path)
     abstract = nnx.eval_shape(lambda: init_model(cfg))

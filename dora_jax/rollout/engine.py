@@ -33,7 +33,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from dora_jax.core.records import Request, SamplingParams, SlotState
-from dora_jax.models import KV_CACHE_AXES, KVCache, ModelConfig, abstract_model, load_hf, logical_axes, split
+from dora_jax.models import (
+    KV_CACHE_AXES,
+    KVCache,
+    ModelConfig,
+    abstract_model,
+    in_compute_dtype,
+    load_hf,
+    logical_axes,
+    split,
+)
 from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.rollout import sampling
 
@@ -332,6 +341,9 @@ class RolloutEngine:
         rules: sharding_lib.Rules = sharding_lib.ROLLOUT_RULES,
         tokenizer: Any = None,
     ):
+        # Params are served in the compute dtype (every block casts them so before use: no number
+        # changes; bf16 serving holds half the bytes of fp32 master weights).
+        model_config = model_config.replace(param_dtype=model_config.dtype)
         self.model_config, self.config, self._mesh, self._rules = model_config, config, mesh, rules
         self.tokenizer = tokenizer
         abstract = abstract_model(model_config)
@@ -419,7 +431,7 @@ class RolloutEngine:
         if shapes != self._param_shapes:
             bad = next(i for i, (a, b) in enumerate(zip(shapes, self._param_shapes)) if a != b)
             raise ValueError(f"params leaf {bad} has shape {shapes[bad]}, expected {self._param_shapes[bad]}")
-        return jax.device_put(params, self._param_shardings)
+        return in_compute_dtype(jax.device_put(params, self._param_shardings), self.model_config.dtype)
 
     def init_decode_state(self) -> DecodeState:
         """All slots empty (zeros), born with the slice's shardings."""

@@ -33,11 +33,13 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -47,8 +49,7 @@ from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.runtime import build
 from dora_jax.runtime.run_config import RunConfig
 from dora_jax.trainer import Trainer
-from dora_jax.trainer.batching import bucket_length
-from dora_jax.trainer.bucketed import bucket_lengths
+from dora_jax.trainer.bucketed import batch_widths
 
 INSTALL = 'pip install -e ".[tpu]"'  # libtpu, pinned to what jax[tpu] pins for the jax version
 GiB = 1 << 30
@@ -282,11 +283,17 @@ def model_config(config: RunConfig) -> models.ModelConfig:
         for ours, theirs in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_heads", "num_heads")):
             if getattr(m, ours) != getattr(cfg, theirs):
                 raise ValueError(f"model.{ours}={getattr(m, ours)} but {source} has {getattr(cfg, theirs)}")
-    return cfg.replace(moe_dispatch=m.moe_dispatch, attention=m.attention, remat=m.remat)
+    return cfg.replace(moe_dispatch=m.moe_dispatch, attention=m.attention, remat=m.remat, scan_layers=m.scan_layers)
 
 
 def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _in_dtype(tree, dtype):
+    """ShapeDtypeStructs with floating leaves in `dtype` (what `models.in_compute_dtype` makes)."""
+    cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype  # noqa: E731
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding), tree)
 
 
 def bytes_per_chip(tree) -> int:
@@ -322,54 +329,106 @@ class Program:
     lower: Callable[[], jax.stages.Lowered]
     trips: int = 1  # scan trips XLA's cost analysis counts once
     model_flops: float | None = None  # per chip, per call
+    opaque_flops: float = 0.0  # per chip, per call: inside Pallas kernels, which XLA's cost model cannot see
+    cost: bool = True  # False: memory only (XLA's cost would count a scanned block once)
+
+
+def attention_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool) -> float:
+    """Flops of the causal attention kernel over rows x length tokens, all layers: a forward
+    pass is 2 matmuls over half the T x T scores (2 L H D T^2 per row); a backward pass 5 (the
+    scores again, dP, dS->dQ, dK, dV); rematerialised layers run the forward a second time."""
+    forward = 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length * rows
+    if not backward:
+        return forward
+    return forward * (2.0 if cfg.remat != "none" else 1.0) + 2.5 * forward
+
+
+def _bucketed_program(name: str, lowered, cfg, chips: int, kernel: bool) -> Program:
+    """A length-bucketed trainer program with its model flops (grad: forward + backward;
+    recompute: forward) and, with the splash kernel, the kernel's flops XLA cannot see."""
+    shape = dict(part.split("=") for part in name[name.index("[") + 1 : -1].split(",")) if "[" in name else {}
+    if name.startswith("grad["):
+        rows, T = int(shape["rows"]), int(shape["T"])
+        flops, backward = train_model_flops(cfg, rows, T), True
+    elif name.startswith("recompute["):
+        rows, T = int(shape["rows"]), int(shape["T"])
+        flops, backward = train_model_flops(cfg, rows, T) / 3.0, False
+    else:
+        return Program(name, lambda: lowered)
+    opaque = attention_kernel_flops(cfg, rows, T, backward=backward) / chips if kernel else 0.0
+    return Program(name, lambda: lowered, model_flops=flops / chips, opaque_flops=opaque)
 
 
 def trainer_programs(config: RunConfig, trainer: Trainer, cfg, chips: int, lengths=()) -> list[Program]:
     t, batch = config.trainer, config.coordinator.train_batch_size
     max_length = config.rollout.cache_length
+    kernel = cfg.attention == "pallas_tpu"
     if t.length_bucket:
-        widths = tuple(bucket_lengths(max_length, config.pad_to))  # as Trainer.warmup sees them
+        widths = batch_widths(max_length, config.pad_to)  # as Trainer.warmup sees them
         return [
-            Program(name, lambda lowered=lowered: lowered)
+            _bucketed_program(name, lowered, cfg, chips, kernel)
             for name, lowered in trainer.lower_bucketed(batch, max_length, widths)
         ]
-    lengths = sorted(set(lengths) | {bucket_length(max_length, config.pad_to)})  # the widest batch
+    lengths = sorted(set(lengths) | {max(batch_widths(max_length, config.pad_to))})  # the widest batch
     U, C = t.num_updates, t.micro_batch_size
     M = batch // (U * C)
     programs = []
     for T in lengths:
         flops = train_model_flops(cfg, batch, T) / chips  # the whole batch: the record is scaled to it
+        opaque = attention_kernel_flops(cfg, C, T, backward=True) / chips if kernel else 0.0  # one micro-batch
         programs.append(
             Program(
                 f"train_step[B={batch},U={U},M={M},C={C},T={T}]",
                 lambda T=T: trainer.lower_train_step(U * C, T),  # one micro-batch per update
                 trips=U * M,
                 model_flops=flops,
+                opaque_flops=opaque,
             )
         )
-        programs.append(Program(f"recompute[C={C},T={T}]", lambda T=T: trainer.lower_recompute(batch, T)))
+        opaque = attention_kernel_flops(cfg, batch, T, backward=False) / chips if kernel else 0.0
+        programs.append(
+            Program(f"recompute[C={C},T={T}]", lambda T=T: trainer.lower_recompute(batch, T), opaque_flops=opaque)
+        )
     return programs
 
 
-def compile_program(program: Program, chip: Chip | None, log=print) -> dict:
+def _cost(compiled) -> tuple[float, float, float]:
+    """(flops, bytes accessed, optimal seconds: <= 0 where XLA gives none) as XLA counts them."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
+    get = lambda key, default=0.0: float(cost.get(key, default))  # noqa: E731
+    return get("flops"), get("bytes accessed"), get("optimal_seconds", -1.0)
+
+
+def compile_program(program: Program, chip: Chip | None, log=print, probes=None) -> dict:
+    """One program's record. `probes`: (layers, [lower the 1-layer program, lower the 2-layer
+    program]) for a program whose blocks run under `lax.scan`, whose body XLA's cost analysis
+    counts once: its cost is then extrapolated from the two unrolled compiles, c1 + (L - 1) (c2 - c1)."""
     start = time.perf_counter()
     record = {"name": program.name}
     try:
         compiled = program.lower().compile()
+        flops, accessed, seconds = _cost(compiled)
+        estimate = "xla"
+        if probes is not None:
+            layers, lowerings = probes
+            (f1, b1, s1), (f2, b2, s2) = (_cost(lower().compile()) for lower in lowerings)
+            flops, accessed = f1 + (layers - 1) * (f2 - f1), b1 + (layers - 1) * (b2 - b1)
+            seconds = s1 + (layers - 1) * (s2 - s1) if min(s1, s2) > 0 else -1.0
+            estimate = "xla, layers extrapolated"
     except Exception as err:  # e.g. RESOURCE_EXHAUSTED where libtpu still refuses: report, go on
         record.update(error=f"{type(err).__name__}: {' '.join(str(err).split())[:600]}")
         log(f"  {program.name}: compile failed: {record['error']}")
         return record
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
-    flops = float(cost.get("flops", 0.0)) * program.trips
-    accessed = float(cost.get("bytes accessed", 0.0)) * program.trips
-    seconds, estimate = float(cost.get("optimal_seconds", -1.0)) * program.trips, "xla"
-    if seconds <= 0:
+    flops, accessed, seconds = flops * program.trips, accessed * program.trips, seconds * program.trips
+    if not program.cost:
+        flops, accessed, seconds, estimate = None, None, None, "not estimated (blocks under scan)"
+    elif seconds <= 0:
         seconds, estimate = None, None
         if chip is not None:
-            seconds, estimate = max(flops / chip.peak_flops, accessed / chip.hbm_bytes_per_s), "roofline"
+            seconds = max(flops / chip.peak_flops, accessed / chip.hbm_bytes_per_s)
+            estimate = "roofline" + (", layers extrapolated" if probes is not None else "")
     record.update(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
@@ -381,13 +440,20 @@ def compile_program(program: Program, chip: Chip | None, log=print) -> dict:
         estimate=estimate,
         scan_trips=program.trips,
     )
+    if program.opaque_flops and seconds is not None and chip is not None:
+        # XLA's cost model sees none of a Pallas kernel's work: it is added at the chip's peak.
+        kernel_s = program.opaque_flops * program.trips / chip.peak_flops
+        record.update(kernel_flops=program.opaque_flops * program.trips, kernel_s=kernel_s)
+        record["estimated_s"] = seconds = seconds + kernel_s
+        record["estimate"] = estimate = f"{estimate} + kernel at peak"
     if program.model_flops is not None:
         record["model_flops"] = program.model_flops
         if seconds and chip is not None:
             record["mfu"] = program.model_flops / seconds / chip.peak_flops
+    tflop = "-" if flops is None else f"{flops / 1e12:.3f}"
     log(
         f"  {program.name}: compiled in {time.perf_counter() - start:.1f} s: temp {record['temp_bytes'] / GiB:.2f} "
-        f"GiB, {flops / 1e12:.3f} TFLOP, estimated {seconds} s ({estimate})"
+        f"GiB, {tflop} TFLOP, estimated {seconds} s ({estimate})"
     )
     return record
 
@@ -397,25 +463,40 @@ def transient_bytes(record: dict) -> int:
     return record["temp_bytes"] + max(0, record["output_bytes"] - record["alias_bytes"])
 
 
-def compile_role(config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), log=print) -> dict:
+def compile_role(
+    config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, log=print
+) -> dict:
+    """One role's record. With `model.scan_layers`, the trainer programs at `estimate_lengths`
+    (default: the one width nearest 4096) get cost estimates from unrolled 1- and 2-block probe
+    compiles; the other scanned programs are compiled for their memory only (estimate None)."""
     log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
     if cfg.attention == "auto" and target.mesh.devices.flat[0].platform == "tpu":
         # "auto" reads the default backend, which is this host's CPU while compiling for TPU chips.
         cfg = cfg.replace(attention="pallas_tpu")
-    graphdef, abstract_params = models.split(models.abstract_model(cfg))
     chips = int(target.mesh.devices.size)
+    probes = {}
     if target.role == "trainer":
-        axes = models.logical_axes(models.abstract_model(cfg))
-        trainer = Trainer.abstract(graphdef, abstract_params, axes, target.mesh, config.trainer)
+        trainer = _abstract_trainer(cfg, target.mesh, config.trainer)
         params = bytes_per_chip(trainer.state.params)
         versions = config.coordinator.k_max + 1 if target.store_versions_on_device else 1
         resident = {
             "params": params,
             "optimizer_state": bytes_per_chip(trainer.state) - params,
             "kl_reference": params if config.trainer.kl_coef > 0 else 0,
-            f"param_versions_x{versions}": params * versions,
+            # versions are published in the compute dtype (Trainer.serve_dtype)
+            f"param_versions_x{versions}": bytes_per_chip(_in_dtype(trainer.state.params, cfg.dtype)) * versions,
         }
         programs = trainer_programs(config, trainer, cfg, chips, train_lengths)
+        if cfg.scan_layers:
+            widths = sorted({_width(p.name) for p in programs} - {None})
+            if estimate_lengths is None:  # the width nearest 4K tokens
+                estimate_lengths = [min(widths, key=lambda T: abs(math.log2(T / 4096)))] if widths else []
+            unknown = sorted(set(estimate_lengths) - set(widths))
+            if unknown:
+                raise ValueError(
+                    f"--estimate_lengths={unknown} are not widths the trainer compiles; expected some of {widths}"
+                )
+            probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths))
     else:
         engine_config = EngineConfig(
             num_slots=config.rollout.slots,
@@ -423,13 +504,48 @@ def compile_role(config: RunConfig, target: RoleTarget, cfg, *, train_lengths=()
             max_prefill_length=config.rollout.max_prefill_length,
         )
         engine = RolloutEngine(cfg, engine_config, target.mesh)
+        served = models.split(models.abstract_model(engine.model_config))[1]  # in the compute dtype
         resident = {
-            "params": bytes_per_chip(_abstract(abstract_params, engine.param_shardings)),
+            "params": bytes_per_chip(_abstract(served, engine.param_shardings)),
             "decode_state": bytes_per_chip(engine.abstract_decode_state()),
         }
         programs = [Program(name, lambda lowered=lowered: lowered) for name, lowered in engine.lower_programs()]
-    records = [compile_program(p, target.chip, log) for p in programs]
+    records = []
+    for program in programs:
+        scanned_only = cfg.scan_layers and target.role == "trainer" and program.name not in probes
+        if scanned_only and _width(program.name) is not None:
+            program = dataclasses.replace(program, cost=False)  # XLA would count one block only
+        records.append(compile_program(program, target.chip, log, probes.get(program.name)))
     return _role_record(target, resident, records)
+
+
+def _width(name: str) -> int | None:
+    """The T of a program named like `grad[rows=16,T=4096]`; None for one without rows."""
+    found = re.search(r"\bT=(\d+)", name)
+    return int(found.group(1)) if found else None
+
+
+def _abstract_trainer(cfg: models.ModelConfig, mesh: Mesh, trainer_config) -> Trainer:
+    graphdef, abstract_params = models.split(models.abstract_model(cfg))
+    axes = models.logical_axes(models.abstract_model(cfg))
+    return Trainer.abstract(graphdef, abstract_params, axes, mesh, trainer_config)
+
+
+def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estimate: set[int]) -> dict:
+    """{program name: (layers, [lower it with 1 block, with 2 blocks])} for the programs that run
+    the blocks under `lax.scan` (model.scan_layers): the probes unroll the blocks and take the
+    vocabulary in one pass (no scan XLA would count once either), so their costs are XLA's whole
+    count, and two of them give the cost of one more block."""
+    trainer_config = dataclasses.replace(config.trainer, vocab_chunk=0)
+    probe_config = dataclasses.replace(config, trainer=trainer_config)
+    lowerings: dict[str, list] = {}
+    for layers in (1, 2):
+        small = cfg.replace(num_layers=layers, scan_layers=False)
+        trainer = _abstract_trainer(small, mesh, trainer_config)
+        for program in trainer_programs(probe_config, trainer, small, chips, lengths):
+            if _width(program.name) in estimate:
+                lowerings.setdefault(program.name, []).append(program.lower)
+    return {name: (cfg.num_layers, pair) for name, pair in lowerings.items()}
 
 
 def _role_record(target: RoleTarget, resident: dict, records: list[dict]) -> dict:
@@ -460,7 +576,15 @@ def _device_limit(mesh: Mesh) -> int | None:
 
 
 def compile_roles(
-    config: RunConfig, pod, target: str, *, train_lengths=(), roles=("trainer", "rollout"), log=None, on_role=None
+    config: RunConfig,
+    pod,
+    target: str,
+    *,
+    train_lengths=(),
+    estimate_lengths=None,
+    roles=("trainer", "rollout"),
+    log=None,
+    on_role=None,
 ):
     """compile.json's content (without "config") for `config` on `target` (see `plan_roles`).
     `on_role(partial_result)` is called after each role (big models compile for many minutes)."""
@@ -473,7 +597,9 @@ def compile_roles(
     records = []
     try:
         for plan in plans:
-            records.append(compile_role(config, plan, cfg, train_lengths=train_lengths, log=log))
+            records.append(
+                compile_role(config, plan, cfg, train_lengths=train_lengths, estimate_lengths=estimate_lengths, log=log)
+            )
             if on_role is not None:
                 on_role(_result(records))
     finally:
@@ -523,8 +649,9 @@ def table(result: dict) -> str:
                 continue
             ms = "-" if p["estimated_s"] is None else f"{p['estimated_s'] * 1e3:.2f}"
             name = f"{r['role']} {p['name']}"
+            tflop = "-" if p["flops"] is None else f"{p['flops'] / 1e12:.3f}"
             lines.append(
-                f"{name:52} {gib(p['temp_bytes']):>9} {gib(p['argument_bytes']):>9} {p['flops'] / 1e12:>9.3f} "
+                f"{name:52} {gib(p['temp_bytes']):>9} {gib(p['argument_bytes']):>9} {tflop:>9} "
                 f"{ms:>9}  {p['estimate']}" + (f" (MFU {p['mfu']:.1%})" if "mfu" in p else "")
             )
     return "\n".join(lines)

@@ -63,6 +63,7 @@ def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.Mo
         bos_token_id=CharTokenizer.BOS,
         attention=m.attention,
         remat=m.remat,
+        scan_layers=m.scan_layers,
     )
 
 
@@ -84,6 +85,7 @@ def build_setup(config: RunConfig, workdir: str, mesh: Mesh | None = None) -> Se
             moe_dispatch=config.model.moe_dispatch,
             attention=config.model.attention,
             remat=config.model.remat,
+            scan_layers=config.model.scan_layers,
         )
     else:
         model_config = fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)

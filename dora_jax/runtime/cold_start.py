@@ -116,6 +116,7 @@ def cold_start(
             moe_dispatch=model_config.moe_dispatch,
             attention=model_config.attention,
             remat=model_config.remat,
+            scan_layers=model_config.scan_layers,
         )
     model = models.init_model(model_config, seed=config.seed)
     if config.init.sft_steps <= 0 or config.task.kind != "running_sums":

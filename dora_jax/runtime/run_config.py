@@ -39,6 +39,7 @@ class ModelSpec:
     moe_dispatch: str = "grouped"  # "dense" | "grouped"
     attention: str = "auto"  # the full forward's kernel (dora_jax.models.attention)
     remat: str = "none"  # "none" | "dots" | "full": what the backward pass recomputes (ModelConfig.remat)
+    scan_layers: bool = False  # the full forward's blocks as one lax.scan (ModelConfig.scan_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +209,7 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         moe_dispatch=str(m.get("moe_dispatch", "grouped")),
         attention=str(m.get("attention", "auto")),
         remat=str(m.get("remat", "none")),
+        scan_layers=bool(m.get("scan_layers", False)),
     )
     if model.moe_dispatch not in ("dense", "grouped"):
         raise ValueError(f"model.moe_dispatch={model.moe_dispatch!r}; expected 'dense' or 'grouped'")

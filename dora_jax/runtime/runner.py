@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dora_jax import models
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
@@ -255,6 +256,7 @@ def run(
             num_steps=config.num_steps,
             pad_to=config.pad_to,
             pad_id=setup.tokenizer.pad_id,
+            max_length=config.rollout.cache_length,
             writer=metrics_writer,
             after_step=after_step,
             on_row=on_row,
@@ -385,9 +387,7 @@ def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
 def fingerprint(config: RunConfig, setup: Setup) -> dict:
     """What a resumed run may not change."""
     model = {
-        k: str(v)
-        for k, v in dataclasses.asdict(setup.model_config).items()
-        if k not in ("moe_dispatch", "attention", "remat")
+        k: str(v) for k, v in dataclasses.asdict(setup.model_config).items() if k not in models.COMPUTE_FIELDS
     }  # same numbers
     return {
         "model": model,

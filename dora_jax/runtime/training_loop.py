@@ -58,6 +58,7 @@ def train(
     num_steps: int,
     pad_to: int,
     pad_id: int,
+    max_length: int | None = None,
     writer: MetricsWriter | None = None,
     after_step: Callable[[int], dict] | None = None,
     on_row: Callable[[dict], None] | None = None,
@@ -77,7 +78,7 @@ def train(
             result.stopped_early = True
             break
         t0 = time.perf_counter()
-        batch = make_train_batch(list(taken.groups), pad_to, pad_id)
+        batch = make_train_batch(list(taken.groups), pad_to, pad_id, max_length=max_length)
         metrics = trainer.train_step(batch)
         faults.reached("train_step")
         trainer.publish()

@@ -26,8 +26,12 @@ def bucket_length(longest: int, pad_to: int, cap: int | None = None) -> int:
     return length if cap is None else min(length, cap)
 
 
-def make_train_batch(groups: list[Group], pad_to: int, pad_id: int, *, num_rows: int | None = None) -> TrainBatch:
-    """Packs `groups` (each G samples of one prompt and one version) into a TrainBatch.
+def make_train_batch(
+    groups: list[Group], pad_to: int, pad_id: int, *, num_rows: int | None = None, max_length: int | None = None
+) -> TrainBatch:
+    """Packs `groups` (each G samples of one prompt and one version) into a TrainBatch, as wide as
+    `pad_to * 2^k` over its longest row, or `max_length` (the longest row rollout can make) where
+    that is narrower.
 
     Samples whose reward failed or that were rejected get valid = 0 (kept in place, masked out of
     the loss); `group_ids_B` number the groups 0..len(groups)-1 in order.
@@ -45,7 +49,7 @@ def make_train_batch(groups: list[Group], pad_to: int, pad_id: int, *, num_rows:
                 f"but {len(s.trajectory.logprobs)} log-probs"
             )
     longest = max((len(s.trajectory.prompt_ids) + s.trajectory.num_tokens for _, s in samples), default=1)
-    T = bucket_length(longest, pad_to)
+    T = bucket_length(longest, pad_to, max_length if max_length is not None and max_length >= longest else None)
 
     tokens = np.full((B, T), pad_id, np.int32)
     loss_mask = np.zeros((B, T), np.float32)

@@ -112,6 +112,12 @@ def bucket_lengths(max_length: int, pad_to: int, widths=(None,)) -> list[int]:
     return sorted(lengths)
 
 
+def batch_widths(max_length: int, pad_to: int) -> tuple[int, ...]:
+    """Every width a batch of rows up to `max_length` positions can have (`make_train_batch`):
+    pad_to * 2^k up to the bucket of the longest row, `max_length` where that is narrower."""
+    return tuple(sorted({min(width, max_length) for width in bucket_lengths(max_length, pad_to)}))
+
+
 class BucketedStep:
     """Runs one batch as `step.train_step` would, micro-batch by micro-batch at their own lengths."""
 

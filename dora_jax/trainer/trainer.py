@@ -16,12 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.core.records import TrainBatch
+from dora_jax.models.params import in_compute_dtype
 from dora_jax.parallel.sharding import (
     TRAINER_RULES,
     Rules,
@@ -33,7 +36,7 @@ from dora_jax.parallel.sharding import (
 from dora_jax.store import ParamStore
 from dora_jax.store.digest import params_digest
 from dora_jax.trainer.advantages import ESTIMATORS
-from dora_jax.trainer.bucketed import BucketedStep, bucket_lengths
+from dora_jax.trainer.bucketed import BucketedStep, batch_widths
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
 from dora_jax.trainer.step import (
@@ -257,6 +260,16 @@ class Trainer:
             compiler_options=self._compiler_options,
         )
 
+        # Versions are published (and the current one recomputed with) in the model's compute dtype:
+        # every block casts its params so before use, so no number changes, and rollout slices
+        # receive half the bytes of fp32 master weights.
+        self.serve_dtype = nnx.merge(graphdef, params).config.dtype
+        self._served = jax.jit(
+            functools.partial(in_compute_dtype, dtype=self.serve_dtype),
+            in_shardings=(self.param_shardings,),
+            out_shardings=self.param_shardings,
+            compiler_options=self._compiler_options,
+        )
         self._digests: dict[int, str] = {}  # version -> params digest (dora_jax.store.digest)
         self._used_digests: dict[int, str] = {}  # those the current step recomputed with
         self._behaviour = BehaviourLogps(
@@ -345,8 +358,7 @@ class Trainer:
         None: batches at least as wide as every bucket. Params are not changed."""
         if self._bucketed is None:
             return []
-        # A batch is pad_to * 2^k wide, up to the bucket of the longest row: every uncapped bucket.
-        widths = (None,) if pad_to is None else tuple(bucket_lengths(max_length, pad_to))
+        widths = (None,) if pad_to is None else batch_widths(max_length, pad_to)
         return self._bucketed.warmup(
             self._state,
             self._ref_params,
@@ -358,11 +370,18 @@ class Trainer:
         )
 
     def publish(self) -> int:
-        """Stores the current params under `version` in the ParamStore; returns the version."""
+        """Stores the current params under `version` in the ParamStore, in the compute dtype
+        (`serve_dtype`); returns the version."""
         if self._store is None:
             raise ValueError("Trainer.publish() needs a ParamStore; none was given")
-        self._store.publish(self._version, self._state.params)
+        self._store.publish(self._version, self._served_params())
         return self._version
+
+    def _served_params(self):
+        """The current params as versions are published: in the compute dtype."""
+        params = self._state.params
+        floating = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+        return params if all(d == self.serve_dtype for d in floating) else self._served(params)
 
     def behaviour_logps(self, batch: TrainBatch) -> np.ndarray:
         """[B, T] log-probs of each sample under its own generating version (fetched to host)."""
@@ -439,7 +458,7 @@ class Trainer:
     def _params_of(self, version: int):
         """The params of `version` for the behaviour recompute; notes their digest for the ledger."""
         if version == self._version:
-            params = self._state.params
+            params = self._served_params()
         elif self._store is None:
             raise ValueError(
                 f"batch holds version {version} but the trainer (version {self._version}) has no ParamStore"

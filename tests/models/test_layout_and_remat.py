@@ -1,5 +1,6 @@
-"""Activation layouts (logical constraints under a mesh and rule table) and rematerialisation:
-neither changes a number; the constraints split every activation's rows over the batch axes."""
+"""Activation layouts (logical constraints under a mesh and rule table), rematerialisation and the
+scanned layer loop: none changes a number; the constraints split every activation's rows over the
+batch axes."""
 
 import jax
 import jax.numpy as jnp
@@ -67,13 +68,56 @@ def test_remat_recomputes_in_the_backward_pass():
     assert none < dots < full, (none, dots, full)
 
 
+def test_scanned_layers_change_no_number():
+    """The blocks under one `lax.scan` (their params stacked, cast to the compute dtype) give the
+    unrolled loop's loss, gradient and prefill cache; the jaxpr has one scan over the blocks."""
+    cfg = CFG.replace(num_layers=3, remat="dots")  # the MoE test below runs the scan without remat
+    loss0, grads0 = _loss_and_grads(cfg)
+    loss1, grads1 = _loss_and_grads(cfg.replace(scan_layers=True))
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    logits0, kv0 = init_model(cfg, seed=0)(TOKENS, return_kv=True)
+    scanned = init_model(cfg.replace(scan_layers=True), seed=0)
+    logits1, kv1 = scanned(TOKENS, return_kv=True)
+    np.testing.assert_allclose(logits1, logits0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kv1.k_LBSKD, kv0.k_LBSKD, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kv1.v_LBSKD, kv0.v_LBSKD, rtol=1e-5, atol=1e-6)
+    graphdef, params = split(scanned)
+    jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(TOKENS))(params).jaxpr
+    assert _count(jaxpr, "scan") == 1
+    unrolled = jax.make_jaxpr(lambda p: init_model(cfg, 0)(TOKENS))(params).jaxpr
+    assert _count(jaxpr, "dot_general") < _count(unrolled, "dot_general")  # one block's, not three
+
+
+def test_scanned_moe_layers_return_every_layers_routing():
+    cfg = CFG.replace(
+        model_type="qwen3_moe",
+        qk_norm=True,
+        attention_bias=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_layers=2,
+    )
+    _, routing0 = init_model(cfg, seed=0)(TOKENS, return_routing=True)
+    logits1, routing1 = init_model(cfg.replace(scan_layers=True), seed=0)(TOKENS, return_routing=True)
+    assert len(routing1) == len(routing0) == 2
+    for a, b in zip(jax.tree.leaves(routing1), jax.tree.leaves(routing0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="scan_layers=True needs blocks of one kind"):
+        cfg.replace(scan_layers=True, mlp_only_layers=(0,))
+
+
 def test_activations_are_split_over_the_batch_axes_and_numbers_match():
     mesh = sharding.make_mesh(jax.devices()[:8], {"data": 2, "fsdp": 2, "tensor": 2})
     loss0, grads0 = _loss_and_grads(CFG)
-    loss8, grads8 = _loss_and_grads(CFG, mesh)
-    np.testing.assert_allclose(loss8, loss0, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads0)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for cfg in (CFG, CFG.replace(scan_layers=True)):
+        loss8, grads8 = _loss_and_grads(cfg, mesh)
+        np.testing.assert_allclose(loss8, loss0, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads0)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     graphdef, params = split(init_model(CFG, seed=0))
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, return_hidden=True))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.TRAINER_RULES):

@@ -5,6 +5,7 @@ import pytest
 
 from dora_jax.core.records import FinishReason, Group, ScoredTrajectory, Trajectory
 from dora_jax.trainer.batching import bucket_length, make_train_batch
+from dora_jax.trainer.bucketed import batch_widths
 
 
 def traj(tid, prompt, response, version, reason=FinishReason.EOS):
@@ -64,3 +65,12 @@ def test_fixed_shapes_with_num_rows_and_bucket():
     assert [bucket_length(n, 16) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 128]
     with pytest.raises(ValueError, match=r"4 samples do not fit num_rows=2"):
         make_train_batch(GROUPS, pad_to=16, pad_id=0, num_rows=2)
+
+
+def test_a_batch_is_no_wider_than_the_longest_row_rollout_can_make():
+    """Rows of up to 9216 positions pad to 9216, not to the next 512 * 2^k (16384): the trainer
+    compiles, and runs, the widths `batch_widths` lists."""
+    assert make_train_batch(GROUPS, pad_to=4, pad_id=0, max_length=6).tokens_BT.shape == (4, 6)
+    assert make_train_batch(GROUPS, pad_to=4, pad_id=0, max_length=64).tokens_BT.shape == (4, 8)
+    assert batch_widths(9216, 512) == (512, 1024, 2048, 4096, 8192, 9216)
+    assert batch_widths(1024, 128) == (128, 256, 512, 1024)
