@@ -25,8 +25,10 @@ optimizer updates per batch (DAPO's mini-batches). Responses up to 8K tokens (DA
 up to 20K; raise rollout.max_new_tokens and cache_length together if the tail is cut). Rollout
 KV: 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes = 57 KB/token; 256 slots x 9216 tokens =
 134 GB per slice next to 15 GB of bf16 weights, out of 4 x 95 GB. Trainer: 7.6B params x 16 bytes
-(fp32 params, AdamW moments, grads) = 122 GB over 16 chips; a micro-batch of 16 rows is one
-9K-token row per chip.
+(fp32 params, AdamW moments, grads) = 122 GB over 16 chips; micro-batches hold 4K positions per
+chip (128 rows of 512 ... 16 rows of 4K; one 8K or 9K row per chip), the blocks run under one
+scan and keep their weight matmuls' outputs for the backward pass (`remat = "dots"`). Compiled
+for these chips with `python -m dora_jax.tpu_compile` (README, "Compiling for the pod").
 """
 
 import ml_collections
@@ -52,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # storage dtype of params (the trainer's master weights)
     c.model.attention = "auto"  # full-forward kernel: splash (Pallas) on TPU, cuDNN on GPU
-    c.model.remat = "full"  # the backward pass recomputes each layer from its input (16K-token rows)
+    c.model.remat = "dots"  # the backward pass keeps the weight matmuls' outputs, recomputes the rest
     c.model.scan_layers = True  # the trainer's blocks as one lax.scan: XLA compiles one block, not every layer
 
     c.init = ml_collections.ConfigDict()

@@ -331,6 +331,7 @@ class Program:
     model_flops: float | None = None  # per chip, per call
     opaque_flops: float = 0.0  # per chip, per call: inside Pallas kernels, which XLA's cost model cannot see
     cost: bool = True  # False: memory only (XLA's cost would count a scanned block once)
+    hardware_flops: float | None = None  # per chip, per call: the matmul flops XLA's own ops must do
 
 
 def attention_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool) -> float:
@@ -341,6 +342,20 @@ def attention_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, b
     if not backward:
         return forward
     return forward * (2.0 if cfg.remat != "none" else 1.0) + 2.5 * forward
+
+
+def hardware_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool, kernel: bool) -> float:
+    """Flops XLA's own ops must do (outside a Pallas attention kernel when `kernel`): the matmuls
+    (and attention where no kernel holds it) forward; with `backward`, twice more for the input
+    and weight gradients, plus the forward again where `model.remat` recomputes it ("full": every
+    matmul; "dots": attention's batched ones)."""
+    tokens = rows * length
+    matmul = 2.0 * matmul_params(cfg) * tokens
+    attention = 0.0 if kernel else 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * tokens
+    if not backward:
+        return matmul + attention
+    again = {"none": 0.0, "dots": attention, "full": matmul + attention}[cfg.remat]
+    return 3.0 * (matmul + attention) + again
 
 
 def _bucketed_program(name: str, lowered, cfg, chips: int, kernel: bool) -> Program:
@@ -356,7 +371,8 @@ def _bucketed_program(name: str, lowered, cfg, chips: int, kernel: bool) -> Prog
     else:
         return Program(name, lambda: lowered)
     opaque = attention_kernel_flops(cfg, rows, T, backward=backward) / chips if kernel else 0.0
-    return Program(name, lambda: lowered, model_flops=flops / chips, opaque_flops=opaque)
+    own = hardware_flops(cfg, rows, T, backward=backward, kernel=kernel) / chips
+    return Program(name, lambda: lowered, model_flops=flops / chips, opaque_flops=opaque, hardware_flops=own)
 
 
 def trainer_programs(config: RunConfig, trainer: Trainer, cfg, chips: int, lengths=()) -> list[Program]:
@@ -383,11 +399,17 @@ def trainer_programs(config: RunConfig, trainer: Trainer, cfg, chips: int, lengt
                 trips=U * M,
                 model_flops=flops,
                 opaque_flops=opaque,
+                hardware_flops=hardware_flops(cfg, C, T, backward=True, kernel=kernel) / chips,
             )
         )
         opaque = attention_kernel_flops(cfg, batch, T, backward=False) / chips if kernel else 0.0
         programs.append(
-            Program(f"recompute[C={C},T={T}]", lambda T=T: trainer.lower_recompute(batch, T), opaque_flops=opaque)
+            Program(
+                f"recompute[C={C},T={T}]",
+                lambda T=T: trainer.lower_recompute(batch, T),
+                opaque_flops=opaque,
+                hardware_flops=hardware_flops(cfg, batch, T, backward=False, kernel=kernel) / chips,
+            )
         )
     return programs
 
@@ -400,10 +422,20 @@ def _cost(compiled) -> tuple[float, float, float]:
     return get("flops"), get("bytes accessed"), get("optimal_seconds", -1.0)
 
 
+# Probe compiles (below) without XLA's windowed einsum: SPMD would otherwise build loops for
+# collective matmuls (an FSDP weight gradient: one trip per shard), whose bodies XLA's cost
+# analysis counts once. Their time is then XLA's estimate without collective-matmul overlap.
+PROBE_OPTIONS = {
+    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+    "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+}
+
+
 def compile_program(program: Program, chip: Chip | None, log=print, probes=None) -> dict:
     """One program's record. `probes`: (layers, [lower the 1-layer program, lower the 2-layer
-    program]) for a program whose blocks run under `lax.scan`, whose body XLA's cost analysis
-    counts once: its cost is then extrapolated from the two unrolled compiles, c1 + (L - 1) (c2 - c1)."""
+    program], compiler options) for a program whose blocks run under `lax.scan`, whose body XLA's
+    cost analysis counts once: its cost is then extrapolated from the two unrolled compiles,
+    c1 + (L - 1) (c2 - c1)."""
     start = time.perf_counter()
     record = {"name": program.name}
     try:
@@ -411,8 +443,8 @@ def compile_program(program: Program, chip: Chip | None, log=print, probes=None)
         flops, accessed, seconds = _cost(compiled)
         estimate = "xla"
         if probes is not None:
-            layers, lowerings = probes
-            (f1, b1, s1), (f2, b2, s2) = (_cost(lower().compile()) for lower in lowerings)
+            layers, lowerings, options = probes
+            (f1, b1, s1), (f2, b2, s2) = (_cost(lower().compile(compiler_options=options)) for lower in lowerings)
             flops, accessed = f1 + (layers - 1) * (f2 - f1), b1 + (layers - 1) * (b2 - b1)
             seconds = s1 + (layers - 1) * (s2 - s1) if min(s1, s2) > 0 else -1.0
             estimate = "xla, layers extrapolated"
@@ -429,6 +461,10 @@ def compile_program(program: Program, chip: Chip | None, log=print, probes=None)
         if chip is not None:
             seconds = max(flops / chip.peak_flops, accessed / chip.hbm_bytes_per_s)
             estimate = "roofline" + (", layers extrapolated" if probes is not None else "")
+    if program.cost and program.hardware_flops:
+        # What XLA's own ops must compute: XLA's count falls short of it where the body of a loop
+        # is counted once (collective-matmul loops of a program compiled with windowed einsum).
+        record["flops_due"] = program.hardware_flops * program.trips
     record.update(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
@@ -496,7 +532,8 @@ def compile_role(
                 raise ValueError(
                     f"--estimate_lengths={unknown} are not widths the trainer compiles; expected some of {widths}"
                 )
-            probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths))
+            options = PROBE_OPTIONS if target.mesh.devices.flat[0].platform == "tpu" else None
+            probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
     else:
         engine_config = EngineConfig(
             num_slots=config.rollout.slots,
@@ -531,7 +568,7 @@ def _abstract_trainer(cfg: models.ModelConfig, mesh: Mesh, trainer_config) -> Tr
     return Trainer.abstract(graphdef, abstract_params, axes, mesh, trainer_config)
 
 
-def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estimate: set[int]) -> dict:
+def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estimate: set[int], options=None) -> dict:
     """{program name: (layers, [lower it with 1 block, with 2 blocks])} for the programs that run
     the blocks under `lax.scan` (model.scan_layers): the probes unroll the blocks and take the
     vocabulary in one pass (no scan XLA would count once either), so their costs are XLA's whole
@@ -545,7 +582,7 @@ def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estim
         for program in trainer_programs(probe_config, trainer, small, chips, lengths):
             if _width(program.name) in estimate:
                 lowerings.setdefault(program.name, []).append(program.lower)
-    return {name: (cfg.num_layers, pair) for name, pair in lowerings.items()}
+    return {name: (cfg.num_layers, pair, options) for name, pair in lowerings.items()}
 
 
 def _role_record(target: RoleTarget, resident: dict, records: list[dict]) -> dict:

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -208,3 +209,32 @@ def test_bad_batches_are_refused(first_step):
         trainer.train_step(make_batch(0, trainer.version - 1))
     with pytest.raises(ValueError, match=r"trainer.advantage='ppo'"):
         TrainerConfig(advantage="ppo")
+
+
+def test_versions_are_published_and_served_in_the_compute_dtype():
+    """fp32 master weights, bf16 compute: the store holds bf16 versions (half the bytes), the
+    trainer's own current version is recomputed from the same bf16 values (its digest is the
+    store's), no number changes (each block casts to bf16 before use), and an engine holds bf16."""
+    from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dora_jax.store.digest import params_digest
+
+    cfg = CFG.replace(num_layers=1, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    model = init_model(cfg, seed=0)
+    graphdef, params = split(model)
+    mesh1 = sharding.make_mesh(jax.devices()[:1], {})
+    store = ParamStore(InProcessTier())
+    config = dataclasses.replace(CONFIG, num_updates=1, kl_coef=0.0)
+    trainer = Trainer(graphdef, params, logical_axes(model), mesh1, config, store, compiler_options=FAST_COMPILE)
+    assert trainer.serve_dtype == jnp.bfloat16
+    trainer.publish()
+    served = store.get(0, trainer.param_shardings)
+    assert {x.dtype for x in jax.tree.leaves(served)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(trainer.params)} == {jnp.dtype(jnp.float32)}
+    batch = make_batch(3, 0)
+    forward = jax.jit(lambda p, t: sequence_logps(graphdef, p, t)[0], compiler_options=FAST_COMPILE)
+    np.testing.assert_array_equal(forward(served, batch.tokens_BT), forward(params, batch.tokens_BT))
+    metrics = trainer.train_step(batch)  # every row at the trainer's current version 0
+    assert metrics.behaviour_digests == {0: params_digest(served)}
+    engine = RolloutEngine(cfg, EngineConfig(num_slots=2, cache_length=32, max_prefill_length=16), mesh1)
+    assert engine.model_config.param_dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(engine.load_params(params))} == {jnp.dtype(jnp.bfloat16)}
