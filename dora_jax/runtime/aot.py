@@ -24,7 +24,12 @@ XLA counts a `lax.scan` body once, so the whole-batch train step is compiled wit
 per update (M = 1: the same micro-batch program, temporaries and gradient accumulator; inputs M
 times smaller) and its flops, bytes and time are XLA's figures times the U x M micro-batch trips
 (the optimizer update, U times in truth, is then counted U x M times: small next to a
-micro-batch's forward and backward).
+micro-batch's forward and backward). With `model.scan_layers` the blocks are one scan too: such a
+program is compiled whole for its memory, and its cost comes from two probe compiles with the
+blocks unrolled (1 and 2 blocks, the vocabulary in one pass, no windowed einsum: nothing XLA
+would count once), extrapolated to L blocks; only the widths in `estimate_lengths` get probes.
+A Pallas kernel is opaque to XLA's cost model: the splash attention's flops are added at the
+chip's peak. `flops_due` is what the matmuls must compute, beside XLA's own count.
 """
 
 from __future__ import annotations
