@@ -111,15 +111,10 @@ class Attention(nnx.Module):
             )
             new_cache = (k_BTKD, v_BTKD)
         else:  # write the new rows at their positions, attend over the whole cache
-            start_B = positions_BT[:, 0]
-            write = jax.vmap(
-                lambda c_LSKD, u_TKD, p: jax.lax.dynamic_update_slice(
-                    c_LSKD, u_TKD[None].astype(c_LSKD.dtype), (layer, p, 0, 0)
-                ),
-                in_axes=(1, 0, 0),
-                out_axes=1,
+            new_cache = (
+                _write_rows(cache[0], k_BTKD, positions_BT, layer),
+                _write_rows(cache[1], v_BTKD, positions_BT, layer),
             )
-            new_cache = (write(cache[0], k_BTKD, start_B), write(cache[1], v_BTKD, start_B))
             keys_BSKD, values_BSKD = new_cache[0][layer], new_cache[1][layer]
             S = keys_BSKD.shape[1]
             key_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=positions_BT.dtype), (x_BTE.shape[0], S))
@@ -129,6 +124,22 @@ class Attention(nnx.Module):
         if cfg.attention_out_bias:
             y_BTE = y_BTE + self.o_bias_E[...].astype(dt)
         return y_BTE, new_cache
+
+
+def _write_rows(cache_LBSKD, new_BTKD, positions_BT, layer):
+    """The cache with each row's T new keys (or values) written at its positions in `layer`. One
+    token per row (a decode step) is a scatter of B rows into the cache, updated in place; a
+    longer run per row (a prefill) a dynamic-update-slice per row."""
+    new_BTKD = new_BTKD.astype(cache_LBSKD.dtype)
+    if new_BTKD.shape[1] == 1:
+        rows_B = jnp.arange(new_BTKD.shape[0])
+        return cache_LBSKD.at[layer, rows_B, positions_BT[:, 0]].set(new_BTKD[:, 0], mode="promise_in_bounds")
+    write = jax.vmap(
+        lambda c_LSKD, u_TKD, p: jax.lax.dynamic_update_slice(c_LSKD, u_TKD[None], (layer, p, 0, 0)),
+        in_axes=(1, 0, 0),
+        out_axes=1,
+    )
+    return write(cache_LBSKD, new_BTKD, positions_BT[:, 0])
 
 
 class MLP(nnx.Module):
