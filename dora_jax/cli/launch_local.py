@@ -20,7 +20,8 @@ Logs of the extra processes: DIR/logs/<role>_h<i>.log.
 
 `--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at
 the first moment, T seconds or more after the coordinator starts dispatching, when the ledger shows
-it holding requests (fault injection: the run must finish, its requests re-dispatched, the audit clean).
+it holding requests (checked again with the slice stopped: SIGSTOP, wait for the ledger, then
+SIGKILL, or SIGCONT when it had finished them meanwhile) (fault injection: the run must finish, its requests re-dispatched, the audit clean).
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def launch(
     return outcome
 
 
+_SETTLE_S = 1.0  # > the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results
+
+
 def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_steps: int) -> None:
     deadline = time.monotonic() + TIMEOUT_S.value
     dispatch_t, reported, exits_seen = None, -1, set()
@@ -193,13 +197,13 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
             if dispatch_t is None and follower.dispatched:
                 dispatch_t = time.monotonic()
             if dispatch_t is not None and time.monotonic() - dispatch_t > KILL_AFTER_S.value and holding:
-                for victim in _slice_processes(children, f"rollout_{KILL_SLICE.value}"):
-                    os.killpg(victim.pid, signal.SIGKILL)
-                outcome["killed"] = (
-                    f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
-                    f"the first dispatch, holding {holding} requests by the ledger)"
-                )
-                _print(f"killed {outcome['killed']}")
+                held = _freeze_and_confirm(_slice_processes(children, f"rollout_{KILL_SLICE.value}"), follower)
+                if held:
+                    outcome["killed"] = (
+                        f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
+                        f"the first dispatch, holding {held} requests by the ledger)"
+                    )
+                    _print(f"killed {outcome['killed']}")
         steps = _steps_done(workdir)
         if steps != reported and steps % 5 == 0:
             reported = steps
@@ -229,6 +233,20 @@ def _spawn_slice(
             devices,
             workdir,
         )
+
+
+def _freeze_and_confirm(victims: list[subprocess.Popen], follower: "_SliceLoad") -> int:
+    """SIGSTOPs the slice's processes, waits until the coordinator has ledgered whatever they
+    posted before the stop, and SIGKILLs them if the ledger still has them holding requests (work
+    that is then lost for sure, not finished and in flight); otherwise lets them go on (SIGCONT)
+    and returns 0. Killing on the ledger alone raced with results already posted."""
+    for victim in victims:
+        os.killpg(victim.pid, signal.SIGSTOP)
+    time.sleep(_SETTLE_S)
+    held = follower.poll()
+    for victim in victims:
+        os.killpg(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
+    return held
 
 
 def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
