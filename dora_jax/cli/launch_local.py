@@ -21,7 +21,8 @@ Logs of the extra processes: DIR/logs/<role>_h<i>.log.
 `--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at
 the first moment, T seconds or more after the coordinator starts dispatching, when the ledger shows
 it holding requests (checked again with the slice stopped: SIGSTOP, wait for the ledger, then
-SIGKILL, or SIGCONT when it had finished them meanwhile) (fault injection: the run must finish, its requests re-dispatched, the audit clean).
+SIGKILL, or SIGCONT when it had finished them meanwhile). Fault injection: the run must finish,
+its requests re-dispatched, the audit clean.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def _spawn_slice(
         )
 
 
-def _freeze_and_confirm(victims: list[subprocess.Popen], follower: "_SliceLoad") -> int:
+def _freeze_and_confirm(victims: list[subprocess.Popen], follower: _SliceLoad) -> int:
     """SIGSTOPs the slice's processes, waits until the coordinator has ledgered whatever they
     posted before the stop, and SIGKILLs them if the ledger still has them holding requests (work
     that is then lost for sure, not finished and in flight); otherwise lets them go on (SIGCONT)
