@@ -108,6 +108,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.pad_to = 32  # sequence lengths are padded to a multiple of this (bounded compiles)
     c.trainer.length_bucket = 16  # micro-batches sorted by length, each padded to 16 * 2^k (0 = batch-wide padding)
     c.trainer.micro_batch_tokens = 0  # with length_bucket: 0 = micro_batch_size rows each; N = rows fitting N positions
+    c.trainer.reuse_current_logps = True  # current-version rows: behaviour log-probs from the step's own forward
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0 = no periodic checkpoints (SIGTERM still saves one)

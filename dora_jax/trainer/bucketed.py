@@ -191,7 +191,9 @@ class BucketedStep:
             max_rows=max_rows,
         )
 
-    def __call__(self, state, batch: TrainBatch, ref_params, params_of):
+    def __call__(self, state, batch: TrainBatch, ref_params, params_of, current_B=None):
+        """`current_B` ([B] bool): rows whose behaviour log-probs are the gradient forward's own (the
+        rows the current params generated, trained on before any update moves them): not recomputed."""
         c = self._config
         versions_B = np.asarray(batch.versions_B, np.int64)
         adv_B, valid_B, dropped = jax.device_get(
@@ -208,7 +210,8 @@ class BucketedStep:
         per_update = batch.batch_size // c.num_updates
         tokens_BT = np.asarray(batch.tokens_BT, np.int32)
         inference_BT = np.asarray(batch.inference_logps_BT, np.float32)
-        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of)
+        current_B = np.zeros(batch.batch_size, bool) if current_B is None else np.asarray(current_B, bool)
+        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of, current_B)
         losses, norms, finites, stats, load, aux = [], [], [], None, None, []
         for u, micros in enumerate(plan):
             rows_u = np.arange(u * per_update, (u + 1) * per_update)
@@ -224,6 +227,7 @@ class BucketedStep:
                     inference=self._put(rows_of(inference_BT)),
                     behaviour=self._put(rows_of(behaviour_BT)),
                     adv=jax.device_put(rows_of(adv_B), self._rows_C),
+                    current=jax.device_put(rows_of(current_B.astype(np.float32)), self._rows_C),
                 )
                 (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
                     state.params, micro, self._put(rows_of(weights_BT)), ref_params, count
@@ -250,14 +254,15 @@ class BucketedStep:
         )
         return state, outputs
 
-    def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of) -> np.ndarray:
+    def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of, current_B) -> np.ndarray:
         """[B, T] behaviour log-probs on the host, computed before any update (the updates donate
-        the current params, the behaviour policy of the newest samples). Rows are grouped by
-        version and cut as the micro-batches are, at most `micro_batch_size` rows a chunk (one
-        forward per chunk, at its own length): a version may hold only a few rows."""
+        the current params, the behaviour policy of the newest samples), except the `current_B`
+        rows (left 0: the gradient forward gives theirs). Rows are grouped by version and cut as
+        the micro-batches are, at most `micro_batch_size` rows a chunk (one forward per chunk, at
+        its own length): a version may hold only a few rows."""
         out = np.zeros(tokens_BT.shape, np.float32)
-        for version in np.unique(versions_B):
-            rows = np.flatnonzero(versions_B == version)
+        for version in np.unique(versions_B[~current_B]):
+            rows = np.flatnonzero((versions_B == version) & ~current_B)
             for chunk in self.plan(lengths_B[rows], tokens_BT.shape[1], 1, self._config.micro_batch_size)[0]:
                 part = rows[chunk.rows]
                 padded = np.concatenate([part, np.full(chunk.size - part.size, part[0])])
@@ -293,6 +298,7 @@ class BucketedStep:
                 inference=zeros(np.float32),
                 behaviour=zeros(np.float32),
                 adv=jax.device_put(np.zeros(R, np.float32), self._rows_C),
+                current=jax.device_put(np.zeros(R, np.float32), self._rows_C),
             )
             (loss, _), grads = self._grad(params, micro, zeros(np.float32), ref_params, np.float32(1))
             jax.block_until_ready(grads)
@@ -336,6 +342,7 @@ class BucketedStep:
                 inference=zeros(jnp.float32),
                 behaviour=zeros(jnp.float32),
                 adv=abstract((R,), jnp.float32, self._rows_C),
+                current=abstract((R,), jnp.float32, self._rows_C),
             )
             count = abstract((), jnp.float32, self._replicated)
             lowered = self._grad.lower(params, micro, zeros(jnp.float32), ref_params, count)

@@ -34,16 +34,18 @@ def _fill_chunk(params, out_UMCT, tokens_UMCT, src_C3, dst_C3, *, graphdef):
     return out_UMCT.at[dst_C3[:, 0], dst_C3[:, 1], dst_C3[:, 2]].set(logps_CT, mode="drop")
 
 
-def chunk_plan(versions_B: np.ndarray, chunk: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """[(version, src_C, dst_C)]: flat rows to read and to write for each chunk, oldest version first.
+def chunk_plan(versions_B: np.ndarray, chunk: int, skip_B=None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """[(version, src_C, dst_C)]: flat rows to read and to write for each chunk, oldest version first;
+    rows where `skip_B` is true are left out (their log-probs come from elsewhere).
 
     Padding entries read a row of the same version and write to row B (out of range).
     """
     versions_B = np.asarray(versions_B)
     B = versions_B.shape[0]
+    wanted_B = np.ones(B, bool) if skip_B is None else ~np.asarray(skip_B, bool)
     plan = []
-    for version in np.unique(versions_B):
-        rows = np.flatnonzero(versions_B == version)
+    for version in np.unique(versions_B[wanted_B]):
+        rows = np.flatnonzero((versions_B == version) & wanted_B)
         for start in range(0, rows.size, chunk):
             part = rows[start : start + chunk]
             pad = chunk - part.size
@@ -93,14 +95,20 @@ class BehaviourLogps:
         )
 
     def __call__(
-        self, tokens_UMCT: jax.Array, versions_B: np.ndarray, params_of: Callable[[int], Any], chunk: int | None = None
+        self,
+        tokens_UMCT: jax.Array,
+        versions_B: np.ndarray,
+        params_of: Callable[[int], Any],
+        chunk: int | None = None,
+        skip_B=None,
     ) -> jax.Array:
         """logps_UMCT on device; `params_of(version)` returns that version in the trainer's shardings.
-        `chunk` overrides the rows per forward (one compile per chunk and length)."""
+        `chunk` overrides the rows per forward (one compile per chunk and length); rows where
+        `skip_B` is true are not computed (left 0)."""
         lead = tokens_UMCT.shape[:3]
         out_UMCT = jnp.zeros(tokens_UMCT.shape, jnp.float32, device=self._rows_sharding)
         current, params = None, None
-        for version, src_C, dst_C in chunk_plan(versions_B, chunk or self._chunk):
+        for version, src_C, dst_C in chunk_plan(versions_B, chunk or self._chunk, skip_B):
             if version != current:
                 current, params = version, params_of(version)
             out_UMCT = self._fill(params, out_UMCT, tokens_UMCT, _unravel(src_C, lead), _unravel(dst_C, lead))
