@@ -134,7 +134,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pod.queued = True  # create through a queued resource (waits for capacity)
     c.pod.workdir = "runs/qwen2_5_0_5b_gsm8k"  # run directory on the host (relative: to ~/dora_jax)
     c.pod.port = 8470  # coordinator port (unused by single_host: the coordinator is in-process)
-    c.pod.python = "python3"  # the interpreter on the TPU VM image
+    c.pod.python = "3.12"  # Python of the uv environment setup makes on every worker (the images ship 3.10)
     c.pod.jax_tpu = "jax[tpu]==0.10.2"  # installed on every worker before the package
     c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen2.5-0.5B-Instruct"  # copied to model.hf_path at setup
     c.lock()

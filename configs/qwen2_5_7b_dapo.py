@@ -139,7 +139,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pod.queued = True  # create through queued resources (one per node; waits for capacity)
     c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen2_5_7b_dapo"  # shared run directory and param versions
     c.pod.port = 8470  # coordinator port on worker 0 of the trainer slice
-    c.pod.python = "python3"  # the interpreter on the TPU VM image
+    c.pod.python = "3.12"  # Python of the uv environment setup makes on every worker (the images ship 3.10)
     c.pod.jax_tpu = "jax[tpu]==0.10.2"  # installed on every worker before the package
     c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen2.5-7B"  # copied to model.hf_path at setup
     c.lock()

@@ -51,6 +51,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.coordinator.train_batch_size = 256  # TBS samples per training step (16 prompts)
         c.coordinator.rollout_batch_size = 512  # RBS samples in flight (= 4 x 128 slots)
         c.trainer.micro_batch_size = 8  # rows per forward/backward (2 per FSDP shard)
+        # token budget: 2K positions per chip (64 rows of 512, 8 of 4K); the 7B's 4K per chip needs
+        # 53 GiB of temporaries here (tpu_compile): the peak would leave less than 10% of HBM spare
+        c.trainer.micro_batch_tokens = 32768
         c.pod.name = "dora-qwen3-30b-a3b"  # nodes: NAME-trainer, NAME-rollout-0 ... NAME-rollout-3
         c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen3_30b_a3b"  # shared run directory and param versions
         c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen3-30B-A3B"  # copied to model.hf_path at setup

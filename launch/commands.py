@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from launch.pod import Layout, Node, Pod, Provisioning, Role
 
 SRC_DIR = "~/dora_jax"  # the source tree on every worker
+VENV_PYTHON = ".venv/bin/python"  # the environment `setup` makes in SRC_DIR; every role runs from it
+UV = "~/.local/bin/uv"  # where `pip install --user uv` puts uv
 ARCHIVE = "~/dora_jax_src.tar.gz"  # what `setup` copies there
 LOG_DIR = "~/dora_logs"
 JAX_TPU_FIND_LINKS = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
@@ -86,19 +88,36 @@ def create(pod: Pod) -> list[list[str]]:
     return commands
 
 
-def setup_script(pod: Pod) -> str:
-    """What every worker runs once: unpack the tree, install jax[tpu] and the package, stage the
-    checkpoint."""
+# A rollout slice of a multi-node layout loads every version from the ParamStore (the trainer
+# publishes version 0 from the checkpoint): it needs the checkpoint's config and tokenizer only.
+WEIGHT_FILES = r".*\.(safetensors|bin|pt|pth|msgpack|h5)$"
+
+
+def setup_script(pod: Pod, node: Node | None = None) -> str:
+    """What every worker of `node` runs once: unpack the tree, make a Python `pod.python`
+    environment with uv (the TPU VM images ship Python 3.10; jax 0.10 needs >= 3.11) unless one of
+    that version is there, install jax[tpu] and the package into it, stage the checkpoint (a
+    rollout node of a multi-node layout: all but the weights)."""
+    version = pod.python
+    wanted = f"import sys; sys.exit(sys.version_info[:2] != {tuple(int(n) for n in version.split('.'))})"
     steps = [
         f"mkdir -p {SRC_DIR}",
         f"tar -xzf {ARCHIVE} -C {SRC_DIR}",
         f"cd {SRC_DIR}",
-        f"{pod.python} -m pip install -q {shlex.quote(pod.jax_tpu)} -f {JAX_TPU_FIND_LINKS}",
-        f"{pod.python} -m pip install -q -e .",
+        "python3 -m pip install -q --user --upgrade uv",
+        f"{{ {VENV_PYTHON} -c {shlex.quote(wanted)} 2>/dev/null || "
+        f"{{ rm -rf .venv && {UV} venv -q --python {version} .venv; }}; }}",
+        f"{UV} pip install -q --python {VENV_PYTHON} {shlex.quote(pod.jax_tpu)} -f {JAX_TPU_FIND_LINKS}",
+        f"{UV} pip install -q --python {VENV_PYTHON} -e .",
     ]
     if pod.stage_model_from:
         model = shlex.quote(pod.model_path)
-        steps += [f"mkdir -p {model}", f"gcloud storage rsync --recursive {shlex.quote(pod.stage_model_from)} {model}"]
+        weights = node is not None and node.role is Role.ROLLOUT
+        exclude = f" --exclude={shlex.quote(WEIGHT_FILES)}" if weights else ""
+        steps += [
+            f"mkdir -p {model}",
+            f"gcloud storage rsync --recursive{exclude} {shlex.quote(pod.stage_model_from)} {model}",
+        ]
     return " && ".join(steps)
 
 
@@ -107,7 +126,7 @@ def setup(pod: Pod, archive: str) -> list[list[str]]:
     commands = []
     for node in pod.nodes:
         commands.append(gcloud(pod, "tpu-vm", "scp", archive, f"{node.name}:{ARCHIVE}", "--worker=all"))
-        commands.append(ssh(pod, node, "all", setup_script(pod)))
+        commands.append(ssh(pod, node, "all", setup_script(pod, node)))
     return commands
 
 
@@ -138,7 +157,7 @@ def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_
     common = (f"--config={config_path}", f"--workdir={pod.workdir}")
 
     def argv(role: Role, *extra: str) -> tuple[str, ...]:
-        return (pod.python, "-m", ROLE_MODULES[role], *common, *extra, *overrides)
+        return (VENV_PYTHON, "-m", ROLE_MODULES[role], *common, *extra, *overrides)
 
     if pod.layout is Layout.SINGLE_HOST:
         return [

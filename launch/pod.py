@@ -85,7 +85,7 @@ class Pod:
     requests: tuple[Request, ...]  # queued resources (empty when pod.queued is False)
     workdir: str
     port: int
-    python: str
+    python: str  # the Python version of the worker environment (`uv venv --python`), e.g. "3.12"
     jax_tpu: str
     stage_model_from: str  # "" or a gs:// directory copied to `model_path` on every worker
     model_path: str
@@ -194,6 +194,12 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
             f"pod.workdir={workdir!r}: pod.layout={layout.value!r} runs on several nodes, which share "
             "the workdir and the param versions; expected a gs:// path"
         )
+    if not re.fullmatch(r"3\.(1[1-9]|[2-9]\d)", str(p.python)):
+        raise ValueError(
+            f"pod.python={p.python!r}; expected the Python version of the environment `setup` makes on every "
+            "worker, 3.11 or newer (e.g. '3.12'): jax 0.10, flax 0.12, orbax, tensorstore and numpy 2.4 need "
+            ">= 3.11, and the TPU VM images ship 3.10"
+        )
     stage = str(p.stage_model_from)
     if stage and not stage.startswith("gs://"):
         raise ValueError(f"pod.stage_model_from={stage!r}; expected '' or a gs:// directory")
@@ -213,7 +219,7 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
         requests=requests,
         workdir=workdir,
         port=int(p.port),
-        python=p.python,
+        python=str(p.python),
         jax_tpu=p.jax_tpu,
         stage_model_from=stage,
         model_path=str(c.model.hf_path),

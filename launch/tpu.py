@@ -1,7 +1,7 @@
 """Create, set up, run, watch and delete the TPU VMs an experiment config's `pod` section describes.
 
     python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py [--dry-run]
-    python launch/tpu.py setup  --config=configs/qwen2_5_7b_dapo.py      # tree + jax[tpu] + package on every worker
+    python launch/tpu.py setup  --config=configs/qwen2_5_7b_dapo.py      # tree, Python 3.12 uv env, jax[tpu], package
     python launch/tpu.py run    --config=configs/qwen2_5_7b_dapo.py [--workdir=gs://...] [--config.trainer.lr=1e-6]
     python launch/tpu.py logs   --config=configs/qwen2_5_7b_dapo.py [--lines=50]
     python launch/tpu.py ssh    --config=configs/qwen2_5_7b_dapo.py [--node=NAME] [--worker=0] [--command='...']

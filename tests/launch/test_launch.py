@@ -65,7 +65,7 @@ def no_subprocess(monkeypatch):
 
 def start_command(process_env, module, args, log):
     return (
-        f"cd ~/dora_jax && mkdir -p ~/dora_logs && {{ {process_env} setsid nohup python3 -m {module} {args} "
+        f"cd ~/dora_jax && mkdir -p ~/dora_logs && {{ {process_env} setsid nohup .venv/bin/python -m {module} {args} "
         f"> ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}"
     )
 
@@ -119,8 +119,12 @@ def test_single_host_setup_installs_on_every_worker(tmp_path):
     shell = dry("setup", pod, archive=str(tmp_path / "src.tar.gz"))
     script = (
         "mkdir -p ~/dora_jax && tar -xzf ~/dora_jax_src.tar.gz -C ~/dora_jax && cd ~/dora_jax && "
-        "python3 -m pip install -q 'jax[tpu]==0.10.2' -f "
-        "https://storage.googleapis.com/jax-releases/libtpu_releases.html && python3 -m pip install -q -e . && "
+        "python3 -m pip install -q --user --upgrade uv && "
+        "{ .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || "
+        "{ rm -rf .venv && ~/.local/bin/uv venv -q --python 3.12 .venv; }; } && "
+        "~/.local/bin/uv pip install -q --python .venv/bin/python 'jax[tpu]==0.10.2' -f "
+        "https://storage.googleapis.com/jax-releases/libtpu_releases.html && "
+        "~/.local/bin/uv pip install -q --python .venv/bin/python -e . && "
         "mkdir -p models/Qwen2.5-0.5B-Instruct && gcloud storage rsync --recursive "
         "gs://YOUR_BUCKET/models/Qwen2.5-0.5B-Instruct models/Qwen2.5-0.5B-Instruct"
     )
@@ -222,6 +226,24 @@ def test_v5p_slices_create_one_queued_resource_per_node():
         ]
         for name in [n.name for n in pod.nodes]
     ]
+
+
+def test_v5p_slices_setup_stages_weights_on_the_trainer_only(tmp_path):
+    """Rollout slices load every version from the store: they get the checkpoint's config and
+    tokenizer, not its weights; every node gets the same Python 3.12 environment."""
+    pod = pod_lib.from_config(dapo_config())
+    scripts = {}
+    for command in dry("setup", pod, archive=str(tmp_path / "src.tar.gz")).commands:
+        if "ssh" in command:
+            scripts[command[command.index("ssh") + 1]] = command[-1].removeprefix("--command=")
+    assert list(scripts) == [n.name for n in pod.nodes]
+    rsync = "gcloud storage rsync --recursive"
+    trainer = scripts.pop("dora-qwen7b-dapo-trainer")
+    assert f"{rsync} gs://" in trainer and "--exclude" not in trainer
+    for script in scripts.values():
+        assert f"{rsync} --exclude='.*\\.(safetensors|bin|pt|pth|msgpack|h5)$' gs://" in script
+        assert script.replace(script[script.index(rsync) :], "") == trainer.replace(trainer[trainer.index(rsync) :], "")
+    assert "uv venv -q --python 3.12 .venv" in trainer
 
 
 def test_v5p_slices_run_assigns_roles_per_slice():
@@ -532,6 +554,8 @@ def test_refuses_bad_pod_fields():
         ("workdir", "/tmp/run", ("pod.workdir", "gs://")),
         ("stage_model_from", "/data/model", ("pod.stage_model_from",)),
         ("port", 0, ("pod.port",)),
+        ("python", "python3", ("pod.python", "3.11", "3.10")),  # the old field: an interpreter name
+        ("python", "3.10", ("pod.python", "3.11")),  # what the images ship: too old for jax 0.10
     ]:
         c = dapo_config()
         c.pod[field] = value
