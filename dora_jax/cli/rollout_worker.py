@@ -61,7 +61,7 @@ def _build_worker(config, slice_id: int):
     import jax
 
     from dora_jax.parallel import sharding
-    from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dora_jax.rollout.engine import RolloutEngine
     from dora_jax.rollout.worker import RolloutWorker
     from dora_jax.runtime.build import make_tokenizer
 
@@ -75,11 +75,7 @@ def _build_worker(config, slice_id: int):
         ) from None
     engine = RolloutEngine(
         model_config,
-        EngineConfig(
-            num_slots=config.rollout.slots,
-            cache_length=config.rollout.cache_length,
-            max_prefill_length=config.rollout.max_prefill_length,
-        ),
+        config.rollout.engine_config(),
         mesh,
         tokenizer=tokenizer,
     )

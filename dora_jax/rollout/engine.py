@@ -58,6 +58,11 @@ class EngineConfig:
     max_prefill_length: int = 128  # largest prefill bucket; a power of two
     min_prefill_bucket: int = 16  # smallest prefill bucket; a power of two
     default_sampling: SamplingParams = SamplingParams(temperature=0.0)  # when a call passes none
+    # Top-k / top-p filtering compiled into prefill and generate. Its sort and cumsum over the
+    # vocabulary cost the TPU compiler ~20 s per program (Qwen's 152K vocabulary); off, requests
+    # asking for a filter are refused. RolloutSpec.engine_config turns it on when the run's
+    # sampling filters.
+    sampling_filters: bool = True
 
     def __post_init__(self):
         for name in ("max_prefill_length", "min_prefill_bucket"):
@@ -191,7 +196,14 @@ def _prefill_step(
     logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], true_length - 1, keepdims=True)
     end = start + true_length
     token_1, logp_1, sample_logp_1 = _pick(
-        logits_1V, key_data_2[None], end[None], temperature[None], top_p[None], top_k[None], sampler
+        logits_1V,
+        key_data_2[None],
+        end[None],
+        temperature[None],
+        top_p[None],
+        top_k[None],
+        sampler,
+        config.sampling_filters,
     )
     pending = jax.lax.dynamic_index_in_dim(tokens_T, true_length - 1, keepdims=False)
     prefix = Prefix(
@@ -215,9 +227,9 @@ def _prefill_step(
     return prefix, result
 
 
-def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler):
+def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler, filters: bool):
     if sampler is None:
-        return sampling.sample(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B)
+        return sampling.sample(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, filters=filters)
     tokens_B = jnp.asarray(sampler(logits_BV), jnp.int32).reshape(logits_BV.shape[0])
     logp_B = sampling.log_prob_of(logits_BV, tokens_B)
     return tokens_B, logp_B, logp_B
@@ -245,12 +257,19 @@ def _insert_step(prefix: Prefix, state: DecodeState, slot):
     )
 
 
-def _generate_step(graphdef, params, state: DecodeState, *, sampler):
+def _generate_step(graphdef, config: EngineConfig, params, state: DecodeState, *, sampler):
     model = nnx.merge(graphdef, params)
     logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
     next_B = state.position_B + 1
     tokens_B, logp_B, sample_logp_B = _pick(
-        logits_B1V[:, 0], state.key_data_B2, next_B, state.temperature_B, state.top_p_B, state.top_k_B, sampler
+        logits_B1V[:, 0],
+        state.key_data_B2,
+        next_B,
+        state.temperature_B,
+        state.top_p_B,
+        state.top_k_B,
+        sampler,
+        config.sampling_filters,
     )
     generated_B = state.generated_B + 1
     # Free slots keep stepping on garbage; clamping keeps their writes inside the cache.
@@ -287,7 +306,7 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
         ),
         jax.jit(_insert_step, donate_argnums=(1,), out_shardings=state_shardings),
         jax.jit(
-            functools.partial(_generate_step, graphdef),
+            functools.partial(_generate_step, graphdef, config),
             static_argnames=("sampler",),
             donate_argnums=(1,),
             out_shardings=(state_shardings, result_shardings),
@@ -464,7 +483,10 @@ class RolloutEngine:
         if true_length > self.config.max_prefill_length:
             raise ValueError(f"true_length={true_length} exceeds max_prefill_length={self.config.max_prefill_length}")
         self._check_ids(tokens[:true_length], "padded_tokens")
-        sampling_params = self._check_sampling(sampling or self.config.default_sampling)
+        sampling_params = sampling or self.config.default_sampling
+        problem = check_sampling(sampling_params, filters=self.config.sampling_filters)
+        if problem:
+            raise ValueError(problem)
         bucket = next(b for b in self.config.prefill_buckets if b >= true_length)
         padded = np.zeros((bucket,), np.int32)
         padded[:true_length] = tokens[:true_length]
@@ -556,7 +578,10 @@ class RolloutEngine:
             raise ValueError(
                 f"slot state position {state.position} does not fit cache_length={self.config.cache_length}"
             )
-        params = self._check_sampling(state.request.sampling)
+        params = state.request.sampling
+        problem = check_sampling(params, filters=self.config.sampling_filters)
+        if problem:
+            raise ValueError(problem)
         rows = self.config.rows_bucket(max(state.position, 1))
         pad = ((0, 0), (0, rows - state.position), (0, 0), (0, 0))
         prefix = Prefix(
@@ -672,20 +697,20 @@ class RolloutEngine:
                 f"{field} holds token id {int(bad[0])} outside the vocabulary [0, {self.model_config.vocab_size})"
             )
 
-    @staticmethod
-    def _check_sampling(params: SamplingParams) -> SamplingParams:
-        problem = check_sampling(params)
-        if problem:
-            raise ValueError(problem)
-        return params
 
-
-def check_sampling(params: SamplingParams) -> str | None:
-    """An error naming the bad field, or None."""
+def check_sampling(params: SamplingParams, *, filters: bool = True) -> str | None:
+    """An error naming the bad field, or None. `filters`: whether the engine was built with top-k /
+    top-p filtering (EngineConfig.sampling_filters)."""
     if not params.temperature >= 0:
         return f"sampling.temperature={params.temperature}; expected >= 0 (0 = greedy)"
     if not 0 < params.top_p <= 1:
         return f"sampling.top_p={params.top_p}; expected 0 < top_p <= 1"
     if params.top_k < 0:
         return f"sampling.top_k={params.top_k}; expected >= 0 (0 = off)"
+    if not filters and params.temperature > 0 and (params.top_k > 0 or params.top_p < 1):
+        return (
+            f"sampling.top_k={params.top_k}, sampling.top_p={params.top_p}: this engine was built without "
+            "top-k/top-p filtering (EngineConfig.sampling_filters=False, as a run whose rollout.top_k is 0 and "
+            "rollout.top_p is 1 builds it); expected top_k=0 and top_p=1"
+        )
     return None

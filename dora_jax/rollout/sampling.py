@@ -84,18 +84,22 @@ def sample(
     temperature_B: jax.Array,
     top_p_B: jax.Array,
     top_k_B: jax.Array,
+    *,
+    filters: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens_B, logp_B, sample_logp_B) for the tokens that will occupy `position_B`.
 
     Rows with temperature 0 take the argmax of the raw logits (HF's greedy rule). The sort behind
     top-k/top-p runs only when some row asks for a filter (`lax.cond`), so plain sampling and
-    greedy decoding pay nothing for it.
+    greedy decoding pay nothing for it. `filters=False` leaves the filter out of the program
+    altogether (the caller refuses filtered requests): its sort is costly to compile.
     """
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = temperature_B <= 0
     scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
     needs_filter = jnp.any(((top_k_B > 0) | (top_p_B < 1.0)) & ~greedy_B)
-    scaled_BV = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k_B, top_p_B), lambda x: x, scaled_BV)
+    if filters:
+        scaled_BV = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k_B, top_p_B), lambda x: x, scaled_BV)
     sample_logps_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
     drawn_B = _inverse_cdf(jnp.exp(sample_logps_BV), token_uniforms(key_data_B2, position_B))
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)

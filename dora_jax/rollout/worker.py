@@ -227,7 +227,7 @@ class RolloutWorker:
             bad = [t for t in getattr(request, field) if not 0 <= t < vocab]
             if bad:
                 return f"{field} holds token id {bad[0]} outside the vocabulary [0, {vocab})"
-        return check_sampling(request.sampling)
+        return check_sampling(request.sampling, filters=cfg.sampling_filters)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Trajectory]:

@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 
 from dora_jax import models
 from dora_jax.parallel import sharding as sharding_lib
-from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.runtime import build
 from dora_jax.runtime.run_config import RunConfig
 from dora_jax.trainer import Trainer
@@ -540,11 +540,7 @@ def compile_role(
             options = PROBE_OPTIONS if target.mesh.devices.flat[0].platform == "tpu" else None
             probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
     else:
-        engine_config = EngineConfig(
-            num_slots=config.rollout.slots,
-            cache_length=config.rollout.cache_length,
-            max_prefill_length=config.rollout.max_prefill_length,
-        )
+        engine_config = config.rollout.engine_config()
         engine = RolloutEngine(cfg, engine_config, target.mesh)
         served = models.split(models.abstract_model(engine.model_config))[1]  # in the compute dtype
         resident = {

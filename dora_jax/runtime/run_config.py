@@ -61,6 +61,19 @@ class RolloutSpec:
     heartbeat_timeout_s: float = 120.0  # a slice silent this long is declared dead
     max_rejoins: int = 2  # times a slice whose worker raised is restarted
 
+    def engine_config(self):
+        """Every rollout slice's engine sizes (dora_jax.rollout.engine.EngineConfig, imported here:
+        it pulls in JAX), with top-k/top-p filtering compiled in only when the run samples with it."""
+        from dora_jax.rollout.engine import EngineConfig
+
+        s = self.sampling
+        return EngineConfig(
+            num_slots=self.slots,
+            cache_length=self.cache_length,
+            max_prefill_length=self.max_prefill_length,
+            sampling_filters=s.top_k > 0 or s.top_p < 1,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:

@@ -39,7 +39,7 @@ from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
 from dora_jax.parallel import sharding
-from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.runtime import faults, training_loop
 from dora_jax.runtime.build import Setup, build_setup
@@ -123,11 +123,7 @@ def run(
             prompts.update({k: _prompt_from_json(v) for k, v in restored.meta["prompts"].items()})
     trainer.publish()
     trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
-    engine_config = EngineConfig(
-        num_slots=config.rollout.slots,
-        cache_length=config.rollout.cache_length,
-        max_prefill_length=config.rollout.max_prefill_length,
-    )
+    engine_config = config.rollout.engine_config()
     ledger = Ledger(ledger_path)
     held_out = []
     if config.eval.enabled:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 
 from dora_jax.core.records import FinishReason, Request, SamplingParams
+from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker, as_redispatch
-from tests.rollout.conftest import run_to_end
+from dora_jax.runtime.run_config import RolloutSpec
+from tests.rollout.conftest import ENGINE, TINY, run_to_end
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -170,3 +173,37 @@ def test_progress_is_a_resumable_snapshot_that_leaves_the_worker_untouched(warm_
     resumed = run_to_end(fresh)
     for name in "abcde":
         assert resumed[name].response_ids == straight[name].response_ids
+
+
+def test_an_engine_without_sampling_filters_compiles_no_sort_and_samples_the_same(slices, tiny_params):
+    """`EngineConfig.sampling_filters=False` (a run that samples with top_k=0 and top_p=1): prefill
+    and generate carry no sort over the vocabulary (costly to compile on TPU), unfiltered requests
+    draw exactly the tokens of a filtering engine, and a filtered request is refused by name."""
+    plain = RolloutEngine(TINY, dataclasses.replace(ENGINE, sampling_filters=False), slices.rollout[1])
+    filtering = RolloutEngine(TINY, ENGINE, slices.rollout[1])
+    programs = {name: lowered.as_text() for name, lowered in plain.lower_programs()}
+    with_filter = dict(filtering.lower_programs())
+    for name in ("generate", "prefill[T=16]"):
+        assert "stablehlo.sort" not in programs[name] and "stablehlo.sort" in with_filter[name].as_text(), name
+    hot = SamplingParams(temperature=1.0, seed=7)
+    runs = {}
+    for label, engine in (("plain", plain), ("filtering", filtering)):
+        worker = RolloutWorker(engine, eos_ids=())
+        worker.load_version(0, tiny_params)
+        for i in range(3):
+            sampling = dataclasses.replace(hot, seed=i)
+            worker.submit(_request(f"r{i}", prompt=(1, 5 + i, 9), max_new=12, sampling=sampling))
+        if label == "plain":
+            worker.submit(_request("topk", sampling=dataclasses.replace(hot, top_k=5)))
+            # greedy rows never filter: accepted
+            worker.submit(_request("greedy_topk", sampling=SamplingParams(temperature=0.0, top_k=5)))
+        runs[label] = run_to_end(worker)
+    for i in range(3):
+        a, b = runs["plain"][f"r{i}"], runs["filtering"][f"r{i}"]
+        assert a.response_ids == b.response_ids and np.allclose(a.logprobs, b.logprobs, atol=1e-6)
+    assert runs["plain"]["topk"].finish_reason == FinishReason.REJECTED
+    assert "sampling.top_k=5" in runs["plain"]["topk"].error and "sampling_filters" in runs["plain"]["topk"].error
+    assert runs["plain"]["greedy_topk"].finish_reason == FinishReason.LENGTH
+    spec = lambda **s: RolloutSpec(1, 4, 64, 32, SamplingParams(**s), 8)  # noqa: E731
+    assert not spec().engine_config().sampling_filters
+    assert spec(top_k=20).engine_config().sampling_filters and spec(top_p=0.9).engine_config().sampling_filters
