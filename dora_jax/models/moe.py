@@ -13,7 +13,17 @@ Two computations give the same numbers (`ModelConfig.moe_dispatch`):
     With the experts sharded over the `expert` mesh axis each device computes its own experts
     and one reduction over that axis combines them.
   * "grouped": the A assignments sorted by expert, one `jax.lax.ragged_dot` per projection over
-    the contiguous groups, unsorted and weighted: only the useful flops.
+    the contiguous groups, unsorted and weighted: only the useful flops. Its weight gradient is
+    a ragged dot whose ragged dimension is contracted, which the TPU compiler (libtpu 0.0.42)
+    expands into a dense masked computation over every group: compiled for a v5p chip, one
+    [8192, 2048] x [128, 2048, 768] projection's gradient counts 3.33 PFLOP against 51.5 GFLOP
+    useful, and the 30B-A3B trainer's 32K-token micro-batch 3,941 TFLOP per chip.
+  * "megablox": "grouped" with the weight gradient through the megablox `tgmm` Pallas kernel
+    (`jax.experimental.pallas.ops.tpu.megablox`), each device computing its own experts' slice
+    (`expert` x `embed` x `mlp` from the logical rules in context, under `shard_map`, as the
+    attention kernel does); the forward and the input gradient stay ragged dots, which the TPU
+    compiles natively. For TPU training. "megablox_interpret": the same kernel run by the
+    Pallas interpreter on any backend (tests).
 There is no expert capacity: no token is ever dropped, so there is no dropped-token count.
 
 Router statistics (`Routing`) come out of the forward on request (`Decoder(..., return_routing=
@@ -22,14 +32,18 @@ True)`); `expert_load` and `load_balancing_loss` reduce them over the tokens of 
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd
+from jax.sharding import PartitionSpec
 
 from dora_jax.models.params import normal, param
 
-DISPATCHES = ("dense", "grouped")
+DISPATCHES = ("dense", "grouped", "megablox", "megablox_interpret")
 
 
 @flax.struct.dataclass
@@ -58,21 +72,108 @@ def dense_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME):
     return jnp.einsum("nx,nxe->ne", gates_NX.astype(y_NXE.dtype), y_NXE)
 
 
-def grouped_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME):
-    """Assignments sorted by expert, one ragged matmul per projection, unsorted and weighted."""
+def _ragged_dot(x_AE, w_XEF, sizes_X, names):
+    del names
+    return jax.lax.ragged_dot(x_AE, w_XEF, sizes_X)
+
+
+_IN, _OUT = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")  # logical names of gate/up, of down
+
+
+def grouped_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *, matmul=_ragged_dot):
+    """Assignments sorted by expert, one ragged matmul per projection, unsorted and weighted.
+    `matmul(x, w, sizes, logical names of w)`: the ragged matmul."""
     N, K = experts_NK.shape
     X = gate_XEM.shape[0]
     experts_A = experts_NK.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)  # assignment index of each sorted row
     x_AE = jnp.take(x_NE, order_A // K, axis=0)  # assignment a belongs to token a // K
     sizes_X = jnp.bincount(experts_A, length=X).astype(jnp.int32)
-    h_AM = jax.nn.silu(jax.lax.ragged_dot(x_AE, gate_XEM, sizes_X)) * jax.lax.ragged_dot(x_AE, up_XEM, sizes_X)
-    y_AE = jax.lax.ragged_dot(h_AM, down_XME, sizes_X)
+    h_AM = jax.nn.silu(matmul(x_AE, gate_XEM, sizes_X, _IN)) * matmul(x_AE, up_XEM, sizes_X, _IN)
+    y_AE = matmul(h_AM, down_XME, sizes_X, _OUT)
     y_NKE = jnp.zeros_like(y_AE).at[order_A].set(y_AE).reshape(N, K, -1)  # back to assignment order
     return jnp.einsum("nk,nke->ne", weights_NK.astype(y_NKE.dtype), y_NKE)
 
 
-_COMPUTE = {"dense": dense_experts, "grouped": grouped_experts}
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged_matmul(x_AE, w_XEF, sizes_X, names, interpret: bool):
+    """`jax.lax.ragged_dot` whose weight gradient is the megablox `tgmm` kernel."""
+    return jax.lax.ragged_dot(x_AE, w_XEF, sizes_X)
+
+
+def _ragged_matmul_fwd(x_AE, w_XEF, sizes_X, names, interpret):
+    return jax.lax.ragged_dot(x_AE, w_XEF, sizes_X), (x_AE, w_XEF, sizes_X)
+
+
+def _ragged_matmul_bwd(names, interpret, residuals, g_AF):
+    x_AE, w_XEF, sizes_X = residuals
+    dx_AE = jax.lax.ragged_dot(g_AF, jnp.swapaxes(w_XEF, 1, 2), sizes_X)  # ragged rows: compiled natively
+    dw_XEF = _weight_gradient(x_AE, g_AF, sizes_X, w_XEF.shape[0], names, interpret)
+    return dx_AE.astype(x_AE.dtype), dw_XEF.astype(w_XEF.dtype), None
+
+
+_ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+
+
+def _weight_gradient(x_AE, g_AF, sizes_X, X: int, names, interpret: bool):
+    """dW[x] = x_A[group x]^T g_A[group x] for every group x, by the megablox `tgmm` kernel. On a
+    mesh (from `jax.set_mesh`) each device computes its own block of dW (`names`: the weight's
+    logical axes): its experts (`group_offset` on the expert axis), its slices of the input and
+    output features."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm  # the module (the package's `gmm` is a function)
+
+    def kernel(x_AE, g_AF, sizes_X, experts: int, first):
+        tiling = (128, min(128, x_AE.shape[1]), min(128, g_AF.shape[1]))
+        return tgmm(
+            x_AE.swapaxes(0, 1),
+            g_AF,
+            sizes_X,
+            jnp.float32,
+            tiling,
+            group_offset=first,
+            num_actual_groups=experts,
+            interpret=interpret,
+        )
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(x_AE, g_AF, sizes_X, X, None)
+    rules = dict(spmd.get_logical_axis_rules())
+    if not rules:
+        raise ValueError(
+            "moe_dispatch='megablox' on a mesh of several devices needs the logical axis rules in context "
+            "(`with nnx.logical_axis_rules(rules):`) to place its operands"
+        )
+    expert_axis, in_axis, out_axis = (rules.get(name) for name in names)
+    shards = mesh.shape[expert_axis] if expert_axis else 1
+
+    def local(x_AE, g_AF, sizes_X):
+        first = jax.lax.axis_index(expert_axis) * (X // shards) if expert_axis else 0
+        return kernel(x_AE, g_AF, sizes_X, X // shards, jnp.asarray(first, jnp.int32))
+
+    sharded = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(None, in_axis), PartitionSpec(None, out_axis), PartitionSpec()),
+        out_specs=PartitionSpec(expert_axis, in_axis, out_axis),
+        check_vma=False,
+    )
+    return sharded(x_AE, g_AF, sizes_X)
+
+
+def _megablox_experts(*args, interpret: bool):
+    def matmul(x_AE, w_XEF, sizes_X, names):
+        return _ragged_matmul(x_AE, w_XEF, sizes_X, names, interpret)
+
+    return grouped_experts(*args, matmul=matmul)
+
+
+_COMPUTE = {
+    "dense": dense_experts,
+    "grouped": grouped_experts,
+    "megablox": functools.partial(_megablox_experts, interpret=False),
+    "megablox_interpret": functools.partial(_megablox_experts, interpret=True),
+}
 
 
 class MoE(nnx.Module):

@@ -36,7 +36,7 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
-    moe_dispatch: str = "grouped"  # "dense" | "grouped"
+    moe_dispatch: str = "grouped"  # "dense" | "grouped" | "megablox" (dora_jax.models.moe)
     attention: str = "auto"  # the full forward's kernel (dora_jax.models.attention)
     remat: str = "none"  # "none" | "dots" | "full": what the backward pass recomputes (ModelConfig.remat)
     scan_layers: bool = False  # the full forward's blocks as one lax.scan (ModelConfig.scan_layers)
@@ -224,8 +224,10 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         remat=str(m.get("remat", "none")),
         scan_layers=bool(m.get("scan_layers", False)),
     )
-    if model.moe_dispatch not in ("dense", "grouped"):
-        raise ValueError(f"model.moe_dispatch={model.moe_dispatch!r}; expected 'dense' or 'grouped'")
+    from dora_jax.models.config import MOE_DISPATCHES
+
+    if model.moe_dispatch not in MOE_DISPATCHES:
+        raise ValueError(f"model.moe_dispatch={model.moe_dispatch!r}; expected one of {MOE_DISPATCHES}")
     if model.attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"model.attention={model.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
     if model.remat not in REMAT_POLICIES:
