@@ -95,6 +95,31 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
 
 
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
+def test_moe_weight_gradients_compile_to_the_megablox_kernel():
+    """A tiny MoE (8 experts, top 2) trainer compiled for TPU: with "grouped" the compiler expands
+    the experts' weight gradients densely over every expert (XLA counts more than it must do),
+    with "megablox" they are the Pallas kernel: XLA counts the rest, the kernel's flops are
+    added at peak, and the total is what the step must do."""
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+    steps = {}
+    for dispatch in ("grouped", "megablox"):
+        c = _config(moe_dispatch=dispatch, **moe)
+        with c.unlocked():
+            c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 1, "expert": 2})
+        result = aot.compile_roles(run_config.parse(c), None, "v5e:2x2", roles=("trainer",))
+        assert result["fits"] is True
+        steps[dispatch] = result["roles"][0]["programs"][0]
+    grouped, megablox = steps["grouped"], steps["megablox"]
+    assert grouped["name"] == megablox["name"] == "train_step[B=8,U=1,M=1,C=8,T=32]"
+    experts = megablox["kernel_flops"] - grouped["kernel_flops"]  # both hold the attention kernel's too
+    assert experts > 0
+    assert megablox["flops_due"] == pytest.approx(grouped["flops_due"] - experts)
+    # XLA's own count: the dense expansion is gone (the whole step here is mostly the experts)
+    assert grouped["flops"] > 2 * grouped["flops_due"]
+    assert megablox["flops"] + experts < 0.5 * grouped["flops"]
+
+
+@pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
 def test_a_huge_model_does_not_fit_and_the_program_is_named():
     # 2 layers of 3.5B params each: 28 GB of fp32 weights for one 16 GiB chip.
     c = _config(hidden_size=16384, intermediate_size=65536, num_heads=128, num_kv_heads=16, head_dim=128)
