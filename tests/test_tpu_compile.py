@@ -130,7 +130,38 @@ def test_a_huge_model_does_not_fit_and_the_program_is_named():
     assert rollout["peak_bytes_per_chip"] > rollout["hbm_capacity_bytes_per_chip"]
     (line,) = aot.does_not_fit(result)
     assert line.startswith(f"rollout on v5e:2x2 does not fit: {rollout['largest_program']} needs")
-    assert "GiB HBM" in line
+    assert "GiB HBM" in line and "more chips (pod.rollout_type, mesh.rollout)" in line
+
+
+def test_what_would_fit_names_the_fields_and_the_share():
+    gib = 2**30
+    program = {"name": "grad[rows=16,T=9216]", "temp_bytes": 160 * gib, "output_bytes": 0, "alias_bytes": 0}
+    role = {
+        "role": "trainer",
+        "topology": "v5p:2x2x4",
+        "hbm_capacity_bytes_per_chip": 95 * gib,
+        "resident_bytes_per_chip": 15 * gib,
+        "resident_breakdown": {"params": 15 * gib},
+        "peak_bytes_per_chip": 175 * gib,
+        "largest_program": program["name"],
+        "fits": False,
+        "programs": [program],
+    }
+    (line,) = aot.does_not_fit({"roles": [role]})
+    assert "trainer.micro_batch_tokens" in line and "about 0.50x of it would fit" in line
+    kv = {"params": 4 * gib, "decode_state": 100 * gib}
+    rollout = dict(role, role="rollout", resident_bytes_per_chip=104 * gib, resident_breakdown=kv)
+    assert (
+        "the resident state alone is 104.00 GiB: more chips (pod.rollout_type"
+        in aot.does_not_fit({"roles": [rollout]})[0]
+    )
+    program = dict(program, name="generate", temp_bytes=1 * gib)
+    rollout = dict(
+        rollout, resident_bytes_per_chip=94 * gib, resident_breakdown={"params": 4 * gib, "decode_state": 90 * gib}
+    )
+    rollout["programs"] = [program]
+    (line,) = aot.does_not_fit({"roles": [dict(rollout, largest_program="generate", peak_bytes_per_chip=95 * gib + 1)]})
+    assert "KV cache (rollout.slots x rollout.cache_length) takes 90.00 GiB: about 1.00x of it would fit" in line
 
 
 def test_bad_topologies_and_meshes_are_refused_by_name():

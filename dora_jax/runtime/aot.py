@@ -676,9 +676,35 @@ def does_not_fit(result: dict) -> list[str]:
             lines.append(
                 f"{role['role']} on {role['topology']} does not fit: {largest['name']} needs "
                 f"{gib(transient_bytes(largest))} per chip on top of {gib(role['resident_bytes_per_chip'])} "
-                f"resident = {gib(role['peak_bytes_per_chip'])} > {gib(role['hbm_capacity_bytes_per_chip'])} HBM"
+                f"resident = {gib(role['peak_bytes_per_chip'])} > {gib(role['hbm_capacity_bytes_per_chip'])} HBM; "
+                + _what_would_fit(role, largest)
             )
     return lines
+
+
+def _what_would_fit(role: dict, largest: dict) -> str:
+    """Which config fields to change, and by about how much, for `role` to fit its HBM."""
+    capacity, resident = role["hbm_capacity_bytes_per_chip"], role["resident_bytes_per_chip"]
+    mesh_field = f"mesh.{role['role']}"
+    more_chips = f"more chips (pod.{role['role']}_type, {mesh_field})"
+    if resident >= capacity:
+        return f"the resident state alone is {resident / GiB:.2f} GiB: {more_chips}"
+    room = capacity - resident
+    if role["role"] == "rollout":
+        kv = role["resident_breakdown"].get("decode_state", 0)
+        fixed = resident - kv + transient_bytes(largest)
+        if kv and fixed < capacity:
+            share = (capacity - fixed) / kv
+            return (
+                f"the KV cache (rollout.slots x rollout.cache_length) takes {kv / GiB:.2f} GiB: about "
+                f"{share:.2f}x of it would fit, or {more_chips}"
+            )
+        return f"{more_chips}, or a smaller rollout.max_prefill_length"
+    share = room / transient_bytes(largest)
+    return (
+        f"its temporaries scale with the micro-batch (trainer.micro_batch_tokens, trainer.micro_batch_size): "
+        f"about {share:.2f}x of it would fit, or {more_chips}, or model.remat='full'"
+    )
 
 
 def table(result: dict) -> str:
