@@ -22,8 +22,10 @@ You provide (set the `YOUR_...` fields, here or with `--config.FIELD=VALUE`):
 Sizes: G 16, TBS 256 = 16 prompts x 16, RBS 512 = 4 slices x 128 slots, K 2. Rollout: bf16
 weights 61 GB / 4 chips = 15 GB per chip; KV 48 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes =
 98 KB/token, halved per chip by tensor 2: 128 slots x 9216 tokens = 58 GB per chip, of 95 GB.
-Trainer: 30.5B params x 16 bytes (fp32 params, AdamW moments, grads) = 488 GB over 16 chips =
-31 GB per chip; a micro-batch of 8 rows is 2 rows per FSDP shard. The router stays as trained
+Trainer: 30.5B params x 12 bytes (fp32 params, AdamW moments) + a bf16 version = 28.65 GiB per
+chip over 16; token-budget micro-batches of 32K positions (2K per chip), the experts' weight
+gradients in the megablox kernel. `python -m dora_jax.tpu_compile` (README, "Compiling for the
+pod"): peak 64.87 of 95 GiB per chip. The router stays as trained
 (no auxiliary load-balancing loss), as RL fine-tuning recipes do. Everything not set here (task,
 loss, optimizer, pod zone and types, K) is configs/qwen2_5_7b_dapo.py's.
 """
