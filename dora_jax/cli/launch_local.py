@@ -168,7 +168,8 @@ def launch(
     return outcome
 
 
-_SETTLE_S = 1.0  # > the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results
+_SETTLE_S = 2.0  # >> the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results
+_SETTLE_MAX_S = 6.0  # far below the heartbeat timeout that would declare the stopped slice dead
 
 
 def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_steps: int) -> None:
@@ -238,13 +239,18 @@ def _spawn_slice(
 
 def _freeze_and_confirm(victims: list[subprocess.Popen], follower: _SliceLoad) -> int:
     """SIGSTOPs the slice's processes, waits until the coordinator has ledgered whatever they
-    posted before the stop, and SIGKILLs them if the ledger still has them holding requests (work
-    that is then lost for sure, not finished and in flight); otherwise lets them go on (SIGCONT)
-    and returns 0. Killing on the ledger alone raced with results already posted."""
+    posted before the stop (the slice's count in the ledger unchanged for `_SETTLE_S`, at most
+    `_SETTLE_MAX_S`), and SIGKILLs them if the ledger still has them holding requests (work that is
+    then lost for sure, not finished and in flight); otherwise lets them go on (SIGCONT) and
+    returns 0. Killing on the ledger alone raced with results already posted."""
     for victim in victims:
         os.killpg(victim.pid, signal.SIGSTOP)
-    time.sleep(_SETTLE_S)
-    held = follower.poll()
+    held, deadline = follower.poll(), time.monotonic() + _SETTLE_MAX_S
+    while time.monotonic() < deadline:
+        time.sleep(_SETTLE_S)
+        settled, held = held, follower.poll()
+        if held == settled:
+            break
     for victim in victims:
         os.killpg(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
     return held
