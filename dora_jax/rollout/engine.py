@@ -483,10 +483,7 @@ class RolloutEngine:
         if true_length > self.config.max_prefill_length:
             raise ValueError(f"true_length={true_length} exceeds max_prefill_length={self.config.max_prefill_length}")
         self._check_ids(tokens[:true_length], "padded_tokens")
-        sampling_params = sampling or self.config.default_sampling
-        problem = check_sampling(sampling_params, filters=self.config.sampling_filters)
-        if problem:
-            raise ValueError(problem)
+        sampling_params = self._check_sampling(sampling or self.config.default_sampling)
         bucket = next(b for b in self.config.prefill_buckets if b >= true_length)
         padded = np.zeros((bucket,), np.int32)
         padded[:true_length] = tokens[:true_length]
@@ -578,10 +575,7 @@ class RolloutEngine:
             raise ValueError(
                 f"slot state position {state.position} does not fit cache_length={self.config.cache_length}"
             )
-        params = state.request.sampling
-        problem = check_sampling(params, filters=self.config.sampling_filters)
-        if problem:
-            raise ValueError(problem)
+        params = self._check_sampling(state.request.sampling)
         rows = self.config.rows_bucket(max(state.position, 1))
         pad = ((0, 0), (0, rows - state.position), (0, 0), (0, 0))
         prefix = Prefix(
@@ -696,6 +690,12 @@ class RolloutEngine:
             raise ValueError(
                 f"{field} holds token id {int(bad[0])} outside the vocabulary [0, {self.model_config.vocab_size})"
             )
+
+    def _check_sampling(self, params: SamplingParams) -> SamplingParams:
+        problem = check_sampling(params, filters=self.config.sampling_filters)
+        if problem:
+            raise ValueError(problem)
+        return params
 
 
 def check_sampling(params: SamplingParams, *, filters: bool = True) -> str | None:

@@ -407,6 +407,7 @@ class Trainer:
             self._state, outputs = self._bucketed(self._state, batch, self._ref_params, self._params_of, current_B)
             return self._finish(jax.device_get(outputs), versions_B, time.perf_counter() - start, recomputed)
         tokens_UMCT = self._rows(batch.tokens_BT, np.int32)
+        U, C = self.config.num_updates, self.config.micro_batch_size
         inputs = StepInputs(
             tokens_UMCT=tokens_UMCT,
             loss_mask_UMCT=self._rows(batch.loss_mask_BT, np.float32),
@@ -415,9 +416,7 @@ class Trainer:
             rewards_B=jax.device_put(np.asarray(batch.rewards_B, np.float32), self._replicated),
             valid_B=jax.device_put(np.asarray(batch.valid_B, np.float32), self._replicated),
             group_ids_B=jax.device_put(np.asarray(batch.group_ids_B, np.int32), self._replicated),
-            behaviour_current_UMC=jax.device_put(
-                current_B.astype(np.float32).reshape(self._rows_lead(batch.batch_size)), self._rows_UMC
-            ),
+            behaviour_current_UMC=jax.device_put(current_B.astype(np.float32).reshape(U, -1, C), self._rows_UMC),
         )
         self._state, outputs = self._step(self._state, inputs, self._ref_params)
         outputs = jax.device_get(outputs)
@@ -433,10 +432,6 @@ class Trainer:
             return np.zeros_like(current_B)
         first_update = np.arange(versions_B.size) < versions_B.size // self.config.num_updates
         return current_B & first_update
-
-    def _rows_lead(self, batch_size: int) -> tuple[int, int, int]:
-        U, C = self.config.num_updates, self.config.micro_batch_size
-        return U, batch_size // (U * C), C
 
     # ------------------------------------------------- ahead-of-time compilation
     def lower_train_step(self, batch_size: int, length: int) -> jax.stages.Lowered:
