@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -148,7 +149,8 @@ class Coordinator:
         self._taken_at = initial_version - 1  # trainer version of the last take
         self._slots = {sid: port.num_slots for sid, port in self.ports.items()}  # read once: a hot path
         self.slice_version: dict[int, int | None] = {sid: None for sid in self.ports}
-        self.slice_trajs: dict[int, list[str]] = {sid: [] for sid in self.ports}
+        # Per slice, the ids it holds in dispatch order (a dict as an ordered set: O(1) removal on finish).
+        self.slice_trajs: dict[int, dict[str, None]] = {sid: {} for sid in self.ports}
         self.requests: dict[str, Request] = {}  # in flight (dispatched, not finished)
         self.slice_of: dict[str, int] = {}
         self.origin: dict[str, int] = {}
@@ -379,7 +381,7 @@ class Coordinator:
             self.requests[request.traj_id] = request
             self.slice_of[request.traj_id] = slice_id
             self.origin.setdefault(request.traj_id, slice_id)
-            self.slice_trajs[slice_id].append(request.traj_id)
+            self.slice_trajs[slice_id][request.traj_id] = None
             again = request.traj_id in self._redispatch
             is_eval = request.traj_id in self._eval_of
             self._redispatch.discard(request.traj_id)
@@ -556,7 +558,7 @@ class Coordinator:
         if slice_id in self._failing:
             return False
         if self.slice_trajs[slice_id]:
-            raise RuntimeError(f"slice {slice_id} still holds {self.slice_trajs[slice_id][:3]}; cannot switch")
+            raise RuntimeError(f"slice {slice_id} still holds {list(self.slice_trajs[slice_id])[:3]}; cannot switch")
         digest = self._port_call(slice_id, "load_version", version)
         if not digest:
             return False
@@ -597,7 +599,7 @@ class Coordinator:
         self.dead.add(slice_id)
         self.draining.pop(slice_id, None)
         self.slice_version.pop(slice_id)
-        lost = self.slice_trajs.pop(slice_id)
+        lost = list(self.slice_trajs.pop(slice_id))
         self.stats.slice_failures += 1
         self.ledger.write("slice_failed", slice=slice_id, reason=reason, requests=len(lost))
         for traj_id in lost:
@@ -619,7 +621,7 @@ class Coordinator:
         self._slots[sid] = port.num_slots
         self.dead.discard(sid)
         self.slice_version[sid] = None
-        self.slice_trajs[sid] = []
+        self.slice_trajs[sid] = {}
         self.ledger.write("slice_joined", slice=sid)
         self._apply_switching()
 
@@ -639,8 +641,8 @@ class Coordinator:
                     raise RuntimeError(
                         f"{traj_id} (v{version}) routed to slice {dst} serving v{self.slice_version[dst]}"
                     )
-                self.slice_trajs[src].remove(traj_id)
-                self.slice_trajs[dst].append(traj_id)
+                del self.slice_trajs[src][traj_id]
+                self.slice_trajs[dst][traj_id] = None
                 self.slice_of[traj_id] = dst
                 kv = isinstance(item, SlotState)
                 self.stats.migrations_kv += kv
@@ -672,10 +674,10 @@ class Coordinator:
             if sid in self._failing:
                 continue  # dropped at the end of the cycle: what it holds is re-dispatched
             for item in items:
-                self.slice_trajs[sid].remove(item.request.traj_id if isinstance(item, SlotState) else item.traj_id)
+                del self.slice_trajs[sid][item.request.traj_id if isinstance(item, SlotState) else item.traj_id]
             requests = [_as_request(item) for item in items]
             if self.slice_version[sid] != self.latest and not self._load(sid, self.latest):
-                self.slice_trajs[sid] += [r.traj_id for r in requests]  # re-dispatched when the slice is dropped
+                self.slice_trajs[sid].update(dict.fromkeys(r.traj_id for r in requests))  # re-dispatched when the slice is dropped
                 continue
             for request in requests:
                 self.stats.interrupts += 1
@@ -687,7 +689,7 @@ class Coordinator:
                     tokens=len(request.prefix_response_ids),
                     slice=sid,
                 )
-                self.slice_trajs[sid].append(request.traj_id)
+                self.slice_trajs[sid][request.traj_id] = None
             if requests:
                 self._port_call(sid, "import_", requests)
 
@@ -701,7 +703,7 @@ class Coordinator:
             raise RuntimeError(f"slice {slice_id} finished unknown trajectory {traj.traj_id}")
         self.requests.pop(traj.traj_id)
         sid = self.slice_of.pop(traj.traj_id)
-        self.slice_trajs[sid].remove(traj.traj_id)
+        del self.slice_trajs[sid][traj.traj_id]
         is_eval = traj.traj_id in self._eval_of
         if is_eval:
             self.stats.eval_finished += 1
@@ -924,8 +926,11 @@ class Coordinator:
             need = self.config.train_batch_size // self.config.group_size
             if len(self.queue) < need:
                 return None
-            rest = [v for v in list(self.queue.versions())[need:] for _ in range(self.config.group_size)]
-            rest += [g.version for g in self.groups.values() for _ in range(g.size)]
+            rest: collections.Counter[int] = collections.Counter()
+            for v in itertools.islice(self.queue.versions(), need, None):
+                rest[v] += self.config.group_size
+            for g in self.groups.values():
+                rest[g.version] += g.size
             if not window_allows(rest, trainer_version, self.config.window, self.config.train_batch_size):
                 return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)

@@ -4,7 +4,7 @@ v .. v + K, where K is the mode's bound."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 from dora_jax.core.modes import Mode, policy_for
 
@@ -22,17 +22,19 @@ def takes_for_newest(k: int, taken_at: int, latest: int) -> int:
     return k + (taken_at < latest)
 
 
-def window_allows(rest_versions: Sequence[int], trainer_version: int, k_max: int, train_batch_size: int) -> bool:
-    """Whether the trainer may advance from t to t+1, leaving `rest_versions` unconsumed.
+def window_allows(rest_counts: Mapping[int, int], trainer_version: int, k_max: int, train_batch_size: int) -> bool:
+    """Whether the trainer may advance from t to t+1, leaving `rest_counts` (samples per version)
+    unconsumed.
 
     The window itself: nothing left below t+1-K. And, looking ahead, every later step can still
     keep it: after m more steps (m * TBS samples, oldest first) nothing may remain below
     t+1+m-K, so at most m * TBS of what is left may be older than that. Without the look-ahead
     the trainer could take newer samples while old ones are still decoding, and be stuck later
-    with more old samples than one step can consume.
+    with more old samples than one step can consume. Counts per version, not one entry per
+    sample: at pod scale the rest is tens of thousands of samples over a handful of versions.
     """
     for m in range(k_max + 1):
         floor = trainer_version + 1 + m - k_max
-        if sum(v < floor for v in rest_versions) > m * train_batch_size:
+        if sum(n for v, n in rest_counts.items() if v < floor) > m * train_batch_size:
             return False
     return True

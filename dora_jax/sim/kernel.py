@@ -117,7 +117,7 @@ class Snapshot:
 
 
 class _MeteredPort:
-    """A simulated slice as the coordinator sees it: every call's wall time is added to `meter`,
+    """A simulated slice as the coordinator sees it: every call's CPU time is added to `meter`,
     so that the coordinator's own cost can be told apart from the simulator's."""
 
     def __init__(self, port: SimSlice, meter: list[float]):
@@ -129,11 +129,11 @@ class _MeteredPort:
             return value
 
         def metered(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return value(*args, **kwargs)
             finally:
-                self._meter[0] += time.perf_counter() - start
+                self._meter[0] += time.thread_time() - start
 
         return metered
 
@@ -178,8 +178,10 @@ class Sim:
             os.remove(ledger_path)  # the Ledger appends; a simulated run starts its own
         self.ledger = Ledger(ledger_path, clock=self.clock)
         prompts = Prompts(lengths if lengths is not None else LengthStream(workload))
-        self._port_s = [0.0]  # wall seconds inside simulated ports, called by the coordinator
-        self.coordinator_s = 0.0  # wall seconds inside the coordinator, its port calls excluded
+        self._port_s = [0.0]  # CPU seconds inside simulated ports, called by the coordinator
+        # CPU seconds of this thread inside the coordinator, its port calls excluded: CPU, not wall
+        # time, so that other jobs on a shared machine do not inflate the coordinator's cost.
+        self.coordinator_s = 0.0
         self.coordinator = Coordinator(
             config,
             {sid: _MeteredPort(port, self._port_s) for sid, port in self.ports.items()},
@@ -210,12 +212,12 @@ class Sim:
     # ------------------------------------------------------------------ the loop
     @contextmanager
     def _in_coordinator(self):
-        """Charges the block's wall time, less the simulated ports' share, to the coordinator."""
-        start, ports = time.perf_counter(), self._port_s[0]
+        """Charges the block's CPU time, less the simulated ports' share, to the coordinator."""
+        start, ports = time.thread_time(), self._port_s[0]
         try:
             yield
         finally:
-            self.coordinator_s += time.perf_counter() - start - (self._port_s[0] - ports)
+            self.coordinator_s += time.thread_time() - start - (self._port_s[0] - ports)
 
     def run(self) -> None:
         with self._in_coordinator():

@@ -52,7 +52,7 @@ class ModeResult:
     interrupts: int  # partial rollout: requests re-prefilled on a new version (whole run)
     rebalances: int  # orchestrator cycles (whole run)
     max_versions_in_flight: int
-    # The coordinator's own host cost (wall seconds on this machine, simulated ports excluded),
+    # The coordinator's own host cost (CPU seconds of its thread, simulated ports excluded),
     # in the window: per step, and as a share of the simulated step time.
     coordinator_s_per_step: float
     orchestration_overhead: float
