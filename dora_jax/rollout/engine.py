@@ -166,6 +166,8 @@ class ResultTokens:
 def _prefill_step(
     graphdef,
     config: EngineConfig,
+    mesh: Mesh,
+    rules: sharding_lib.Rules,
     params,
     tokens_T,
     prior,
@@ -204,6 +206,8 @@ def _prefill_step(
         top_k[None],
         sampler,
         config.sampling_filters,
+        mesh,
+        rules,
     )
     pending = jax.lax.dynamic_index_in_dim(tokens_T, true_length - 1, keepdims=False)
     prefix = Prefix(
@@ -227,9 +231,13 @@ def _prefill_step(
     return prefix, result
 
 
-def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler, filters: bool):
+def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler, filters: bool, mesh, rules):
+    """Next tokens and their log-probs: per-slot sampling, or the caller's `sampler`. The slice's
+    mesh and rules are in context for `sampling.sample` only, which then samples the
+    vocab-sharded logits shard by shard (nothing gathers [B, V])."""
     if sampler is None:
-        return sampling.sample(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, filters=filters)
+        with sharding_lib.activation_layout(mesh, rules):
+            return sampling.sample(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, filters=filters)
     tokens_B = jnp.asarray(sampler(logits_BV), jnp.int32).reshape(logits_BV.shape[0])
     logp_B = sampling.log_prob_of(logits_BV, tokens_B)
     return tokens_B, logp_B, logp_B
@@ -257,7 +265,9 @@ def _insert_step(prefix: Prefix, state: DecodeState, slot):
     )
 
 
-def _generate_step(graphdef, config: EngineConfig, params, state: DecodeState, *, sampler):
+def _generate_step(
+    graphdef, config: EngineConfig, mesh: Mesh, rules: sharding_lib.Rules, params, state: DecodeState, *, sampler
+):
     model = nnx.merge(graphdef, params)
     logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
     next_B = state.position_B + 1
@@ -270,6 +280,8 @@ def _generate_step(graphdef, config: EngineConfig, params, state: DecodeState, *
         state.top_k_B,
         sampler,
         config.sampling_filters,
+        mesh,
+        rules,
     )
     generated_B = state.generated_B + 1
     # Free slots keep stepping on garbage; clamping keeps their writes inside the cache.
@@ -300,13 +312,13 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
     return (
         jax.jit(functools.partial(_zero_state, config, model_config), out_shardings=state_shardings),
         jax.jit(
-            functools.partial(_prefill_step, graphdef, config),
+            functools.partial(_prefill_step, graphdef, config, mesh, rules),
             static_argnames=("sampler",),
             out_shardings=(prefix_shardings, result_shardings),
         ),
         jax.jit(_insert_step, donate_argnums=(1,), out_shardings=state_shardings),
         jax.jit(
-            functools.partial(_generate_step, graphdef, config),
+            functools.partial(_generate_step, graphdef, config, mesh, rules),
             static_argnames=("sampler",),
             donate_argnums=(1,),
             out_shardings=(state_shardings, result_shardings),
