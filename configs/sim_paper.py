@@ -5,6 +5,8 @@
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --config.run.k_max=1
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --ledger  # + every run's ledger
     python -m dora_jax.audit /tmp/sim_out/64gpus_dora.ledger.jsonl  # the project's auditor on one of them
+    python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/proj_7b \
+        --compile=/tmp/7b_trainer/compile.json --compile=/tmp/7b_rollout/compile.json  # a real config, projected
 
 How the constants were chosen (see dora_jax/sim/calibrate.py; `--calibrate` re-runs the fit):
 - Hardware-derived (80 GB GPUs, H800/H100 class): one rollout group = 4 GPUs (tensor parallel;
@@ -88,6 +90,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.sweep.steps = 4
     c.sweep.warmup = 1
     c.sweep.batch_scaling = "fixed"  # fixed: 512 x 16 per step at every size; proportional: B x n/64
+
+    # Projection of a real config from its `python -m dora_jax.tpu_compile` estimates instead of the
+    # paper's GPUs (dora_jax/sim/projection.py): --compile=DIR/compile.json (repeated, or comma-separated).
+    # The pod, batch, K, RBS and costs then come from the compile.json; from this config only the
+    # response-length shape (workload.median_response / max_response, max_over_median,
+    # prompt_correlation, seed), run.modes/steps/warmup/chunk_tokens/coordinator_tick_s and these.
+    # The bandwidths are assumptions, not measurements:
+    c.projection = ml_collections.ConfigDict()
+    # A rollout slice reading a new version from the ParamStore's tensorstore tier (gs:// in the
+    # pod configs) into its chips: ~40 Gb/s per TPU VM host of GCS reads.
+    c.projection.weight_load_bytes_per_s = 5.0e9
+    # One request's KV cache exported by one slice and imported by another (a gRPC stream of
+    # protobuf over the data-centre network, through host memory at both ends): ~8 Gb/s.
+    c.projection.migrate_bytes_per_s = 1.0e9
+    c.projection.prompt_tokens = 0  # 0: the config's task.source.max_prompt_tokens (its budget); > 0: this
 
     c.paper = ml_collections.ConfigDict()  # PAPER.md's tables (None: not reported)
     c.paper.gpus_64 = dict(

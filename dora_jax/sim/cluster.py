@@ -27,7 +27,11 @@ class Placement(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeModel:
-    """Per-group decode step time t(a) = t0_s + t1_s * a for a >= 1 active slots."""
+    """Per-group decode step time t(a) = t0_s + t1_s * a for a >= 1 active slots.
+
+    A fixed-shape engine, one step over every slot with a dense KV cache (today's RolloutEngine),
+    costs the same at any `a`: t0 = its step time, t1 = 0 (what dora_jax/sim/projection.py uses).
+    """
 
     t0_s: float
     t1_s: float

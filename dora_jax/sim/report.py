@@ -1,4 +1,5 @@
-"""Runs a scenario (paper settings + scaling sweep) and assembles results.json and a table."""
+"""Runs a scenario (paper settings + scaling sweep, or a projection of a real config) and
+assembles results.json and a table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 
 from dora_jax.core.modes import Mode
 from dora_jax.sim.notes import make_notes
+from dora_jax.sim.projection import LABEL, Projection
+from dora_jax.sim.projection import notes as projection_notes
 from dora_jax.sim.scenario import Scenario
 from dora_jax.sim.simulate import ModeResult, simulate
 from dora_jax.sim.workload import WorkloadSpec, mean_response
@@ -107,7 +110,7 @@ def _bound(sc: Scenario, accelerators: int, workload: WorkloadSpec) -> dict:
         tokens_per_s=round(tokens / max(rollout, train), 1),
         step_time_s=round(max(rollout, train), 2),
         how=(
-            f"split {accelerators - n_train} rollout / {n_train} trainer GPUs; per step: rollout "
+            f"split {accelerators - n_train} rollout / {n_train} trainer accelerators; per step: rollout "
             f"work with every slot busy ({rollout:.0f} s = mean tokens x t(S)/S + prompt prefill, "
             f"over {(accelerators - n_train) // sc.costs.accelerators_per_group} groups) and train "
             f"work ({train:.0f} s) on distinct hardware -> max of the two, nobody waiting; the "
@@ -207,12 +210,13 @@ def run_sweep(sc: Scenario) -> dict:
 
 def format_table(results: dict) -> str:
     """A plain-text table: per setting, one row per metric, paper value in brackets."""
-    lines = []
+    lines = [results["label"]] if "label" in results else []
+    unit = results.get("unit", "GPUs")
     for key, setting in results["settings"].items():
         modes = list(setting["modes"])
         paper = results["paper"].get(f"gpus_{key}", {})
         lines.append(
-            f"\n== {key} GPUs ==  "
+            f"\n== {key} {unit} ==  "
             + "  ".join(
                 f"{m}: {p['rollout_accelerators']}R/{p['train_accelerators']}T {p['placement']}"
                 for m, p in setting["placement"].items()
@@ -261,8 +265,38 @@ def format_table(results: dict) -> str:
 
 def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True) -> dict:
     """Paper settings, comparison, sweep and notes; writes out_dir/results.json and returns it."""
+    settings = _run_settings(sc, out_dir, ledger)
+    results = dict(
+        settings=settings,
+        paper=paper_comparison(sc, {int(k): v for k, v in settings.items()}),
+        scaling=run_sweep(sc) if sweep else {},
+        **_inputs(sc),
+    )
+    results["notes"] = make_notes(results)
+    return _write(results, out_dir)
+
+
+def run_projection(projection: Projection, out_dir: str, ledger: bool = False) -> dict:
+    """A real config's pod projected from XLA's estimates (dora_jax.sim.projection): every mode,
+    no paper comparison, no sweep; results.json says, at its top, that the numbers are estimated."""
+    sc = projection.scenario
+    results = dict(
+        kind="projection",
+        label=LABEL,
+        unit=f"chips ({projection.estimates.trainer_type} + {projection.estimates.rollout_type}), estimated",
+        projection=projection.as_dict(),
+        settings=_run_settings(sc, out_dir, ledger),
+        paper={},
+        scaling={},
+        **_inputs(sc),
+    )
+    results["notes"] = projection_notes(projection, results)
+    return _write(results, out_dir)
+
+
+def _run_settings(sc: Scenario, out_dir: str, ledger: bool) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    settings = {
+    return {
         str(n): run_setting(
             sc,
             n,
@@ -274,16 +308,18 @@ def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True
         )
         for n in sc.settings
     }
-    results = dict(
-        settings=settings,
-        paper=paper_comparison(sc, {int(k): v for k, v in settings.items()}),
-        scaling=run_sweep(sc) if sweep else {},
+
+
+def _inputs(sc: Scenario) -> dict:
+    return dict(
         workload=dataclasses.asdict(sc.workload)
         | dict(sigma=round(sc.workload.sigma, 4), mean_response=round(mean_response(sc.workload), 1)),
         costs=dataclasses.asdict(sc.costs),
         definitions=DEFINITIONS,
     )
-    results["notes"] = make_notes(results)
+
+
+def _write(results: dict, out_dir: str) -> dict:
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     return results
