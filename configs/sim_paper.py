@@ -67,6 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.run.chunk_tokens = 8.0  # requests within this many tokens of finishing finish together
     c.run.rebalance_period_s = 30.0  # the coordinator's periodic rebalance trigger (simulated seconds)
     c.run.coordinator_tick_s = 1.0  # the coordinator applies posted events at most this often (0: after each)
+    c.run.legacy_fill = False  # dora: new groups at an older version in its idle slots while C3 allows
 
     c.placement = ml_collections.ConfigDict()
     c.placement.sync = "colocated"  # sync: every GPU rolls out, then every GPU trains

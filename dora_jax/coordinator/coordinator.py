@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from dora_jax.coordinator import evaluation, events, orchestrator
+from dora_jax.coordinator import evaluation, events, legacy_fill, orchestrator
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
 from dora_jax.coordinator.transfer_queue import TransferQueue
@@ -46,6 +46,9 @@ class CoordinatorConfig:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     rebalance_period_s: float = 0.5  # periodic trigger
+    # dora: new groups at an older version fill that version's idle slots while the trainer can
+    # still consume them within C3 (dora_jax/coordinator/legacy_fill.py)
+    legacy_fill: bool = False
 
     def validate(self, num_slices: int) -> None:
         """Rejects inconsistent settings, naming the field."""
@@ -78,6 +81,8 @@ class CoordinatorConfig:
                 )
         if num_slices < 1:
             raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
+        if self.legacy_fill and policy.switch != Switch.ORCHESTRATE:
+            raise ValueError(f"coordinator.legacy_fill=True needs mode dora (the orchestrator), got mode {self.mode}")
 
     @property
     def window(self) -> int:
@@ -94,6 +99,8 @@ class _GroupState:
     version: int
     size: int
     scored: dict = dataclasses.field(default_factory=dict)
+    dispatched_at: float | None = None  # clock at its first dispatch (for legacy fill's pace)
+    legacy: bool = False  # started at an older version by legacy fill
 
 
 @dataclasses.dataclass
@@ -115,6 +122,7 @@ class CoordinatorStats:
     eval_dispatched: int = 0  # evaluation requests (counted apart from the training samples above)
     eval_finished: int = 0
     evals: int = 0  # evaluation rounds completed
+    legacy_groups: int = 0  # groups started at an older version by legacy fill
 
 
 class Coordinator:
@@ -176,6 +184,7 @@ class Coordinator:
         self._cond = threading.Condition(threading.Lock())
         self._next_group = 0
         self._last_rebalance = 0.0
+        self._pace = legacy_fill.Pace()  # observed group and step times (legacy fill's deadlines)
         # Wall seconds of the latest switching passes (placement, orchestrator, migrations), port
         # calls included: what one rebalance costs the control plane.
         self.switching_s: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -343,12 +352,14 @@ class Coordinator:
         Everything unconsumed is at most that new, so it must fit in these takes."""
         return takes_for_newest(self.config.window, self._taken_at, self.latest)
 
-    def _new_group(self) -> list[Request]:
+    def _new_group(self, version: int | None = None) -> list[Request]:
+        """A new prompt's G requests, at the newest version unless `version` says otherwise."""
         cfg = self.config
+        version = self.latest if version is None else version
         group_id = f"g{self._next_group}"
         self._next_group += 1
         prompt_id, prompt_ids = self._next_prompt()
-        self.groups[group_id] = _GroupState(self.latest, cfg.group_size)
+        self.groups[group_id] = _GroupState(version, cfg.group_size, legacy=version != self.latest)
         self._group_samples += cfg.group_size
         self._unsent.add(group_id)
         requests = []
@@ -362,7 +373,7 @@ class Coordinator:
                     group_id,
                     str(prompt_id),
                     tuple(int(t) for t in prompt_ids),
-                    self.latest,
+                    version,
                     cfg.max_new_tokens,
                     sampling,
                     tuple(cfg.stop_ids),
@@ -384,6 +395,9 @@ class Coordinator:
             self.slice_trajs[slice_id][request.traj_id] = None
             again = request.traj_id in self._redispatch
             is_eval = request.traj_id in self._eval_of
+            group = self.groups.get(request.group_id)
+            if group is not None and group.dispatched_at is None:
+                group.dispatched_at = self._clock()
             self._redispatch.discard(request.traj_id)
             self._unsent.discard(request.group_id)
             self.ledger.write(
@@ -395,6 +409,7 @@ class Coordinator:
                 slice=slice_id,
                 **({"redispatch": True} if again else {}),
                 **({"eval": True} if is_eval else {}),
+                **({"legacy": True} if group is not None and group.legacy else {}),
                 **({"prefix_tokens": len(request.prefix_response_ids)} if request.prefix_response_ids else {}),
             )
             if is_eval:
@@ -509,6 +524,8 @@ class Coordinator:
                 backlog[r.traj_id] = r
             else:
                 old.append(r)
+        if self.config.legacy_fill:
+            self._legacy_fill(views, backlog)
         plan = orchestrator.plan_rebalance(views, self.latest, list(backlog), self.origin)
         self.stats.rebalances += 1
         self._migrate(plan.migrations)
@@ -532,6 +549,69 @@ class Coordinator:
                 and m.traj_id in self.slice_trajs[m.src]
             ]
         )
+
+    def _legacy_fill(self, views: Sequence[orchestrator.SliceView], backlog: dict[str, Request]) -> None:
+        """Groups at an older version on its slices' idle slots (legacy_fill.py), before the
+        orchestrator places `backlog` (the newest version's unsent requests). First whole unsent
+        groups that the newest version's slices have no free slot for (they would queue there)
+        move to the old version; then new groups, as far as the window allows. Only on slices the
+        orchestrator keeps at their version (filling one it would empty would hold it)."""
+        g = self.config.group_size
+        loads: collections.Counter[int] = collections.Counter({self.latest: len(backlog)})
+        newest_free, old = 0, {}
+        for view in views:
+            if view.version is not None:
+                loads[view.version] += len(view.trajs)
+            if view.version == self.latest:
+                newest_free += max(view.free, 0)
+            elif not view.trajs:
+                newest_free += view.num_slots  # the orchestrator switches it to the newest version
+            elif view.version is not None and view.free >= g and view.slice_id not in self._failing:
+                old.setdefault(view.version, []).append(view)
+        targets = orchestrator.target_partition(loads, len(views), self.latest)
+        candidates = [
+            legacy_fill.OldSlice(v.slice_id, v.version, v.free)
+            for version, members in old.items()
+            if len(members) <= targets.get(version, 0)
+            for v in members
+        ]
+        if not candidates:
+            return
+        movable = [gid for gid in dict.fromkeys(r.group_id for r in backlog.values()) if gid in self._unsent]
+        movable = movable[: max(len(backlog) - newest_free, 0) // g]
+        unconsumed: collections.Counter[int] = collections.Counter()
+        for version in self.queue.versions():
+            unconsumed[version] += g
+        now, ages = self._clock(), []
+        for group in self.groups.values():
+            unconsumed[group.version] += group.size
+            if group.dispatched_at is not None:
+                ages.append(now - group.dispatched_at)
+        fills = legacy_fill.plan(
+            candidates,
+            latest=self.latest,
+            next_take=self.latest + (self._taken_at >= self.latest),
+            k=self.config.window,
+            train_batch_size=self.config.train_batch_size,
+            group_size=g,
+            unconsumed=unconsumed,
+            now=now,
+            pace=self._pace,
+            running_ages=ages,
+            movable_groups=len(movable),
+        )
+        for sid, groups in fills:
+            version = self.slice_version[sid]
+            for _ in range(groups):
+                if movable:  # an unsent group of the newest version, re-tagged as a publish re-tags
+                    group_id = movable.pop(0)
+                    self.groups[group_id].version, self.groups[group_id].legacy = version, True
+                    ids = [t for t, r in backlog.items() if r.group_id == group_id]
+                    requests = [dataclasses.replace(backlog.pop(t), version=version) for t in ids]
+                else:
+                    requests = self._new_group(version)
+                self._send(requests, sid)
+                self.stats.legacy_groups += 1
 
     def _switch_idle(self) -> None:
         """sync / one_step_off / partial_rollout: a slice loads the newest version only when empty;
@@ -744,6 +824,8 @@ class Coordinator:
             self.ledger.write("reward_error", traj=traj.traj_id, error=error)
         if len(group.scored) == group.size:
             del self.groups[traj.group_id]
+            if group.dispatched_at is not None:
+                self._pace.group_done(self._clock() - group.dispatched_at)
             self._group_samples -= group.size
             samples = tuple(group.scored[k] for k in sorted(group.scored, key=lambda k: int(k.rsplit("/", 1)[1])))
             self.queue.put(Group(traj.group_id, group.version, samples))
@@ -752,6 +834,7 @@ class Coordinator:
         if version <= self.latest:
             raise ValueError(f"published version {version} is not newer than {self.latest}")
         self.latest = version
+        self._pace.published(self._clock())
         self.ledger.write("publish", version=version, step=version)
         # Whole groups that were never sent (no dispatch line yet) move to the newest version,
         # where new work belongs. The rest of the backlog keeps its version (C1): requests put back

@@ -38,3 +38,18 @@ def window_allows(rest_counts: Mapping[int, int], trainer_version: int, k_max: i
         if sum(n for v, n in rest_counts.items() if v < floor) > m * train_batch_size:
             return False
     return True
+
+
+def window_fits(unconsumed: Mapping[int, int], next_take: int, k_max: int, train_batch_size: int) -> bool:
+    """Whether every sample not yet trained on (finished or still decoding), counted per version
+    in `unconsumed`, can still be consumed within C3 by the takes from trainer version `next_take`
+    on, oldest first: the take at `next_take + m` is the last that may consume versions below
+    `next_take + m + 1 - K`, so at most (m + 1) x TBS samples may be that old (and none may be
+    older than `next_take - K`, which no take can consume)."""
+    if any(n > 0 and v < next_take - k_max for v, n in unconsumed.items()):
+        return False
+    for m in range(k_max + 1):
+        floor = next_take + m + 1 - k_max
+        if sum(n for v, n in unconsumed.items() if v < floor) > (m + 1) * train_batch_size:
+            return False
+    return True

@@ -51,6 +51,7 @@ def _simulate(
         chunk_tokens=sc.options.chunk_tokens,
         rebalance_period_s=sc.options.rebalance_period_s,
         coordinator_tick_s=sc.options.coordinator_tick_s,
+        legacy_fill=sc.options.legacy_fill and mode == Mode.DORA,
         **kwargs,
     )
 

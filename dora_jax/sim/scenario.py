@@ -71,6 +71,7 @@ class RunOptions:
     chunk_tokens: float
     rebalance_period_s: float  # the coordinator's periodic rebalance trigger, in simulated seconds
     coordinator_tick_s: float  # the coordinator applies posted events at most this often (0: at once)
+    legacy_fill: bool = False  # dora: the coordinator's legacy fill (coordinator/legacy_fill.py)
 
     def rbs(self, workload: WorkloadSpec) -> int:
         g = workload.samples_per_prompt
@@ -153,6 +154,7 @@ def from_config(config) -> Scenario:
         chunk_tokens=r.chunk_tokens,
         rebalance_period_s=r.rebalance_period_s,
         coordinator_tick_s=r.coordinator_tick_s,
+        legacy_fill=r.legacy_fill,
     )
     by_mode = {m: _enum(Placement, p[m.value], f"placement.{m.value}") for m in Mode}
     if by_mode[Mode.ONE_STEP_OFF] == Placement.COLOCATED or by_mode[Mode.DORA] == Placement.COLOCATED:

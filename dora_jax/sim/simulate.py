@@ -52,6 +52,7 @@ class ModeResult:
     interrupts: int  # partial rollout: requests re-prefilled on a new version (whole run)
     rebalances: int  # orchestrator cycles (whole run)
     max_versions_in_flight: int
+    legacy_groups: int  # groups started at an older version by legacy fill (whole run)
     # The coordinator's own host cost (CPU seconds of its thread, simulated ports excluded),
     # in the window: per step, and as a share of the simulated step time.
     coordinator_s_per_step: float
@@ -93,7 +94,12 @@ def audit_summary(report: AuditReport) -> dict:
 
 
 def coordinator_config(
-    workload: WorkloadSpec, mode: Mode | str, k_max: int, rbs: int | None = None, rebalance_period_s: float = 30.0
+    workload: WorkloadSpec,
+    mode: Mode | str,
+    k_max: int,
+    rbs: int | None = None,
+    rebalance_period_s: float = 30.0,
+    legacy_fill: bool = False,
 ) -> CoordinatorConfig:
     """The coordinator settings of a simulated run; `rbs` defaults to 1.5 x TBS (whole prompts)."""
     tbs, g = workload.batch_samples, workload.samples_per_prompt
@@ -106,6 +112,7 @@ def coordinator_config(
         group_size=g,
         max_new_tokens=workload.max_response,
         rebalance_period_s=rebalance_period_s,
+        legacy_fill=legacy_fill,
     )
 
 
@@ -124,20 +131,22 @@ def simulate(
     kv_migration: bool = True,
     lengths: LengthSource | None = None,
     ledger_path: str | None = None,
+    legacy_fill: bool = False,
 ) -> ModeResult:
     """Simulates `steps` training steps of `mode`.
 
     `kv_migration=False` is an ablation: a request the orchestrator migrates re-prefills instead
     of moving its KV cache. `lengths` replaces the workload's log-normal response lengths.
     `coordinator_tick_s` > 0 lets the coordinator apply posted events at most that often (its
-    loop's latency) instead of after every event.
+    loop's latency) instead of after every event. `legacy_fill` turns on the coordinator's legacy
+    fill (dora only).
     """
     mode = Mode(mode)
     if mode in _OVERLAPPING and cluster.placement != Placement.SPLIT:
         raise ValueError(f"{mode.value} overlaps rollout and training: it needs a split placement")
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
-    config = coordinator_config(workload, mode, k_max, rbs, rebalance_period_s)
+    config = coordinator_config(workload, mode, k_max, rbs, rebalance_period_s, legacy_fill)
     sim = Sim(
         cluster,
         workload,
@@ -190,6 +199,7 @@ def _summarise(sim: Sim, mode: Mode, warmup: int, report: AuditReport, bound: in
         interrupts=stats.interrupts,
         rebalances=stats.rebalances,
         max_versions_in_flight=stats.max_versions_in_flight,
+        legacy_groups=stats.legacy_groups,
         coordinator_s_per_step=(last.coordinator_s - first.coordinator_s) / measured,
         orchestration_overhead=(last.coordinator_s - first.coordinator_s) / window,
         rebalance_ms_p99=_percentile_ms(sim.coordinator.switching_s, 0.99),
