@@ -96,6 +96,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.coordinator.train_batch_size = 256  # TBS samples per training step (32 prompts)
     c.coordinator.rollout_batch_size = 384  # RBS samples in flight (= the 384 decode slots)
     c.coordinator.rebalance_period_s = 2.0  # periodic orchestrator trigger
+    # dora: new groups at an older version in that version's idle slots, only while the trainer can
+    # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
+    # deadline rarely admits a group (README, Performance)
+    c.coordinator.legacy_fill = False
 
     c.trainer = ml_collections.ConfigDict()
     c.trainer.lr = 1e-6  # AdamW learning rate

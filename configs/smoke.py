@@ -87,6 +87,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # reward swung by +-0.1 with the batch's mix of short and long prompts, and learning was slower)
     c.coordinator.rollout_batch_size = 192  # RBS samples in flight (dora / partial_rollout)
     c.coordinator.rebalance_period_s = 0.5  # periodic orchestrator trigger
+    # dora: new groups at an older version in that version's idle slots, only while the trainer can
+    # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
+    # deadline rarely admits a group (README, Performance)
+    c.coordinator.legacy_fill = False
 
     c.trainer = ml_collections.ConfigDict()
     c.trainer.lr = 5e-4  # AdamW peak learning rate (1e-3 collapsed the entropy to 0.15 and the reward with it)

@@ -185,6 +185,7 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         sampling=sampling,
         seed=int(c.seed),
         rebalance_period_s=float(k.rebalance_period_s),
+        legacy_fill=bool(k.legacy_fill),
     )
     coordinator.validate(rollout.num_slices)
     t = dict(c.trainer)
