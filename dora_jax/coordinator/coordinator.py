@@ -138,11 +138,14 @@ class Coordinator:
         initial_version: int = 0,
         on_slice_dropped: Callable[[int, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cost_timer: Callable[[], float] = time.perf_counter,
     ):
         """`on_slice_dropped(slice_id, reason)` is told of every slice the coordinator drops, whoever
         found it dead (a failed port call, or a `post_slice_failed`), so that the runner stops its
         worker and restarts it; it runs on the loop thread and must not call back in. `clock`
-        times the periodic rebalance (a simulator passes its virtual clock)."""
+        times the periodic rebalance (a simulator passes its virtual clock); `cost_timer` times
+        each switching pass for `switching_s` (wall time; a simulator passes its own CPU time
+        less its simulated ports')."""
         config.validate(len(ports))
         self.config = config
         self.policy = policy_for(config.mode)
@@ -153,6 +156,7 @@ class Coordinator:
         self._forced_length = forced_length
         self._on_slice_dropped = on_slice_dropped
         self._clock = clock
+        self._cost_timer = cost_timer
         self.latest = initial_version  # newest published version
         self._taken_at = initial_version - 1  # trainer version of the last take
         self._slots = {sid: port.num_slots for sid, port in self.ports.items()}  # read once: a hot path
@@ -185,8 +189,8 @@ class Coordinator:
         self._next_group = 0
         self._last_rebalance = 0.0
         self._pace = legacy_fill.Pace()  # observed group and step times (legacy fill's deadlines)
-        # Wall seconds of the latest switching passes (placement, orchestrator, migrations), port
-        # calls included: what one rebalance costs the control plane.
+        # Seconds (by `cost_timer`) of the latest switching passes (placement, orchestrator,
+        # migrations), port calls included: what one rebalance costs the control plane.
         self.switching_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.closed = False
 
@@ -446,7 +450,7 @@ class Coordinator:
     # ------------------------------------------------------------------ switching policies
     def _apply_switching(self) -> None:
         self._last_rebalance = self._clock()
-        start = time.perf_counter()
+        start = self._cost_timer()
         try:
             while True:
                 self._place_old_versions()
@@ -459,7 +463,7 @@ class Coordinator:
                 for sid, reason in list(self._failing.items()):
                     self._drop_slice(sid, reason)
         finally:
-            self.switching_s.append(time.perf_counter() - start)
+            self.switching_s.append(self._cost_timer() - start)
 
     def _place_old_versions(self) -> None:
         """Backlog requests of an older version (re-dispatched off a failed slice, or resumed from a

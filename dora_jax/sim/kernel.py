@@ -190,6 +190,8 @@ class Sim:
             self.ledger,
             forced_length=prompts.forced_length,
             clock=self.clock,
+            # a switching pass's cost: CPU time of this thread, the simulated slices' share excluded
+            cost_timer=lambda: time.thread_time() - self._port_s[0],
         )
         self._timer = config.rebalance_period_s
         self._timer_on = self.coordinator.policy.switch == Switch.ORCHESTRATE and self._timer < float("inf")

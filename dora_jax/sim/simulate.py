@@ -57,7 +57,7 @@ class ModeResult:
     # in the window: per step, and as a share of the simulated step time.
     coordinator_s_per_step: float
     orchestration_overhead: float
-    rebalance_ms_p99: float  # one switching pass (placement, orchestrator, migrations), whole run
+    rebalance_ms_p99: float  # one switching pass (placement, orchestrator, migrations), CPU ms, whole run
     rebalance_ms_max: float
 
     def as_dict(self) -> dict:
