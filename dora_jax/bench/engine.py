@@ -7,6 +7,10 @@ so its own step costs the same at any occupancy (idle slots are computed too: th
 matters is a separate question, answered by `batch_step_time_s`: the step of an engine compiled
 for exactly that many slots. `flat_ratio` = full batch / one-slot batch; <= 1.5 means a decode
 step costs about the same for 1 and for `slots` requests (DESIGN.md, "Regime").
+
+`worker_loop`: seconds per decode step at full occupancy of the bare decode loop and of
+`RolloutWorker.step()` pipelined (the default) and not, timed side by side; `worker_overhead` =
+pipelined step / bare step (issue target: <= 1.1). `kv`: the dense cache's bytes and capacity.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -50,6 +55,7 @@ class EngineBenchConfig:
     prompt_length: int = 16  # prompt of the requests that fill the slots
     decode_steps: int = 50  # timed generate calls per point
     prefill_repeats: int = 10  # timed prefills per bucket
+    loop_blocks: int = 20  # timed blocks of 10 steps per loop in the side-by-side worker timing
     tensor_parallel: int = 1  # devices the engine is sharded over (tensor axis)
     batch_curve: bool = True  # also time engines compiled for each point's slot count
     seed: int = 0
@@ -126,21 +132,98 @@ def _measure_decode(config: EngineBenchConfig, engine, params, mesh, rng) -> lis
     return points
 
 
-def _worker_step_time(config: EngineBenchConfig, engine, params) -> float:
-    """Median `RolloutWorker.step()` at full occupancy: the real loop, host bookkeeping included."""
-    worker = RolloutWorker(engine, eos_ids=())
+def _full_worker(config: EngineBenchConfig, engine, params, *, pipelined: bool) -> RolloutWorker:
+    """A worker with every slot busy on a request long enough to outlast the measurement."""
+    worker = RolloutWorker(engine, eos_ids=(), pipelined=pipelined)
     worker.load_version(0, params)
     budget = config.cache_length - config.prompt_length
     for slot in range(config.slots):
         prompt = tuple(int(t) for t in np.arange(slot, slot + config.prompt_length) % config.vocab_size)
         worker.submit(Request(f"bench{slot}", "bench", "bench", prompt, 0, budget, SamplingParams(seed=slot)))
     worker.step()  # admission: prefills + the first decode step
-    times = []
-    for _ in range(min(config.decode_steps, budget - 2)):
-        start = time.perf_counter()
-        worker.step()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return worker
+
+
+def _bare_loop(engine: RolloutEngine, params, state) -> Callable[[int], None]:
+    """`generate` alone, each step's tokens read after the next step is dispatched: the device never
+    waits for the host (the bare decode step)."""
+    unread = []
+
+    def run(steps: int) -> None:
+        nonlocal state
+        for _ in range(steps):
+            state, result = engine.generate(params, state)
+            result.copy_to_host_async()
+            unread.append(result)
+            if len(unread) > 1:
+                unread.pop(0).convert_to_numpy()
+        unread.pop().convert_to_numpy()
+        jax.block_until_ready(state)
+
+    return run
+
+
+def _worker_loop(worker: RolloutWorker) -> Callable[[int], None]:
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            worker.step()
+        worker.block_until_ready()  # a pipelined worker's last step is still in flight
+
+    return run
+
+
+def _measure_worker_loop(config: EngineBenchConfig, engine, params, rng) -> tuple[dict, RolloutWorker]:
+    """Seconds per decode step at full occupancy of the bare loop and of `RolloutWorker.step()`
+    pipelined and not: blocks of steps (each ending with a wait for the device, so a block spans
+    exactly its device steps), the three loops taking turns in rotating order; medians of the
+    blocks (other processes share these cores); each overhead is the median over turns of a
+    worker's block time over the bare loop's. Also returns the pipelined worker."""
+    steps = max(1, config.cache_length - config.prompt_length - 2)  # the workers' requests must not end
+    block = min(10, steps)
+    blocks = min(config.loop_blocks, steps // block)
+    worker = _full_worker(config, engine, params, pipelined=True)
+    loops = {
+        "bare": _bare_loop(
+            engine, params, _fill(engine, params, engine.init_decode_state(), config.slots, config.prompt_length, rng)
+        ),
+        "worker": _worker_loop(worker),
+        "unpipelined_worker": _worker_loop(_full_worker(config, engine, params, pipelined=False)),
+    }
+    names = list(loops)
+    times = {name: [] for name in names}
+    for turn in range(blocks):
+        for name in names[turn % 3 :] + names[: turn % 3]:
+            start = time.perf_counter()
+            loops[name](block)
+            times[name].append((time.perf_counter() - start) / block)
+    medians = {f"{name}_step_time_s": float(np.median(t)) for name, t in times.items()}
+    bare = np.asarray(times["bare"])
+    return medians | {  # ratios of the same turn's blocks (the load drifts between turns)
+        "worker_overhead": float(np.median(np.asarray(times["worker"]) / bare)),
+        "unpipelined_worker_overhead": float(np.median(np.asarray(times["unpipelined_worker"]) / bare)),
+        "block_steps": block,
+        "blocks": blocks,
+    }, worker
+
+
+def _kv_figures(engine: RolloutEngine, worker: RolloutWorker) -> dict:
+    """The dense KV cache: every slot holds `cache_length` rows whatever its request's length, so
+    a live token costs bytes_per_token x capacity_tokens / live_tokens (live: the prompt and
+    response tokens of `worker`'s requests, all slots busy)."""
+    sizes, cache = engine.config, engine.abstract_decode_state().cache
+    cache_bytes = sum(math.prod(c.shape) * c.dtype.itemsize for c in (cache.k_LBSKD, cache.v_LBSKD))
+    # = layers x 2 (k, v) x kv_heads x head_dim x dtype bytes per row, cache_length rows per slot
+    per_token = cache_bytes // (sizes.num_slots * sizes.cache_length)
+    live = sum(len(r.prompt_ids) + len(r.prefix_response_ids) for r in worker.progress().values())
+    return {
+        "bytes_per_token": per_token,
+        "bytes_per_slot": per_token * sizes.cache_length,
+        "cache_bytes": cache_bytes,
+        "capacity_slots": sizes.num_slots,
+        "capacity_tokens": sizes.num_slots * sizes.cache_length,
+        "live_tokens": live,
+        "bytes_per_live_token": cache_bytes / live,
+    }
 
 
 def _measure_prefill(config: EngineBenchConfig, engine, params, rng) -> list[dict]:
@@ -168,12 +251,15 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     engine.warmup(params, migration=False)
     compiled = engine.compile_counts()
     decode = _measure_decode(config, engine, params, mesh, rng)
-    decode[-1]["worker_step_time_s"] = _worker_step_time(config, engine, params)
+    worker_loop, worker = _measure_worker_loop(config, engine, params, rng)
+    decode[-1]["worker_step_time_s"] = worker_loop["worker_step_time_s"]
     prefill = _measure_prefill(config, engine, params, rng)
     after = engine.compile_counts()
     results = {
         "decode": decode,
         "prefill": prefill,
+        "worker_loop": worker_loop,
+        "kv": _kv_figures(engine, worker),
         "compiles_after_warmup": sum(after[name] - compiled[name] for name in after),
         "model": dataclasses.asdict(config) | {"params": int(sum(x.size for x in jax.tree.leaves(params)))},
         "slots": config.slots,
@@ -200,7 +286,16 @@ def format_table(results: dict) -> str:
         )
     lines.append(f"{'bucket':>6} {'prefill ms':>10} {'tokens/s':>9}")
     lines += [f"{r['bucket']:6d} {1e3 * r['time_s']:10.3f} {r['tokens_per_s']:9.0f}" for r in results["prefill"]]
-    lines.append(f"RolloutWorker.step() at full occupancy: {1e3 * results['decode'][-1]['worker_step_time_s']:.3f} ms")
+    loop, kv = results["worker_loop"], results["kv"]
+    lines.append(
+        f"full occupancy, ms per step: bare decode {1e3 * loop['bare_step_time_s']:.3f}, RolloutWorker.step() "
+        f"{1e3 * loop['worker_step_time_s']:.3f} ({loop['worker_overhead']:.2f}x), unpipelined "
+        f"{1e3 * loop['unpipelined_worker_step_time_s']:.3f} ({loop['unpipelined_worker_overhead']:.2f}x)"
+    )
+    lines.append(
+        f"KV cache: {kv['cache_bytes']} bytes for {kv['capacity_slots']} slots, {kv['capacity_tokens']} tokens; "
+        f"{kv['bytes_per_token']} bytes per token row, {kv['bytes_per_live_token']:.0f} per live token"
+    )
     lines.append(f"compiles after warm-up: {results['compiles_after_warmup']}")
     if "flat_ratio" in results:
         lines.append(f"full-batch step / one-slot step: {results['flat_ratio']:.2f}x (flat regime: <= 1.5x)")

@@ -549,9 +549,15 @@ class RolloutEngine:
         logprobs: Sequence[float],
         token_versions: Sequence[int],
         version: int,
+        in_flight: int = 0,
     ) -> SlotState:
         """The slot's device state (KV rows 0..position-1 on host, position, pending token, RNG key)
-        joined with the host-side record the caller keeps; checked against each other."""
+        joined with the host-side record the caller keeps; checked against each other.
+
+        `in_flight`: decode steps the device has taken past the record (a pipelined worker's unread
+        step). The slot is exported as the record stands: those steps only wrote rows at and past
+        the record's position, and their tokens are dropped (the importer recomputes the same ones:
+        sampling is counter-based per position)."""
         self._check_slot(slot)
         # The rows to read come from the host record (the device vector may span other processes);
         # the device's own position is checked against it below.
@@ -559,17 +565,18 @@ class RolloutEngine:
         rows = self.config.rows_bucket(max(expected, 1))
         k, v, position, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
         position = int(position)
-        if not response_ids or int(token) != response_ids[-1] or position != expected:
+        pending = response_ids[-1] if response_ids else None
+        if pending is None or position != expected + in_flight or (not in_flight and int(token) != pending):
             raise ValueError(
                 f"slot {slot} holds position {position} / token {int(token)} but the record expects "
-                f"position {expected} / token {response_ids[-1] if response_ids else None}"
+                f"position {expected} + {in_flight} in flight / token {pending}"
             )
         return SlotState(
             request=request,
-            k_LSKD=np.asarray(k[:, :position]),
-            v_LSKD=np.asarray(v[:, :position]),
-            position=position,
-            last_token=int(token),
+            k_LSKD=np.asarray(k[:, :expected]),
+            v_LSKD=np.asarray(v[:, :expected]),
+            position=expected,
+            last_token=int(pending),
             response_ids=tuple(int(t) for t in response_ids),
             logprobs=tuple(float(x) for x in logprobs),
             token_versions=tuple(int(x) for x in token_versions),

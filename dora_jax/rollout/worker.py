@@ -12,10 +12,28 @@ continues them with no prefill. Queued, not yet admitted requests leave with `ta
 plain Requests. A Request with `prefix_response_ids` (re-dispatch after a failure, or partial
 rollout) is re-prefilled on prompt + prefix and continues; `as_redispatch(slot_state)` builds one.
 
-Between calls nothing is in flight: `step()` reads its generate result before it returns, so the
-host record always matches the device state and an export, import or version load never has to
-drain a pending step (or report as active a request that already finished on the device). The cost
-is one host round trip per step; measured by `bench engine` as `worker_step_time_s`.
+Pipelined (the default, as JetStream's orchestrator overlaps with `copy_to_host_async`): `step()`
+dispatches this step's `generate` before it reads the previous step's tokens, so the host's
+bookkeeping (appending tokens, finishing, admitting) runs while the device computes, and between
+calls one decode step is in flight. The host record then lags the device by that step, and every
+effect is ordered by which decode state each program consumes (`generate` and `insert` donate it):
+- A slot's tokens go to the record that occupied it when the step was dispatched; a record that
+  finished (EOS, stop) or left (export) meanwhile drops them: its slot computed one garbage token.
+- A record whose last token is already in flight (its length is known in advance: forced or
+  max_new_tokens) is not fed again, and its slot is refilled at once: the insert consumes the
+  state after that last step, which therefore still computes the old occupant's token.
+- A request admitted after step N's dispatch lands in the state of step N + 1; its first token
+  (from prefill) is read with step N's tokens.
+- An export takes the record as it stands (its last accepted token pending at position p) with
+  KV rows 0..p-1, which the step in flight (writing row p) leaves unchanged; the device's newer
+  token is dropped and recomputed at the destination (sampling is counter-based per position: the
+  same token). So no trajectory ends inside an export: what finished before it was posted first.
+- `load_version` waits for the steps in flight (they use the old params) before it frees them;
+  their tokens keep the version that was dispatched with them (an export right after a switch
+  with `allow_active` drops such a token: the destination samples it with the new version, and
+  records so).
+`pipelined=False` reads every step's tokens before `step()` returns (one host round trip per
+step). `bench engine` measures both against the bare decode step.
 """
 
 from __future__ import annotations
@@ -29,7 +47,7 @@ import jax
 import numpy as np
 
 from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
-from dora_jax.rollout.engine import RolloutEngine, check_sampling
+from dora_jax.rollout.engine import ResultTokens, RolloutEngine, check_sampling
 from dora_jax.store.digest import params_digest
 
 
@@ -57,9 +75,9 @@ class WorkerCounters:
         return self.idle_slot_steps / self.slot_steps if self.slot_steps else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Active:
-    """Host-side record of one occupied slot."""
+    """Host-side record of one admitted request (compared by identity)."""
 
     request: Request
     response_ids: list[int]
@@ -67,6 +85,28 @@ class _Active:
     versions: list[int]
     dispatch_t: float
     num_migrations: int = 0
+    slot: int = -1
+    in_flight: int = 0  # its tokens dispatched (prefill or generate) and not yet read
+    closed: bool = False  # finished or exported: its tokens still in flight are dropped
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the next decode step should feed it: open, and its length limit not reached by
+        the tokens already read and in flight (EOS or a stop id may still end it earlier)."""
+        request = self.request
+        limit = request.max_new_tokens if request.forced_length is None else request.forced_length
+        return not self.closed and len(self.response_ids) + self.in_flight < limit
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unread:
+    """Tokens a dispatched program samples, not yet read: row i goes to `records[i]` (None: to
+    nobody), with the params version the program ran with."""
+
+    result: ResultTokens
+    records: tuple[_Active | None, ...]
+    version: int
+    decode_step: bool  # a generate (counted in decode_steps) or a prefill's first token
 
 
 def as_redispatch(state: SlotState) -> Request:
@@ -90,8 +130,12 @@ class RolloutWorker:
         slice_id: int = 0,
         eos_ids: Sequence[int] | None = None,
         clock: Callable[[], float] = time.time,
+        pipelined: bool = True,
     ):
+        """`pipelined`: dispatch each decode step before reading the previous one's tokens (see the
+        module docstring); False reads every step's tokens before `step()` returns."""
         self._engine = engine
+        self.pipelined = pipelined
         self.slice_id = slice_id
         self._eos = frozenset(engine.model_config.eos_ids if eos_ids is None else eos_ids)
         self._clock = clock
@@ -101,6 +145,7 @@ class RolloutWorker:
         self._slots: list[_Active | None] = [None] * engine.max_concurrent_decodes
         self._queue: collections.deque[tuple[Request, float]] = collections.deque()
         self._rejected: list[Trajectory] = []
+        self._unread: collections.deque[_Unread] = collections.deque()
         self._tally: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ state
@@ -158,6 +203,7 @@ class RolloutWorker:
                 f"worker {self.slice_id}: {self.num_active} requests are active on version {self._version}; "
                 f"finish or export them before loading version {version}, or pass allow_active=True"
             )
+        self.block_until_ready()  # the steps in flight still read the old params
         self._params = None  # free the old version first: never two full copies on the slice
         self._params = self._engine.load_params(params)
         self._version = int(version)
@@ -231,21 +277,35 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Trajectory]:
-        """One loop iteration: admit queued requests into free slots, one generate over all slots;
-        returns the trajectories that finished (and any rejected at submit)."""
+        """One loop iteration: admit queued requests into free slots, dispatch one generate over all
+        slots, read the tokens dispatched before it (pipelined) or all of them; returns the
+        trajectories that finished (and any rejected at submit)."""
         finished, self._rejected = self._rejected, []
         if (self._queue or self.num_active) and self._params is None:
             raise RuntimeError(f"worker {self.slice_id} has no params; call load_version first")
-        finished += self._admit()
-        if self.num_active:
-            finished += self._decode()
+        self._admit()
+        if self.pipelined:
+            dispatched = self._dispatch()
+            finished += self._read()  # the last step's tokens and the first tokens, while this step runs
+            self._unread.extend(dispatched)
+        else:
+            finished += self._read()  # first tokens: a request may end on its first
+            self._unread.extend(self._dispatch())
+            finished += self._read()
         return finished
 
-    def _admit(self) -> list[Trajectory]:
-        firsts = []
+    def block_until_ready(self) -> None:
+        """Waits until the device has run everything dispatched (the step in flight included);
+        reads nothing, so the host record is unchanged."""
+        jax.block_until_ready((self._state, [unread.result for unread in self._unread]))
+
+    def _admit(self) -> None:
         for slot, record in enumerate(self._slots):
-            if record is not None or not self._queue:
+            if not self._queue:
+                return
+            if record is not None and record.needs_tokens:
                 continue
+            # Free, or its last token is in flight: that step consumes the state before this insert.
             request, dispatch_t = self._queue.popleft()
             ids = np.asarray(request.prompt_ids + request.prefix_response_ids, np.int32)
             sample_first = not request.prefix_response_ids
@@ -261,45 +321,72 @@ class RolloutWorker:
                     sample_first=sample_first or begin < len(ids),
                 )
             self._state = self._engine.insert(prefix, self._state, slot)
-            self._slots[slot] = _Active(
+            admitted = _Active(
                 request,
                 list(request.prefix_response_ids),
                 list(request.prefix_logprobs),
                 list(request.prefix_versions),
                 dispatch_t,
+                slot=slot,
             )
+            self._slots[slot] = admitted
             self._count(prefills=1, prefill_tokens=len(ids))
             if sample_first:
-                firsts.append((slot, first))
-        done = []
-        for (slot, _), (data, log_prob) in zip(firsts, jax.device_get([(f.data, f.log_prob) for _, f in firsts])):
-            done += self._append(slot, int(data[0, 0]), float(log_prob[0, 0]))
-        return done
+                self._unread.append(self._in_flight(first, (admitted,), decode_step=False))
 
-    def _decode(self) -> list[Trajectory]:
-        active = self.num_active
+    def _dispatch(self) -> list[_Unread]:
+        """One generate over every slot, when some record needs a token; its tokens unread."""
+        records = tuple(record if record is not None and record.needs_tokens else None for record in self._slots)
+        if not any(records):
+            return []
         self._state, result = self._engine.generate(self._params, self._state)
-        data, log_prob = jax.device_get((result.data, result.log_prob))
-        self._count(decode_steps=1, slot_steps=self.num_slots, idle_slot_steps=self.num_slots - active)
-        done = []
-        for slot, record in enumerate(self._slots):
+        return [self._in_flight(result, records, decode_step=True)]
+
+    def _in_flight(self, result: ResultTokens, records: tuple[_Active | None, ...], *, decode_step: bool) -> _Unread:
+        result.copy_to_host_async()
+        for record in records:
             if record is not None:
-                done += self._append(slot, int(data[slot, 0]), float(log_prob[slot, 0]))
+                record.in_flight += 1
+        return _Unread(result, records, self._version, decode_step)
+
+    def _read(self) -> list[Trajectory]:
+        """Reads every unread result, oldest first, into the records it was dispatched for."""
+        done = []
+        while self._unread:
+            unread = self._unread.popleft()
+            host = unread.result.convert_to_numpy()
+            tokens, logprobs = host.data[:, 0].tolist(), host.log_prob[:, 0].tolist()
+            accepted = 0
+            for record, token, logprob in zip(unread.records, tokens, logprobs):
+                if record is None:
+                    continue
+                record.in_flight -= 1
+                if not record.closed:
+                    accepted += 1
+                    done += self._append(record, token, logprob, unread.version)
+            self._count(generated_tokens=accepted)
+            if unread.decode_step:
+                idle = self.num_slots - accepted
+                self._count(decode_steps=1, slot_steps=self.num_slots, idle_slot_steps=idle)
         return done
 
-    def _append(self, slot: int, token: int, logprob: float) -> list[Trajectory]:
-        record = self._slots[slot]
+    def _append(self, record: _Active, token: int, logprob: float, version: int) -> list[Trajectory]:
         record.response_ids.append(token)
         record.logprobs.append(logprob)
-        record.versions.append(self._version)
-        self._count(generated_tokens=1)
+        record.versions.append(version)
         reason = self._finish_reason(record)
         if reason is None:
             return []
-        self._slots[slot] = None
-        self._engine.free_resource(slot)
+        self._close(record)
         self._count(finished=1)
         return [self._trajectory(record, reason)]
+
+    def _close(self, record: _Active) -> None:
+        """Ends `record` here; its slot is freed unless a new request already took it."""
+        record.closed = True
+        if self._slots[record.slot] is record:
+            self._slots[record.slot] = None
+            self._engine.free_resource(record.slot)
 
     def _finish_reason(self, record: _Active) -> FinishReason | None:
         request, count, token = record.request, len(record.response_ids), record.response_ids[-1]
@@ -354,10 +441,10 @@ class RolloutWorker:
                     logprobs=record.logprobs,
                     token_versions=record.versions,
                     version=self._version,
+                    in_flight=record.in_flight,  # the step in flight: its token is recomputed there
                 )
             )
-            self._slots[slot] = None
-            self._engine.free_resource(slot)
+            self._close(record)
             self._count(exports=1)
         return exported
 
@@ -410,6 +497,7 @@ class RolloutWorker:
                 list(state.token_versions),
                 self._clock(),
                 num_migrations=1,
+                slot=slot,
             )
             self._count(imports=1)
 

@@ -35,6 +35,16 @@ def test_engine_bench_writes_the_documented_json(tmp_path):
         assert point["tokens_per_s"] > 0
     assert [p["bucket"] for p in on_disk["prefill"]] == [16]
     assert on_disk["model"]["hidden_size"] == 64 and on_disk["flat_ratio"] > 0
+    loop = on_disk["worker_loop"]
+    for name in ("bare", "worker", "unpipelined_worker"):
+        assert loop[f"{name}_step_time_s"] > 0
+    assert loop["worker_overhead"] > 0 and loop["unpipelined_worker_overhead"] > 0 and loop["blocks"] == 2
+    assert on_disk["decode"][-1]["worker_step_time_s"] == loop["worker_step_time_s"]
+    # the dense cache: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes (fp32) per token row, 32 rows a slot
+    assert on_disk["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert on_disk["kv"]["cache_bytes"] == 2 * 32 * on_disk["kv"]["bytes_per_token"]
+    assert (on_disk["kv"]["capacity_slots"], on_disk["kv"]["capacity_tokens"]) == (2, 64)
+    assert 2 * 4 < on_disk["kv"]["live_tokens"] <= 64  # two prompts of 4 and their responses so far
     assert "compiles after warm-up: 0" in format_table(results)
 
 

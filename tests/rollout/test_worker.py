@@ -1,4 +1,5 @@
-"""Worker: versions_seen from the params used, continuous batching, rejections, re-dispatch."""
+"""Worker: versions_seen from the params used, continuous batching, rejections, re-dispatch, and the
+pipelined loop (one decode step in flight between calls) equal to the unpipelined one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from dora_jax.core.records import FinishReason, Request, SamplingParams
 from dora_jax.rollout.engine import RolloutEngine
-from dora_jax.rollout.worker import RolloutWorker, as_redispatch
+from dora_jax.rollout.worker import RolloutWorker, as_redispatch, export_from, import_into
 from dora_jax.runtime.run_config import RolloutSpec
 from tests.rollout.conftest import ENGINE, TINY, run_to_end
 
@@ -112,23 +113,26 @@ def test_stop_ids_eos_and_forced_length(warm_engine, tiny_params):
     assert done["forced"].response_ids == ref[:9] and done["forced"].finish_reason == FinishReason.FORCED
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=5)])
 @pytest.mark.parametrize("steps", [8, 30])  # re-prefill on prompt + 9 tokens; on 4 + 31 > max_prefill_length, in chunks
-def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_params, sampling, steps):
-    worker = RolloutWorker(warm_engine, eos_ids=())
+def test_redispatch_with_prefix_continues_the_same_sequence(warm_engine, tiny_params, sampling, steps, pipelined):
+    worker = RolloutWorker(warm_engine, eos_ids=(), pipelined=pipelined)
     worker.load_version(0, tiny_params)
     worker.submit(_request("a", max_new=40, sampling=sampling))
     for _ in range(steps):
         worker.step()
     (state,) = worker.export_requests()
+    held = steps + 1 - pipelined  # the first token + one per step read (pipelined: the last is in flight)
+    assert len(state.response_ids) == held
     worker.submit(as_redispatch(state))  # on the same version
     resumed = run_to_end(worker)["a"]
     worker.submit(_request("b", max_new=40, sampling=sampling))
     straight = run_to_end(worker)["b"]
     assert resumed.response_ids == straight.response_ids
-    assert resumed.logprobs[: steps + 1] == straight.logprobs[: steps + 1]  # the prefix keeps its own log-probs
+    assert resumed.logprobs[:held] == straight.logprobs[:held]  # the prefix keeps its own log-probs
     assert max(abs(a - b) for a, b in zip(resumed.logprobs, straight.logprobs)) < 1e-5
-    assert worker.counters.prefills == 3 and worker.counters.prefill_tokens == 4 + (4 + steps + 1) + 4
+    assert worker.counters.prefills == 3 and worker.counters.prefill_tokens == 4 + (4 + held) + 4
 
 
 def test_prefix_tokens_keep_their_versions_and_queue_can_be_taken(warm_engine, tiny_params):
@@ -207,3 +211,62 @@ def test_an_engine_without_sampling_filters_compiles_no_sort_and_samples_the_sam
     spec = lambda **s: RolloutSpec(1, 4, 64, 32, SamplingParams(**s), 8)  # noqa: E731
     assert not spec().engine_config().sampling_filters
     assert spec(top_k=20).engine_config().sampling_filters and spec(top_p=0.9).engine_config().sampling_filters
+
+
+EOS, STOP = 91, 57  # tokens the mixed run below draws mid-response (checked: every finish reason occurs)
+
+
+def _mixed_run(engine, params, *, pipelined: bool) -> tuple[dict, RolloutWorker]:
+    """Mixed lengths, greedy and filtered sampling, a chunked prompt, a re-dispatch prefix, a
+    request that ends on its first token, EOS and stop ids, admissions mid-run (more requests than
+    slots), and two requests migrated out and back in mid-run; {traj_id: Trajectory}."""
+    hot = lambda seed, **kw: SamplingParams(temperature=1.0, seed=seed, **kw)  # noqa: E731
+    prefix = {"prefix_response_ids": (11, 12), "prefix_logprobs": (-1.0, -2.0), "prefix_versions": (0, 0)}
+    schedule = {
+        0: [
+            _request("greedy", max_new=30),
+            _request("stop", prompt=range(3, 10), max_new=24, sampling=hot(1), stop_ids=(STOP,)),
+            _request("forced", prompt=(5, 6, 7), max_new=20, sampling=hot(2), forced_length=7),
+            _request("chunked", prompt=range(1, 41), max_new=10, sampling=SamplingParams(0.8, top_k=10, seed=3)),
+            _request("one", prompt=(2, 3), max_new=1),
+            _request("prefix", prompt=(8, 9, 10), max_new=16, sampling=hot(4, top_p=0.9), **prefix),
+        ],
+        4: [_request(f"mid{i}", prompt=(i, 2 * i, 7), max_new=6 + 5 * i, sampling=hot(10 + i)) for i in range(1, 5)],
+        12: [_request("late", prompt=(4, 4), max_new=9, sampling=hot(20), forced_length=3), _request("last")],
+    }
+    worker = RolloutWorker(engine, eos_ids=(EOS,), pipelined=pipelined)
+    worker.load_version(0, params)
+    done = {}
+    for call in range(200):
+        for request in schedule.pop(call, []):
+            worker.submit(request)
+        if call == 6:  # "forced" holds 6 tokens and has its 7th and last in flight when pipelined
+            import_into(worker, export_from(worker, ["forced", "greedy", "mid1"])[::-1])
+        if not worker.has_work and not schedule:
+            return done, worker
+        done.update({t.traj_id: t for t in worker.step()})
+    raise AssertionError("the mixed run did not finish in 200 steps")
+
+
+def test_pipelined_worker_equals_unpipelined(warm_engine, tiny_params):
+    """Dispatching step N + 1 before reading step N changes when the host learns things (a slot
+    freed by EOS is refilled a step later, exports drop the step in flight), never what a request
+    generates: tokens, log-probs, finish reasons and versions are those of the unpipelined loop."""
+    params = warm_engine.load_params(tiny_params)
+    compiled = warm_engine.compile_counts()
+    straight, plain = _mixed_run(warm_engine, params, pipelined=False)
+    piped, pipelined = _mixed_run(warm_engine, params, pipelined=True)
+    assert warm_engine.compile_counts() == compiled  # nothing compiles after warm-up
+    assert set(piped) == set(straight) and len(straight) == 12
+    reasons = {t.finish_reason for t in straight.values()}
+    assert reasons == {FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH, FinishReason.FORCED}, reasons
+    for traj_id, ref in straight.items():
+        got = piped[traj_id]
+        assert got.response_ids == ref.response_ids, traj_id
+        assert np.allclose(got.logprobs, ref.logprobs, rtol=0, atol=1e-6), traj_id
+        assert (got.finish_reason, got.versions_seen) == (ref.finish_reason, ref.versions_seen), traj_id
+    assert len(straight["one"].response_ids) == 1 and straight["prefix"].response_ids[:2] == (11, 12)
+    a, b = plain.counters, pipelined.counters
+    assert (a.prefills, a.generated_tokens, a.finished) == (b.prefills, b.generated_tokens, b.finished)
+    # pipelined: a slot that ends by EOS or stop (or leaves) computes one more, discarded token
+    assert b.decode_steps >= a.decode_steps and b.idle_slot_steps > a.idle_slot_steps
