@@ -100,6 +100,7 @@ class _GroupState:
     size: int
     scored: dict = dataclasses.field(default_factory=dict)
     dispatched_at: float | None = None  # clock at its first dispatch (for legacy fill's pace)
+    longest_s: float = 0.0  # the longest run time of its finished samples (legacy fill's pace)
     legacy: bool = False  # started at an older version by legacy fill
 
 
@@ -589,8 +590,8 @@ class Coordinator:
         now, ages = self._clock(), []
         for group in self.groups.values():
             unconsumed[group.version] += group.size
-            if group.dispatched_at is not None:
-                ages.append(now - group.dispatched_at)
+            if group.legacy and group.dispatched_at is not None:
+                ages.append(now - group.dispatched_at)  # admitted at dispatch: its age is run time
         fills = legacy_fill.plan(
             candidates,
             latest=self.latest,
@@ -761,7 +762,9 @@ class Coordinator:
                 del self.slice_trajs[sid][item.request.traj_id if isinstance(item, SlotState) else item.traj_id]
             requests = [_as_request(item) for item in items]
             if self.slice_version[sid] != self.latest and not self._load(sid, self.latest):
-                self.slice_trajs[sid].update(dict.fromkeys(r.traj_id for r in requests))  # re-dispatched when the slice is dropped
+                self.slice_trajs[sid].update(
+                    dict.fromkeys(r.traj_id for r in requests)
+                )  # re-dispatched when the slice is dropped
                 continue
             for request in requests:
                 self.stats.interrupts += 1
@@ -794,6 +797,11 @@ class Coordinator:
             self._eval_unfinished -= 1
         else:
             self.stats.finished += 1
+            group = self.groups.get(traj.group_id)
+            if group is not None and group.dispatched_at is not None:
+                # Decode time where the worker measured it, else (migrated) dispatch to finish here.
+                run_s = traj.decode_s if traj.decode_s > 0 else self._clock() - group.dispatched_at
+                group.longest_s = max(group.longest_s, run_s)
         self.ledger.write(
             "finish",
             traj=traj.traj_id,
@@ -829,7 +837,7 @@ class Coordinator:
         if len(group.scored) == group.size:
             del self.groups[traj.group_id]
             if group.dispatched_at is not None:
-                self._pace.group_done(self._clock() - group.dispatched_at)
+                self._pace.group_done(group.longest_s)
             self._group_samples -= group.size
             samples = tuple(group.scored[k] for k in sorted(group.scored, key=lambda k: int(k.rsplit("/", 1)[1])))
             self.queue.put(Group(traj.group_id, group.version, samples))

@@ -6,16 +6,19 @@ its other slots empty. The paper's fill step gives such residual free slots "jus
 keep devices busy": new groups dispatched at that older version v. Such a group is only worth
 starting if the trainer can still consume it within C3, i.e. by its take at version v + K, and if
 the version window can absorb its samples; otherwise it would make the trainer wait (or be
-unconsumable). Both are checked here, from what the coordinator observes (how long groups took
-from first dispatch to last score, how long a training step takes), never from known lengths:
+unconsumable). Both are checked here, from what the coordinator observes (how long groups ran:
+their samples' decode time as the workers measured it, admission to finish, so that queueing
+behind a full slice does not count, as a legacy group starts at once; how long a training step
+takes), never from known lengths:
 
   deadline(v) = last publish + (v + K - latest) x step time    (when the take at v + K is due)
   start a group at v only if  now + longest group time <= deadline(v)
                         and   the window still fits (`core.window.window_fits`) with it added.
 
-The longest group time is the longest of the recently completed groups and of the groups still
-running (their age so far), so a slow tail raises it before it finishes. As v + K nears, the
-deadline closes and filling stops by itself.
+The longest group time is the longest of the recently completed groups (a migrated sample counts
+from its group's dispatch, an upper bound) and of the legacy groups still running (their age so
+far: they started at dispatch), so a slow legacy tail raises it before it finishes. As v + K
+nears, the deadline closes and filling stops by itself.
 """
 
 from __future__ import annotations

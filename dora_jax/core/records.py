@@ -98,6 +98,9 @@ class Trajectory:
     dispatch_t: float = 0.0
     finish_t: float = 0.0
     num_migrations: int = 0
+    # Seconds it decoded on its slice, admission to finish (the worker's clock; 0: not known, e.g.
+    # it was migrated): its run time without the queueing before admission (legacy fill's pace).
+    decode_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:

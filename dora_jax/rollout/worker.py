@@ -86,6 +86,7 @@ class _Active:
     dispatch_t: float
     num_migrations: int = 0
     slot: int = -1
+    admit_t: float | None = None  # when it took its slot here (None: imported, decoded elsewhere too)
     in_flight: int = 0  # its tokens dispatched (prefill or generate) and not yet read
     closed: bool = False  # finished or exported: its tokens still in flight are dropped
 
@@ -328,6 +329,7 @@ class RolloutWorker:
                 list(request.prefix_versions),
                 dispatch_t,
                 slot=slot,
+                admit_t=self._clock(),
             )
             self._slots[slot] = admitted
             self._count(prefills=1, prefill_tokens=len(ids))
@@ -399,7 +401,7 @@ class RolloutWorker:
         return FinishReason.LENGTH if count >= request.max_new_tokens else None
 
     def _trajectory(self, record: _Active, reason: FinishReason, error: str | None = None) -> Trajectory:
-        request = record.request
+        request, now = record.request, self._clock()
         return Trajectory(
             traj_id=request.traj_id,
             group_id=request.group_id,
@@ -413,8 +415,9 @@ class RolloutWorker:
             slice_id=self.slice_id,
             error=error,
             dispatch_t=record.dispatch_t,
-            finish_t=self._clock(),
+            finish_t=now,
             num_migrations=record.num_migrations,
+            decode_s=now - record.admit_t if record.admit_t is not None else 0.0,
         )
 
     # ------------------------------------------------------------------ migration

@@ -75,6 +75,7 @@ class _Run:
     prefill: float  # tokens to prefill at admission
     delay: float  # seconds it waits for its KV cache after admission (migration)
     end: float = 0.0  # decode-clock value at which it finishes (admitted runs)
+    admitted_t: float | None = None  # when it took a slot here, if it decodes only here (fresh)
 
 
 @dataclasses.dataclass
@@ -266,6 +267,7 @@ class SimSlice:
                 run.prefill = 0.0
             run.end = self._steps + (run.length - run.arrived) + run.delay / self._step_time(len(self._active) + 1)
             run.delay = 0.0
+            run.admitted_t = now if run.arrived == 0 else None
             self._active[run.request.traj_id] = run
             heapq.heappush(self._heap, (run.end, run.request.traj_id))
         self._on_change(self)
@@ -324,6 +326,7 @@ class SimSlice:
             reason,
             self.slice_id,
             finish_t=now,
+            decode_s=now - run.admitted_t if run.admitted_t is not None else 0.0,
         )
 
 

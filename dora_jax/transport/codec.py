@@ -75,6 +75,7 @@ def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
         dispatch_t=t.dispatch_t,
         finish_t=t.finish_t,
         num_migrations=t.num_migrations,
+        decode_s=t.decode_s,
     )
 
 
@@ -94,6 +95,7 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
         dispatch_t=m.dispatch_t,
         finish_t=m.finish_t,
         num_migrations=int(m.num_migrations),
+        decode_s=m.decode_s,
     )
 
 

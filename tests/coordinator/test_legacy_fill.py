@@ -8,6 +8,7 @@ from dora_jax.coordinator import legacy_fill
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger
+from dora_jax.core.records import FinishReason, Trajectory
 from dora_jax.core.window import window_fits
 from tests.coordinator.fakes import FakeWorker, InstantScorer, longtail, prompts
 
@@ -148,3 +149,46 @@ def test_legacy_fill_is_refused_outside_dora():
     cfg = CoordinatorConfig(mode="one_step_off", train_batch_size=8, rollout_batch_size=8, legacy_fill=True)
     with pytest.raises(ValueError, match="coordinator.legacy_fill=True needs mode dora"):
         cfg.validate(2)
+
+
+def test_pace_takes_decode_time_from_the_workers_and_dispatch_to_finish_for_migrated_samples():
+    """Queueing before admission does not count (a legacy group starts at once); a sample whose
+    decode time the worker could not measure (migrated) counts from its group's dispatch."""
+    ref, clock = [None], _Clock()
+    workers = {i: FakeWorker(i, 4, ref, longtail(0)) for i in range(2)}
+    cfg = CoordinatorConfig(mode="dora", k_max=2, train_batch_size=8, rollout_batch_size=8, group_size=4)
+    coord = Coordinator(cfg, workers, prompts(), InstantScorer(), Ledger(None), clock=clock)
+    ref[0] = coord
+    coord.start()
+    requests = [r for w in workers.values() for r in w.queued]
+    by_group = collections.defaultdict(list)
+    for r in requests:
+        by_group[r.group_id].append(r)
+    (g0, first), (g1, second) = sorted(by_group.items())
+    clock.t = 10.0
+
+    def finish(group, decode_s):
+        trajectories = [
+            Trajectory(
+                r.traj_id,
+                r.group_id,
+                r.prompt_id,
+                r.prompt_ids,
+                (1,),
+                (-0.5,),
+                r.version,
+                (r.version,),
+                FinishReason.LENGTH,
+                coord.slice_of[r.traj_id],
+                decode_s=d,
+            )
+            for r, d in zip(group, decode_s)
+        ]
+        for t in trajectories:
+            coord.post_finished(t.slice_id, [t])
+        coord.process()
+
+    finish(first, [1.0, 2.5, 2.0, 0.5])
+    assert coord._pace.longest_group_s([]) == 2.5
+    finish(second, [1.0, 0.0, 2.0, 0.5])  # one migrated: 10 s since its group's dispatch
+    assert coord._pace.longest_group_s([]) == 10.0
