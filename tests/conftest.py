@@ -1,11 +1,17 @@
 """Test-wide setup, before jax is imported anywhere: 8 fake CPU devices, and one persistent XLA
 compilation cache for the session (tests and the subprocesses they start compile the same
-programs; the cache changes no result, only how often XLA compiles them)."""
+programs; the cache changes no result, only how often XLA compiles them). Plus the gs:// tests'
+fixtures: a local GCS emulator for the session (`gcs_emulator`) and a fresh directory on it
+(`gcs_root`)."""
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
+import uuid
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,3 +23,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A local GCS (tests/gcs_emulator.py) for the session, STORAGE_EMULATOR_HOST pointing at it."""
+    from tests import gcs_emulator  # needs gcp-storage-emulator (the `test` extra): a missing one fails, never skips
+
+    with gcs_emulator.running() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def gcs_root(gcs_emulator, request):
+    """A fresh gs:// directory on the emulator's bucket, named after the test."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60]
+    return f"gs://{gcs_emulator.bucket}/{name}-{uuid.uuid4().hex[:8]}"

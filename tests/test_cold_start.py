@@ -79,3 +79,22 @@ def _leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.mark.slow
+def test_the_cold_start_is_cached_on_a_gs_workdir(gcs_root):
+    """HF safetensors I/O is local: the checkpoint is copied to and from gs:// through dora_jax.core.fs."""
+    from dora_jax.core import fs
+
+    config = _config(max_term=2, sft_steps=2)
+    tokenizer = make_tokenizer(config)
+    model_config = fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
+    model = cold_start(config, model_config, tokenizer, gcs_root)
+    assert fs.exists(fs.join(gcs_root, "sft", "DONE")) and "model.safetensors" in fs.listdir(fs.join(gcs_root, "sft"))
+    with fs.open(fs.join(gcs_root, "sft_log.jsonl")) as f:
+        assert [json.loads(line)["sft_step"] for line in f] == [0, 1]
+    again = cold_start(config, model_config, tokenizer, gcs_root)  # cached: loaded from the bucket
+    _, a = models.split(model)
+    _, b = models.split(again)
+    for x, y in zip(_leaves(a), _leaves(b)):
+        np.testing.assert_array_equal(x, y)

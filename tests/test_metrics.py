@@ -117,6 +117,26 @@ def test_writes_from_two_threads_keep_whole_rows(tmp_path):
         assert [r["step"] for r in got if f"{prefix}/a" in r] == list(range(300))
 
 
+def test_rows_tensorboard_events_and_the_curve_on_gcs(gcs_root):
+    """On gs:// (a local GCS emulator): the rows, TensorBoard's event file (whole TFRecords, one
+    object once closed) and the reward curve go through dora_jax.core.fs."""
+    from dora_jax.core import fs
+
+    writer = MetricsWriter(gcs_root, tensorboard=True)
+    for step in range(3):
+        writer.write(step, {"reward_mean": 0.25 * step}, histograms={"lengths": [1, 2, 3]})
+    writer.close()
+    assert [r["reward_mean"] for r in read_metrics(gcs_root)] == [0.0, 0.25, 0.5]
+    (events,) = fs.listdir(fs.join(gcs_root, "tb"))
+    data, records = fs.read_bytes(fs.join(gcs_root, "tb", events)), 0
+    while data:  # TFRecord framing: u64 length, u32 crc, payload, u32 crc
+        (length,) = struct.unpack("<Q", data[:8])
+        data, records = data[12 + length + 4 :], records + 1
+    assert records >= 1 + 3 * 2  # the file version, then a scalar and a histogram per step
+    assert plot_reward_curve(gcs_root) == fs.join(gcs_root, "reward_curve.png")
+    assert fs.read_bytes(fs.join(gcs_root, "reward_curve.png")).startswith(PNG_MAGIC)
+
+
 def test_bad_wandb_mode():
     with pytest.raises(ValueError, match=r"log\.wandb_mode='shared'.*'online', 'offline', 'disabled'"):
         WandbSpec(mode="shared")

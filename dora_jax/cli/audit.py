@@ -7,16 +7,18 @@ without KV, evaluation rounds counted apart) and exits 1 on a violation of what 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.core import fs
 
 
 def audit_workdir(workdir: str):
-    path = os.path.join(workdir, "ledger.jsonl") if os.path.isdir(workdir) else workdir
-    if not os.path.exists(path):
+    """The audit of WORKDIR/ledger.jsonl (or of the ledger file given), local or on gs://."""
+    fs.check_access(workdir)
+    path = fs.join(workdir, "ledger.jsonl") if fs.isdir(workdir) else workdir
+    if not fs.exists(path):
         raise FileNotFoundError(f"{path}: no ledger; expected WORKDIR/ledger.jsonl from a dora_jax run")
     return audit(read_ledger(path))
 
@@ -27,7 +29,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         report = audit_workdir(argv[1])
-    except FileNotFoundError as err:
+    except (FileNotFoundError, fs.StorageError) as err:
         print(f"dora_jax.audit: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report.summary(), indent=1))

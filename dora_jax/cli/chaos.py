@@ -27,6 +27,7 @@ from absl import app, flags
 from dora_jax import cli
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.core import fs
 
 KILLS = flags.DEFINE_integer("kills", 3, "SIGKILLs before the run may finish")
 SEED = flags.DEFINE_integer("seed", 0, "draws the kill points")
@@ -165,6 +166,8 @@ def main(argv):
     overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
     if not cli.WORKDIR.value:
         raise app.UsageError("--workdir is required")
+    if fs.is_remote(cli.WORKDIR.value):  # it corrupts checkpoint files in place and tails local logs
+        raise app.UsageError(f"--workdir={cli.WORKDIR.value}: chaos runs on a local workdir only")
     config_path = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config="))
     c = cli.CONFIG.value
     plan = draw_plan(KILLS.value, SEED.value)

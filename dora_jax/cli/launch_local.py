@@ -8,8 +8,8 @@ gRPC on localhost; versions go through DIR/versions. The trainer runs the SFT co
 wait for its first version). When the trainer has done `num_steps` the launcher stops the
 coordinator (which stops the workers), tears everything down (also on Ctrl-C or a failure: each
 child is its own process group, killed whole, and dies with the launcher), audits DIR/ledger.jsonl
-and prints the summary. Logs: DIR/logs/<role>.log. Exit status: 0 when the trainer finished and
-the audit is clean.
+and prints the summary. Logs: DIR/logs/<role>.log (with a gs:// DIR written locally while the job
+runs, then copied there). Exit status: 0 when the trainer finished and the audit is clean.
 
 `--hosts_per_slice=H` runs every rollout slice as H processes that form one multi-controller JAX
 job (`jax.distributed.initialize` over that slice's processes only, CPU collectives over gloo):
@@ -31,15 +31,18 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
 
 from dora_jax import cli
+from dora_jax.core import fs
 
 PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
@@ -68,7 +71,8 @@ def main(argv):
     from dora_jax.runtime import run_config
 
     config = run_config.parse(cli.CONFIG.value)  # a bad config fails here, before anything starts
-    if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
+    fs.check_access(workdir)
+    if fs.exists(fs.join(workdir, "ledger.jsonl")):
         raise app.UsageError(
             f"{workdir} already holds a run (ledger.jsonl); launch_local starts fresh runs only: give a new --workdir"
         )
@@ -87,7 +91,7 @@ def main(argv):
         "killed": outcome["killed"],
     }
     ok = outcome["trainer_exit"] == 0
-    if os.path.exists(os.path.join(workdir, "ledger.jsonl")):
+    if fs.exists(fs.join(workdir, "ledger.jsonl")):
         from dora_jax.cli.audit import audit_workdir
 
         report = audit_workdir(workdir)
@@ -132,7 +136,8 @@ def launch(
 ) -> dict:
     """Starts every process, supervises them until the trainer ends, tears them down. `trainer` and
     `rollout` are (hosts, devices per host) of the trainer slice and of each rollout slice."""
-    os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+    logs = tempfile.mkdtemp(prefix="dora_launch_logs_") if fs.is_remote(workdir) else fs.join(workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
     port = PORT.value or _free_port()
     address = f"127.0.0.1:{port}"
     common = [*config_flags, f"--workdir={workdir}"]
@@ -145,8 +150,8 @@ def launch(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, workdir)
-        _spawn_slice(children, "trainer", "trainer_worker", [*common, f"--coordinator={address}"], trainer, workdir)
+        children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, logs)
+        _spawn_slice(children, "trainer", "trainer_worker", [*common, f"--coordinator={address}"], trainer, logs)
         for sid in range(config.rollout.num_slices):
             _spawn_slice(
                 children,
@@ -154,13 +159,16 @@ def launch(
                 "rollout_worker",
                 [*common, f"--coordinator={address}", f"--slice_id={sid}"],
                 rollout,
-                workdir,
+                logs,
             )
         outcome["processes"] = len(children)
-        _print(f"started {len(children)} processes (coordinator at {address}); logs in {workdir}/logs")
-        _supervise(children, workdir, outcome, stop, config.num_steps)
+        _print(f"started {len(children)} processes (coordinator at {address}); logs in {logs}")
+        _supervise(children, workdir, logs, outcome, stop, config.num_steps)
     finally:
         _teardown(children)
+        if fs.is_remote(workdir):
+            fs.copy_dir(logs, fs.join(workdir, "logs"))
+            shutil.rmtree(logs, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if stop["signal"] is not None:
@@ -172,27 +180,25 @@ _SETTLE_S = 2.0  # >> the ledger's flush interval (0.2 s) plus the coordinator's
 _SETTLE_MAX_S = 6.0  # far below the heartbeat timeout that would declare the stopped slice dead
 
 
-def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_steps: int) -> None:
+def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dict, num_steps: int) -> None:
     deadline = time.monotonic() + TIMEOUT_S.value
     dispatch_t, reported, exits_seen = None, -1, set()
-    follower = _SliceLoad(os.path.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
+    follower = _SliceLoad(fs.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
     while stop["signal"] is None:
         if children["trainer"].poll() is not None:
             outcome["trainer_exit"] = children["trainer"].returncode
             if outcome["trainer_exit"] != 0:
-                _print(f"the trainer exited with {outcome['trainer_exit']}:\n" + _tail(workdir, "trainer"))
+                _print(f"the trainer exited with {outcome['trainer_exit']}:\n" + _tail(logs, "trainer"))
             return
         if children["coordinator"].poll() is not None:
-            _print(
-                f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(workdir, "coordinator")
-            )
+            _print(f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(logs, "coordinator"))
             return
         for name, child in children.items():
             if name.startswith("rollout") and child.poll() not in (None, 0) and name not in exits_seen:
                 exits_seen.add(name)
                 _print(
                     f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
-                    + _tail(workdir, name, 5)
+                    + _tail(logs, name, 5)
                 )
         if KILL_SLICE.value >= 0 and outcome["killed"] is None:
             holding = follower.poll()
@@ -217,13 +223,13 @@ def _supervise(children: dict, workdir: str, outcome: dict, stop: dict, num_step
 
 
 def _spawn_slice(
-    children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int], workdir: str
+    children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int], logs: str
 ) -> None:
     """One slice: a single process `name`, or `hosts` processes (`name`, `name`_h1, ...) joined into
     one JAX job through their own jax.distributed coordinator (on process 0's free port)."""
     hosts, devices = hosts_devices
     if hosts == 1:
-        children[name] = _spawn(name, module, args, devices, workdir)
+        children[name] = _spawn(name, module, args, devices, logs)
         return
     jax_coordinator = f"127.0.0.1:{_free_port()}"
     for host in range(hosts):
@@ -233,7 +239,7 @@ def _spawn_slice(
             module,
             [*args, f"--num_hosts={hosts}", f"--host_id={host}", f"--jax_coordinator={jax_coordinator}"],
             devices,
-            workdir,
+            logs,
         )
 
 
@@ -260,12 +266,12 @@ def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
     return [child for n, child in children.items() if n == name or n.startswith(f"{name}_h")]
 
 
-def _spawn(name: str, module: str, args: list[str], devices: int, workdir: str) -> subprocess.Popen:
+def _spawn(name: str, module: str, args: list[str], devices: int, logs: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"])
-    log = open(os.path.join(workdir, "logs", f"{name}.log"), "w")
+    log = open(os.path.join(logs, f"{name}.log"), "w")
     return subprocess.Popen(
         [sys.executable, "-m", f"dora_jax.{module}", *args],
         env=env,
@@ -327,9 +333,8 @@ class _SliceLoad:
         self.dispatched = False
 
     def poll(self) -> int:
-        with contextlib.suppress(OSError), open(self._path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
+        with contextlib.suppress(OSError):
+            data = fs.read_bytes(self._path, self._offset)
             complete = data[: data.rfind(b"\n") + 1]
             self._offset += len(complete)
             for line in complete.splitlines():
@@ -346,15 +351,14 @@ class _SliceLoad:
 
 
 def _steps_done(workdir: str) -> int:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path, encoding="utf-8") as f:
+    path = fs.join(workdir, "metrics.jsonl")
+    with contextlib.suppress(OSError), fs.open(path) as f:
         return sum(1 for line in f if line.strip())
+    return 0
 
 
-def _tail(workdir: str, name: str, lines: int = 20) -> str:
-    path = os.path.join(workdir, "logs", f"{name}.log")
+def _tail(logs: str, name: str, lines: int = 20) -> str:
+    path = os.path.join(logs, f"{name}.log")
     with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
         return "".join(f.readlines()[-lines:])
     return ""

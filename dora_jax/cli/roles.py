@@ -14,6 +14,7 @@ import sys
 from absl import flags
 
 from dora_jax import cli
+from dora_jax.core import fs
 from dora_jax.transport.client import ClientTiming, config_hash
 
 COORDINATOR = flags.DEFINE_string("coordinator", None, "HOST:PORT of `python -m dora_jax.serve_coordinator`")
@@ -69,7 +70,7 @@ def require(flag, name: str):
 
 
 def versions_root(workdir: str) -> str:
-    return VERSIONS.value or os.path.join(workdir, "versions")
+    return VERSIONS.value or fs.join(workdir, "versions")
 
 
 def client_timing() -> ClientTiming:

@@ -42,11 +42,12 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never take an accelerator a worker on this host needs
     cli.prepare_devices(cli.CONFIG.value)
     workdir = roles.require(cli.WORKDIR, "workdir")
+    from dora_jax.core import fs
     from dora_jax.runtime import run_config
 
     config = run_config.parse(cli.CONFIG.value)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
+    with fs.open(fs.join(workdir, "config.json"), "w") as f:
         json.dump(roles.config_json(), f, indent=1, default=str)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -58,6 +59,7 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
     import dora_jax
     from dora_jax.coordinator.coordinator import Coordinator
     from dora_jax.coordinator.ledger import Ledger
+    from dora_jax.core import fs
     from dora_jax.runtime.build import make_tokenizer
     from dora_jax.runtime.run_config import task_config
     from dora_jax.tasks.reward_scorer import RewardPoolScorer
@@ -81,7 +83,7 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
         return prompt.prompt_id, prompt.prompt_ids
 
     pool = task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
-    ledger = Ledger(os.path.join(workdir, "ledger.jsonl"))
+    ledger = Ledger(fs.join(workdir, "ledger.jsonl"))
     coord, code = None, 0
     try:
         ports, version = _wait_ready(service, stop)

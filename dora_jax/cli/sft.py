@@ -8,11 +8,11 @@ does this by itself, cached in its workdir, when no checkpoint is given).
 from __future__ import annotations
 
 import json
-import os
 
 from absl import app
 
 from dora_jax import cli
+from dora_jax.core import fs
 
 
 def main(argv):
@@ -24,10 +24,10 @@ def main(argv):
 
     config = run_config.parse(cli.CONFIG.value)
     workdir = cli.WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
+    fs.makedirs(workdir)
     tokenizer = make_tokenizer(config)
     model = cold_start(config, fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids), tokenizer, workdir)
-    print(json.dumps({"checkpoint": os.path.join(workdir, "sft"), "params": model.config.hidden_size}))
+    print(json.dumps({"checkpoint": fs.join(workdir, "sft"), "params": model.config.hidden_size}))
 
 
 def run() -> None:

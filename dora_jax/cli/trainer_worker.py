@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -27,6 +26,7 @@ from absl import app, flags
 
 from dora_jax import cli
 from dora_jax.cli import roles
+from dora_jax.core import fs
 
 POLL_S = flags.DEFINE_float("poll_s", 10.0, "long-poll window of one TakeBatch call")
 
@@ -71,7 +71,7 @@ def train(config, workdir: str, client) -> None:
     if leader:
         client.register(pb.TRAINER, roles.identity_hash(), host_id=0)
         _log(f"registered with the coordinator at {client.address}; building the setup")
-    os.makedirs(workdir, exist_ok=True)
+    fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
     try:
         mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
     except ValueError as err:
@@ -168,7 +168,7 @@ def _setup_and_store(config, workdir: str, channel, mesh):
             channel.send(b"setup done")
         return setup, store
     channel.receive()
-    if _runs_cold_start(config) and not os.path.exists(os.path.join(workdir, "sft", "DONE")):
+    if _runs_cold_start(config) and not fs.exists(fs.join(workdir, "sft", "DONE")):
         raise SystemExit(
             f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
             "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)"

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+from dora_jax.core import fs
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RunCheckpointer:
     """Saves and restores run checkpoints under `directory` (local path or gs://)."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        fs.check_access(directory)  # gs://: before orbax's mkdir, which would create a missing bucket
         self.directory = epath.Path(directory)
         self._keep = keep
         self._async = async_save
@@ -137,4 +139,4 @@ def abstract_like(tree, shardings):
 
 
 def directory_of(workdir: str) -> str:
-    return os.path.join(workdir, "checkpoints")
+    return fs.join(workdir, "checkpoints")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import tempfile
 import time
 
 import jax
@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from dora_jax import models
+from dora_jax.core import fs
 from dora_jax.parallel import sharding
 from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.tasks import running_sums
@@ -86,7 +87,7 @@ def sft_running_sums(
         return optax.apply_updates(params, updates), opt_state, loss
 
     source = demonstration_source(config, tokenizer)
-    log = open(log_path, "a") if log_path else None
+    log = fs.open(log_path, "a") if log_path else None
     start = time.perf_counter()
     for i in range(steps):
         tokens, mask = demonstration_batch(source, tokenizer, config.init.sft_batch_size, config.pad_to)
@@ -104,25 +105,39 @@ def cold_start(
     config: RunConfig, model_config: models.ModelConfig, tokenizer, workdir: str, *, mesh=None
 ) -> models.Decoder:
     """A fresh model, briefly trained on correct demonstrations; cached as a HF checkpoint (read
-    back into `mesh`'s trainer shardings when given)."""
-    path = os.path.join(workdir, "sft")
-    if os.path.exists(os.path.join(path, "DONE")):
-        return models.load_hf(
-            path,
-            dtype=model_config.dtype,
-            param_dtype=model_config.param_dtype,
-            mesh=mesh,
-            rules=sharding.TRAINER_RULES,
-            moe_dispatch=model_config.moe_dispatch,
-            attention=model_config.attention,
-            remat=model_config.remat,
-            scan_layers=model_config.scan_layers,
-        )
+    back into `mesh`'s trainer shardings when given). On a gs:// workdir the checkpoint is copied
+    through dora_jax.core.fs (HF safetensors I/O is local), DONE last."""
+    path = fs.join(workdir, "sft")
+    if fs.exists(fs.join(path, "DONE")):
+        if not fs.is_remote(path):
+            return _load_sft(path, model_config, mesh)
+        with tempfile.TemporaryDirectory(prefix="dora_sft_") as local:
+            fs.copy_dir(path, local)
+            return _load_sft(local, model_config, mesh)
     model = models.init_model(model_config, seed=config.seed)
     if config.init.sft_steps <= 0 or config.task.kind != "running_sums":
         return model
-    model = sft_running_sums(model, tokenizer, config, log_path=os.path.join(workdir, "sft_log.jsonl"))
-    models.save_hf(model, path)
-    with open(os.path.join(path, "DONE"), "w") as f:
+    model = sft_running_sums(model, tokenizer, config, log_path=fs.join(workdir, "sft_log.jsonl"))
+    if fs.is_remote(path):
+        with tempfile.TemporaryDirectory(prefix="dora_sft_") as local:
+            models.save_hf(model, local)
+            fs.copy_dir(local, path)
+    else:
+        models.save_hf(model, path)
+    with fs.open(fs.join(path, "DONE"), "w") as f:
         f.write("ok\n")
     return model
+
+
+def _load_sft(path: str, model_config: models.ModelConfig, mesh) -> models.Decoder:
+    return models.load_hf(
+        path,
+        dtype=model_config.dtype,
+        param_dtype=model_config.param_dtype,
+        mesh=mesh,
+        rules=sharding.TRAINER_RULES,
+        moe_dispatch=model_config.moe_dispatch,
+        attention=model_config.attention,
+        remat=model_config.remat,
+        scan_layers=model_config.scan_layers,
+    )

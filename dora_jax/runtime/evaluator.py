@@ -14,11 +14,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
 from dora_jax.coordinator.evaluation import GREEDY
+from dora_jax.core import fs
 from dora_jax.runtime.metrics import MetricsWriter
 from dora_jax.runtime.run_config import EvalSpec
 from dora_jax.tasks.eval_set import LeakCounter
@@ -42,7 +42,7 @@ class Evaluator:
         self.spec, self.num_steps, self.prompts = spec, num_steps, list(prompts)
         self.leaks = leaks  # counted where the training prompts are drawn (the runner's next_prompt)
         self._coord, self._decode, self._writer = coordinator, decode, writer
-        self._samples_path = os.path.join(workdir, "eval_samples.jsonl")
+        self._samples_path = fs.join(workdir, "eval_samples.jsonl")
         self._by_id = {p.prompt_id: p for p in self.prompts}
         self._pending: dict[concurrent.futures.Future, tuple[int, float]] = {}
         self.results: list[dict] = []
@@ -84,7 +84,7 @@ class Evaluator:
         step = int(result["step"])
         if self._writer is not None:
             self._writer.write(step, row)
-        with open(self._samples_path, "a", encoding="utf-8") as f:
+        with fs.open(self._samples_path, "a") as f:
             for traj, reward, error in responses:
                 prompt = self._by_id[traj.prompt_id]
                 line = {

@@ -1,15 +1,18 @@
 """Run metrics: one JSON object per row in `metrics.jsonl`, mirrored to TensorBoard and, optionally, to
-Weights & Biases."""
+Weights & Biases. The workdir may be on gs:// (dora_jax.core.fs): TensorBoard's event files then go
+through the same seam (tensorboardX's writer factory for "gs"), W&B keeps its files locally."""
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
-import os
 import re
 import threading
 from collections.abc import Mapping
+
+from dora_jax.core import fs
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -54,7 +57,7 @@ class MetricsWriter:
         wandb: WandbSpec | None = None,
         config: Mapping | None = None,
     ):
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = fs.join(workdir, "metrics.jsonl")
         self._lock = threading.Lock()
         self._closed = False
         self._max_step: int | None = None
@@ -66,7 +69,7 @@ class MetricsWriter:
                 name=wandb.name or None,
                 tags=list(wandb.tags),
                 mode=wandb.mode,
-                dir=workdir,
+                dir=None if fs.is_remote(workdir) else workdir,  # W&B writes its own files locally
                 config=dict(config or {}),
                 # A new run even when another writer's run is still active; never touches the global
                 # `wandb.run`'s lifetime: this writer only uses the run object it got here.
@@ -74,12 +77,17 @@ class MetricsWriter:
             )
             self._run.define_metric("step")
             self._run.define_metric("*", step_metric="step")
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = fs.open(self.path, "a")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            if fs.is_remote(workdir):
+                from tensorboardX import record_writer
+
+                # Its own "gs" writer re-uploads the whole event file at each flush, past the seam.
+                record_writer.register_writer_factory("gs", _SeamEventFiles())
+            self._tb = SummaryWriter(fs.join(workdir, "tb"))
 
     def write(self, step: int, scalars: Mapping[str, float], histograms: Mapping[str, list] | None = None) -> None:
         plain = {k: _plain(v) for k, v in scalars.items()}
@@ -89,7 +97,7 @@ class MetricsWriter:
             if self._closed:
                 raise ValueError(f"write to a closed MetricsWriter ({self.path})")
             self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
+            self._file.flush(wait=False)  # on GCS stored by the appender's thread, not this one
             self._max_step = step if self._max_step is None else max(self._max_step, step)
             if self._tb is not None:
                 for key, value in finite.items():
@@ -115,14 +123,33 @@ class MetricsWriter:
             finally:
                 if self._run is not None:
                     try:
-                        found = {k: p for k, p in (images or {}).items() if p and os.path.isfile(p)}
+                        found = {k: p for k, p in (images or {}).items() if p and fs.exists(p)}
                         if found:
-                            logged = {k: self._wandb.Image(p) for k, p in found.items()}
+                            logged = {k: self._wandb.Image(_image(p)) for k, p in found.items()}
                             if self._max_step is not None:
                                 logged["step"] = self._max_step
                             self._run.log(logged)
                     finally:
                         self._run.finish()
+
+
+class _SeamEventFiles:
+    """tensorboardX's writer factory for gs:// event files: appenders of dora_jax.core.fs."""
+
+    def open(self, path: str):
+        return fs.open(path, "ab")
+
+    def directory_check(self, path: str) -> None:
+        del path  # GCS has no directories
+
+
+def _image(path: str):
+    """What wandb.Image takes: the local path, or the PNG read from GCS."""
+    if not fs.is_remote(path):
+        return path
+    from PIL import Image
+
+    return Image.open(io.BytesIO(fs.read_bytes(path)))
 
 
 def _plain(value):
@@ -134,7 +161,7 @@ def _plain(value):
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    with fs.open(fs.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -162,7 +189,7 @@ def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str |
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    title = [os.path.basename(os.path.normpath(workdir)) + ":"]
+    title = [fs.basename(workdir) + ":"]
     if rows:
         steps = [r["step"] for r in rows]
         rewards = [r["reward_mean"] for r in rows]
@@ -188,7 +215,10 @@ def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str |
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(" ".join(title[:2]) + "".join(", " + t for t in title[2:]), fontsize=9)
     fig.tight_layout()
-    path = os.path.join(workdir, filename)
-    fig.savefig(path)
+    path = fs.join(workdir, filename)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    with fs.open(path, "wb") as f:
+        f.write(png.getvalue())
     return path

@@ -13,6 +13,8 @@ in metrics.jsonl and WORKDIR/eval_samples.jsonl; the run waits for the last roun
 
 Writes WORKDIR/config.json, ledger.jsonl, metrics.jsonl, TensorBoard events and, every
 `checkpoint.every_steps` steps and on preemption, WORKDIR/checkpoints (dora_jax.runtime.checkpoint).
+WORKDIR may be local or `gs://bucket/path` (every file through dora_jax.core.fs; a missing bucket
+or missing credentials fail before anything starts).
 A workdir that already has a ledger is resumed: from its newest checkpoint that restores, or
 from scratch when the lost run never saved one; either way the ledger's `resume` event voids
 what the lost process wrote after that checkpoint, so the audit over the whole ledger holds.
@@ -29,7 +31,6 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from dora_jax import models
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
+from dora_jax.core import fs
 from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
@@ -90,11 +92,11 @@ def run(
 ) -> RunResult:
     """Runs (or resumes) to `config.num_steps` training steps; see the module docstring. Setting
     `preempt` stops the run at the next step boundary with a checkpoint."""
-    os.makedirs(workdir, exist_ok=True)
-    ledger_path = os.path.join(workdir, "ledger.jsonl")
-    resuming = os.path.exists(ledger_path) and os.path.getsize(ledger_path) > 0
+    fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
+    ledger_path = fs.join(workdir, "ledger.jsonl")
+    resuming = fs.exists(ledger_path) and fs.size(ledger_path) > 0
     if write_config is not None and not resuming:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
+        with fs.open(fs.join(workdir, "config.json"), "w") as f:
             json.dump(write_config, f, indent=1, default=str)
     slices = sharding.split_devices(
         dict(config.mesh.trainer),
@@ -181,8 +183,8 @@ def run(
     if resuming:
         coord.restore(restored.meta["coordinator"] if restored else None)
     start_step = trainer.version
-    _trim_rows(os.path.join(workdir, "metrics.jsonl"), start_step)
-    _trim_rows(os.path.join(workdir, "eval_samples.jsonl"), start_step)
+    _trim_rows(fs.join(workdir, "metrics.jsonl"), start_step)
+    _trim_rows(fs.join(workdir, "eval_samples.jsonl"), start_step)
     metrics_writer = MetricsWriter(
         workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
     )
@@ -451,9 +453,9 @@ def _prompt_from_json(data: dict) -> Prompt:
 def _trim_rows(path: str, start_step: int) -> None:
     """A resumed run rewrites the steps after its checkpoint (and re-evaluates from there): drop
     the lost process's rows of metrics.jsonl / eval_samples.jsonl."""
-    if not os.path.exists(path):
+    if not fs.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
+    with fs.open(path) as f:
         lines = f.readlines()
     kept = []
     for line in lines:
@@ -462,7 +464,7 @@ def _trim_rows(path: str, start_step: int) -> None:
                 kept.append(line)
         except (json.JSONDecodeError, KeyError):
             continue  # a torn last row
-    with open(path, "w", encoding="utf-8") as f:
+    with fs.open(path, "w") as f:
         f.writelines(kept)
 
 

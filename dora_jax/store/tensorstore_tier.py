@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from dora_jax.core import fs
 from dora_jax.store.param_store import Params, Shardings
 
 _NAME = re.compile(r"^v_(\d+)$")
@@ -35,6 +36,9 @@ class TensorStoreTier:
     """
 
     def __init__(self, root: str | epath.PathLike, *, read_only: bool = False, compression: bool = True):
+        # gs://: credentials and bucket checked (and epath/tensorstore pointed at GCS or its emulator)
+        # before epath's mkdir, which would create a missing bucket.
+        fs.check_access(str(root))
         self._root = epath.Path(root)
         self._read_only = read_only
         self._compression = compression
@@ -116,7 +120,7 @@ class TensorStoreTier:
 
     def _scan(self) -> None:
         found: dict[int, epath.Path] = {}
-        for child in self._root.iterdir():
+        for child in self._children():
             match = _NAME.match(child.name)
             if match and ocp.utils.is_checkpoint_finalized(child):
                 found[int(match.group(1))] = child
@@ -127,9 +131,16 @@ class TensorStoreTier:
                 self._bytes.pop(version, None)
             self._cache = found
 
+    def _children(self) -> list[epath.Path]:
+        """The root's entries; none for a gs:// root that holds nothing yet (GCS has no empty directories)."""
+        try:
+            return list(self._root.iterdir())
+        except FileNotFoundError:
+            return []
+
     def _remove_uncommitted(self) -> None:
         """A writer opening the root removes what an earlier writer left half-done."""
-        for child in self._root.iterdir():
+        for child in self._children():
             leftover = child.name.startswith(".retired-") or ocp.path.atomicity_types.TMP_DIR_SUFFIX in child.name
             if _NAME.match(child.name) and not ocp.utils.is_checkpoint_finalized(child):
                 leftover = True  # gs://: a directory without its commit marker

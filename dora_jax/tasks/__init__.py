@@ -8,5 +8,5 @@
 - `task`: `TaskConfig` and the one factory, `make_task`.
 
 Importing this package imports nothing heavy; optional packages (pyarrow, datasets,
-math-verify, tensorstore) are imported where they are used.
+math-verify, gcsfs) are imported where they are used.
 """

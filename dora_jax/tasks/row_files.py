@@ -5,10 +5,9 @@ without materialising every row as Python objects (DAPO-Math-17k's parquet holds
 A row that cannot be read (a non-JSON line) raises `BadRow`; a file that cannot be read at all,
 or lacks a column the config names, raises at open time with the file and the column named.
 
-Paths: a local path, or any URL tensorstore's kvstore understands (`gs://bucket/a.jsonl`,
-`file:///tmp/a.parquet`); tensorstore is a core dependency, so reading `gs://` needs no
-extra client. HF `datasets` directories are opened by `datasets.load_from_disk`, which reads
-remote URLs through fsspec (`gs://` then needs gcsfs).
+Paths: a local path, or a URL read through dora_jax.core.fs (`gs://bucket/a.jsonl` through
+gcsfs, a core dependency; `file:///tmp/a.parquet`; whatever else fsspec reads). HF `datasets`
+directories are opened by `datasets.load_from_disk`, which reads remote URLs through fsspec too.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ import json
 import os
 from collections.abc import Callable
 from typing import Any
+
+from dora_jax.core import fs
 
 FORMATS = ("jsonl", "parquet", "hf_disk")
 
@@ -54,22 +55,14 @@ def infer_format(path: str) -> str:
 
 
 def read_bytes(path: str) -> bytes:
-    """The whole file: local paths with open(), URLs (gs://, file://, ...) via tensorstore."""
-    if "://" not in path:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: no such file")
-        with open(path, "rb") as f:
-            return f.read()
-    import tensorstore as ts
-
-    base, name = path.rsplit("/", 1)
+    """The whole file: local paths and URLs (gs://, file://, ...) through dora_jax.core.fs."""
+    if not fs.is_remote(path) and not os.path.isfile(path.removeprefix("file://")):
+        raise FileNotFoundError(f"{path}: no such file")
+    fs.check_access(path)
     try:
-        result = ts.KvStore.open(base + "/").result().read(name).result()
-    except Exception as err:
-        raise OSError(f"{path}: cannot read through tensorstore's kvstore: {err}") from err
-    if result.state != "value":
-        raise FileNotFoundError(f"{path}: no such object")
-    return bytes(result.value)
+        return fs.read_bytes(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
 
 
 def open_rows(path: str, file_format: str, needed_columns: tuple[str, ...], split: str = "train") -> RowTable:

@@ -115,3 +115,27 @@ def test_writer_killed_mid_write_leaves_no_partial_version(tmp_path):
     writer.publish(2, {"w": jax.numpy.full((1024,), 2.0)})
     assert reader.versions() == (1, 2)
     np.testing.assert_array_equal(np.asarray(reader.get(2, replicated)["w"]), np.full(1024, 2.0))
+
+
+def test_versions_on_gcs_save_load_and_show_up_in_a_reader(gcs_root):
+    """gs:// through a local GCS emulator: tensorstore writes the arrays (pointed there by
+    dora_jax.core.fs), orbax's epath the metadata (through gcsfs)."""
+    root = f"{gcs_root}/versions"
+    mesh = sharding.make_mesh(jax.devices()[:4], {"fsdp": 2, "tensor": 2})
+    spec = {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "tensor"))}
+    params = {"w": jax.device_put(np.arange(64.0, dtype=np.float32).reshape(8, 8), spec["w"])}
+    writer = ParamStore(TensorStoreTier(root))
+    writer.publish(0, params)
+    reader = ParamStore(TensorStoreTier(root, read_only=True))
+    assert reader.versions() == (0,)
+    writer.publish(1, jax.tree.map(lambda x: x + 1, params))
+    assert reader.versions() == (0, 1)  # a new listing each time: nothing cached
+    other = {"w": sharding.replicated(sharding.make_mesh(jax.devices()[4:5], {}))}
+    got = reader.get(1, other)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(64.0).reshape(8, 8) + 1)
+    assert got["w"].sharding == other["w"]
+    assert writer.bytes_by_tier()["tensorstore"] > 64 * 4 * 2 * 0.1
+    writer.rollback_to(0)
+    assert writer.versions() == (0,) and reader.versions() == (0,)
+    with pytest.raises(OSError, match="gs://no-such-bucket/versions: bucket gs://no-such-bucket does not exist"):
+        TensorStoreTier("gs://no-such-bucket/versions")

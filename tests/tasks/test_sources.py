@@ -181,7 +181,7 @@ def test_parquet_with_dotted_fields_and_message_prompts(tmp_path, hf_tokenizer):
         FileSource(SourceConfig(path=path), hf_tokenizer)
 
 
-def test_url_paths_read_through_tensorstore(tmp_path):
+def test_url_paths_read_through_the_fs_seam(tmp_path):
     path = _write_jsonl(tmp_path / "train.jsonl", _good_rows(4))
     source = FileSource(_plain("file://" + path, shuffle=False), CHARS)
     assert source.next().text == "what is 0 + 0?"

@@ -44,7 +44,7 @@ TINY = [
 
 
 def _launch(workdir, *extra, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # STORAGE_EMULATOR_HOST kept
     return subprocess.run(
         [sys.executable, "-m", "dora_jax.launch_local", *TINY, f"--workdir={workdir}", *extra],
         cwd=ROOT,
@@ -128,4 +128,21 @@ def test_ctrl_c_tears_every_process_down(tmp_path):
     launcher.send_signal(signal.SIGINT)
     out, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 1 and "interrupted by signal" in err, err[-2000:]
+    assert _left_running(workdir) == []
+
+
+def test_every_role_works_on_a_gs_workdir(gcs_root):
+    """The coordinator's ledger, the trainer's metrics and versions, the rollout workers' reads of
+    them and the launcher's logs, all on gs:// (a local GCS emulator)."""
+    from dora_jax.core import fs
+
+    workdir = fs.join(gcs_root, "run")
+    proc = _launch(workdir, "--config.num_steps=3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = _summary(proc)
+    assert summary["trainer_exit"] == 0 and summary["audit_ok"] and summary["audit"]["consumed"] == 3 * TBS
+    assert fs.listdir(fs.join(workdir, "logs")) == ["coordinator.log", "rollout_0.log", "rollout_1.log", "trainer.log"]
+    assert fs.listdir(fs.join(workdir, "versions"))  # what the trainer published and the workers read
+    with fs.open(fs.join(workdir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
     assert _left_running(workdir) == []
