@@ -582,8 +582,11 @@ class Coordinator:
         ]
         if not candidates:
             return
-        movable = [gid for gid in dict.fromkeys(r.group_id for r in backlog.values()) if gid in self._unsent]
-        movable = movable[: max(len(backlog) - newest_free, 0) // g]
+        ids_of: dict[str, list[str]] = {}  # unsent newest groups -> their ids in the backlog, in order
+        for traj_id, r in backlog.items():
+            if r.group_id in self._unsent:
+                ids_of.setdefault(r.group_id, []).append(traj_id)
+        movable = collections.deque(list(ids_of)[: max(len(backlog) - newest_free, 0) // g])
         unconsumed: collections.Counter[int] = collections.Counter()
         for version in self.queue.versions():
             unconsumed[version] += g
@@ -609,10 +612,9 @@ class Coordinator:
             version = self.slice_version[sid]
             for _ in range(groups):
                 if movable:  # an unsent group of the newest version, re-tagged as a publish re-tags
-                    group_id = movable.pop(0)
+                    group_id = movable.popleft()
                     self.groups[group_id].version, self.groups[group_id].legacy = version, True
-                    ids = [t for t, r in backlog.items() if r.group_id == group_id]
-                    requests = [dataclasses.replace(backlog.pop(t), version=version) for t in ids]
+                    requests = [dataclasses.replace(backlog.pop(t), version=version) for t in ids_of[group_id]]
                 else:
                     requests = self._new_group(version)
                 self._send(requests, sid)
