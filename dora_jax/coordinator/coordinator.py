@@ -942,6 +942,7 @@ class Coordinator:
         return {
             "latest": self.latest,
             "next_group": self._next_group,
+            "next_eval": self._next_eval,  # round ids stay unique across a resume
             "dispatched": [records.request_to_json(r) for r in dispatched],
             "backlog": [records.request_to_json(r) for r in self.backlog if r.traj_id not in self._eval_of],
             "redispatch": sorted(t for t in self._redispatch if t not in self._eval_of),
@@ -980,6 +981,7 @@ class Coordinator:
             self.latest = int(state["latest"])
             self._taken_at = self.latest  # not known: assume taken, the smaller window (never more than C3 allows)
             self._next_group = int(state["next_group"])
+            self._next_eval = int(state.get("next_eval", 0))
             for gid, g in state["groups"].items():
                 scored = [records.scored_from_json(x) for x in g["scored"]]
                 self.groups[gid] = _GroupState(

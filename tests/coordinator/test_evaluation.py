@@ -195,3 +195,55 @@ def test_partial_rollout_continues_evaluation_requests_on_the_new_version_and_sa
         ]
         assert result["eval/mixed_versions"] == len(mixed)
     assert sum(f.result()["eval/mixed_versions"] for f in futures.values()) > 0
+
+
+def test_a_resumed_run_evaluates_under_new_round_ids_and_audits_clean(tmp_path):
+    """A round in flight at the checkpoint is lost with the process (not saved, not a C2 loss);
+    the resumed coordinator's next round must not reuse its id, or the old round's dispatches and
+    the new round's finishes look like one trajectory generated twice under two versions."""
+    import json
+
+    from dora_jax.coordinator.ledger import read_ledger
+
+    path = str(tmp_path / "ledger.jsonl")
+    ledger = Ledger(path)
+    coord, workers = make_coordinator("dora", ledger)
+    coord.start()
+    rng = random.Random(0)
+    first = coord.request_eval(0, 0, EVAL_PROMPTS, SAMPLES)  # e0: finishes before the checkpoint
+    version = 0
+    while version < 2 or not first.done():
+        tick_some(workers, rng)
+        coord.process()
+        if version < 2 and coord.try_take_batch(version) is not None:
+            version += 1
+            coord.post_published(version)
+            coord.process()
+    assert coord.stats.evals == 1
+    coord.request_eval(version, version, EVAL_PROMPTS, SAMPLES)  # e1: in flight at the checkpoint
+    coord.process()
+    state = json.loads(json.dumps(coord.snapshot()))
+    ledger.close()
+
+    ledger2 = Ledger(path)
+    coord2, workers2 = make_coordinator("dora", ledger2, initial_version=version)
+    coord2.restore(state)
+    coord2.start()
+    future = coord2.request_eval(version, version, EVAL_PROMPTS, SAMPLES)
+    while version < 4 or not future.done():
+        tick_some(workers2, rng)
+        coord2.process()
+        if version < 4 and coord2.try_take_batch(version) is not None:
+            version += 1
+            coord2.post_published(version)
+            coord2.process()
+    ledger2.close()
+    events = list(read_ledger(path))
+    assert [e["round"] for e in events if e["ev"] == "eval_start"] == ["e0", "e1", "e2"]
+    report = audit(events)
+    assert report.ok, report.summary()
+    assert not report.c1_violations and not report.exactly_once_violations
+    per_round = len(EVAL_PROMPTS) * (1 + SAMPLES)
+    assert report.eval_finished == 2 * per_round and report.eval_unfinished_at_end == per_round
+    assert [r["round"] for r in report.evaluations] == ["e0", "e2"]
+    assert report.consumed == 4 * 8
