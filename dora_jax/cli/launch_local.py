@@ -23,6 +23,12 @@ the first moment, T seconds or more after the coordinator starts dispatching, wh
 it holding requests (checked again with the slice stopped: SIGSTOP, wait for the ledger, then
 SIGKILL, or SIGCONT when it had finished them meanwhile). Fault injection: the run must finish,
 its requests re-dispatched, the audit clean.
+
+Run again on the workdir of a run that was stopped or killed (every process at once, as a spot
+preemption does), it resumes that run: the trainer restores its newest checkpoint
+(`checkpoint.every_steps`), the coordinator the state saved in it, in-flight requests continue
+under their own version from their tokens so far, and the ledger's `resume` event voids what the
+lost processes wrote after the checkpoint (dora_jax.serve_coordinator, dora_jax.trainer_worker).
 """
 
 from __future__ import annotations
@@ -73,9 +79,7 @@ def main(argv):
     config = run_config.parse(cli.CONFIG.value)  # a bad config fails here, before anything starts
     fs.check_access(workdir)
     if fs.exists(fs.join(workdir, "ledger.jsonl")):
-        raise app.UsageError(
-            f"{workdir} already holds a run (ledger.jsonl); launch_local starts fresh runs only: give a new --workdir"
-        )
+        _print(f"{workdir} holds a run (ledger.jsonl): resuming it from its newest checkpoint")
     if config.mesh.time_shared:
         raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
     trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
@@ -271,7 +275,9 @@ def _spawn(name: str, module: str, args: list[str], devices: int, logs: str) -> 
     env["JAX_PLATFORMS"] = "cpu"
     flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"])
-    log = open(os.path.join(logs, f"{name}.log"), "w")
+    log = open(os.path.join(logs, f"{name}.log"), "a")  # a resumed run's logs follow the lost run's
+    log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} python -m dora_jax.{module}\n")
+    log.flush()
     return subprocess.Popen(
         [sys.executable, "-m", f"dora_jax.{module}", *args],
         env=env,

@@ -4,8 +4,12 @@ The coordinator role: the same `Coordinator` as the embedded run, its reward poo
 (W/ledger.jsonl, W/config.json), behind the gRPC service (dora_jax/transport). It waits until
 every rollout slice (`rollout.num_slices` of `python -m dora_jax.rollout_worker`) has joined and
 the trainer (`python -m dora_jax.trainer_worker`) has published its first version, then
-dispatches. It runs until SIGTERM/SIGINT (the launcher sends it when the trainer is done): then
-it tells the rollout workers to stop and exits. Uses no accelerator (JAX stays on the CPU).
+dispatches. A workdir that already holds a ledger is resumed: the trainer restores its newest
+checkpoint and hands over the coordinator state saved in it (or says there is none: then the
+run starts over), which is restored before anything is dispatched; the ledger's `resume` event
+voids what the lost processes wrote after that checkpoint. It runs until SIGTERM/SIGINT (the
+launcher sends it when the trainer is done): then it tells the rollout workers to stop and
+exits. Uses no accelerator (JAX stays on the CPU).
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ def main(argv):
 def serve(config, workdir: str, stop: threading.Event) -> int:
     import dora_jax
     from dora_jax.coordinator.coordinator import Coordinator
-    from dora_jax.coordinator.ledger import Ledger
+    from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
     from dora_jax.core import fs
+    from dora_jax.runtime import resume
     from dora_jax.runtime.build import make_tokenizer
     from dora_jax.runtime.run_config import task_config
     from dora_jax.tasks.reward_scorer import RewardPoolScorer
@@ -68,8 +73,12 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
 
     identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
     heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
+    ledger_path = fs.join(workdir, "ledger.jsonl")
+    resuming = fs.exists(ledger_path)
     service = CoordinatorService(
-        identity, Timing(heartbeat_timeout_s=heartbeat_timeout_s, command_timeout_s=COMMAND_TIMEOUT_S.value)
+        identity,
+        Timing(heartbeat_timeout_s=heartbeat_timeout_s, command_timeout_s=COMMAND_TIMEOUT_S.value),
+        resume=resuming,
     )
     server, port = make_server(service, PORT.value)
     _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
@@ -83,7 +92,10 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
         return prompt.prompt_id, prompt.prompt_ids
 
     pool = task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
-    ledger = Ledger(fs.join(workdir, "ledger.jsonl"))
+    if resuming:
+        repair_torn_tail(ledger_path)
+        _log(f"{ledger_path} exists: resuming that run from the trainer's newest checkpoint")
+    ledger = Ledger(ledger_path)
     coord, code = None, 0
     try:
         ports, version = _wait_ready(service, stop)
@@ -98,7 +110,19 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
             initial_version=version,
             on_slice_dropped=service.slice_dropped,
         )
-        service.attach(coord, list(ports.values()))
+        if resuming:
+            state = service.resume_state
+            if state:
+                task.source.restore(state["coordinator"]["extra"]["source"])
+                prompts.update(resume.prompts_from_json(state["prompts"]))
+            coord.restore(state["coordinator"] if state else None)
+            _log(f"restored the state of version {version}" if state else "no checkpoint: starting over")
+        service.attach(
+            coord,
+            list(ports.values()),
+            snapshot_extra=lambda: {"source": task.source.state()},
+            live_prompts=lambda state: resume.live_prompts(state, prompts),
+        )
         _log(f"all roles joined; dispatching from version {version}")
         coord.start()
         while not stop.is_set():

@@ -8,6 +8,13 @@ then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> pu
 ReportPublished, retiring the versions the coordinator no longer needs. Writes W/metrics.jsonl
 (and TensorBoard events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
 
+Every `checkpoint.every_steps` steps it saves a run checkpoint (W/checkpoints, as the embedded
+run does: trainer state, the older versions still needed, and the coordinator's state from its
+`Snapshot`, taken at the same version). When the coordinator says the workdir held a run (a pod
+preempted as a whole, relaunched on the same workdir), the trainer restores the newest
+checkpoint that restores, publishes its versions again, hands the coordinator state over
+(`Resume`) and continues from that step; with no checkpoint the run starts over.
+
 A trainer over H > 1 hosts (`--num_hosts`, see roles.py) is one multi-controller JAX job: host 0
 alone talks to the coordinator and sends every batch to the other hosts over a JAX collective;
 every host runs the same step and writes its shards of each published version; host 0 reports
@@ -68,9 +75,12 @@ def train(config, workdir: str, client) -> None:
 
     leader = client is not None
     channel = _host_channel() if jax.process_count() > 1 else None
+    resuming = False
     if leader:
-        client.register(pb.TRAINER, roles.identity_hash(), host_id=0)
+        resuming = client.register(pb.TRAINER, roles.identity_hash(), host_id=0).resume
         _log(f"registered with the coordinator at {client.address}; building the setup")
+    if channel is not None:  # every host restores (orbax restores collectively)
+        resuming = channel.exchange(b"resume" if resuming else None) == b"resume"
     fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
     try:
         mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
@@ -80,6 +90,14 @@ def train(config, workdir: str, client) -> None:
         ) from None
     setup, store = _setup_and_store(config, workdir, channel, mesh)
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
+    checkpoints = _Checkpoints(config, workdir, trainer, store, setup, client, channel)
+    if resuming:
+        checkpoints.restore()
+    elif checkpoints.steps():
+        raise SystemExit(
+            f"{checkpoints.directory} holds checkpoints {checkpoints.steps()} but the coordinator found no "
+            "ledger in the workdir: not this run's; give a new --workdir or remove them"
+        )
     trainer.publish()
     report = _reporter(client, store) if leader else (lambda version, digests=None: None)
     report(trainer.version)
@@ -104,6 +122,7 @@ def train(config, workdir: str, client) -> None:
             pad_id=setup.tokenizer.pad_id,
             max_length=config.rollout.cache_length,
             writer=writer,
+            after_step=checkpoints.after_step,
             on_row=on_row,
             start=start,
         )
@@ -113,12 +132,104 @@ def train(config, workdir: str, client) -> None:
     finally:
         if writer is not None:
             writer.close()
+        checkpoints.close()
     print(
         json.dumps(
             {"steps": config.num_steps, "version": trainer.version, "wall_s": round(time.perf_counter() - start, 2)}
         ),
         flush=True,
     )
+
+
+class _Checkpoints:
+    """The trainer role's run checkpoints (dora_jax.runtime.checkpoint, meta as
+    dora_jax.runtime.resume says). Host 0 gets the coordinator's state; every host saves and
+    restores its shards."""
+
+    def __init__(self, config, workdir: str, trainer, store, setup, client, channel):
+        from dora_jax.runtime import resume
+        from dora_jax.runtime.checkpoint import RunCheckpointer, directory_of
+
+        self.directory = directory_of(workdir)
+        self._every = config.checkpoint_every
+        self._checkpointer = RunCheckpointer(self.directory, keep=config.checkpoint_keep)
+        self._trainer, self._store, self._client, self._channel = trainer, store, client, channel
+        self._workdir = workdir
+        self._fingerprint = resume.fingerprint(config, setup)
+
+    def steps(self) -> list[int]:
+        return self._checkpointer.steps()
+
+    def restore(self) -> None:
+        """Loads the newest checkpoint that restores into the trainer and the store, and hands
+        its coordinator state to the coordinator (host 0); without one the run starts over."""
+        from dora_jax.runtime import resume
+        from dora_jax.runtime.checkpoint import abstract_like
+        from dora_jax.transport import dora_pb2 as pb
+
+        trainer = self._trainer
+        restored = self._checkpointer.restore_latest(
+            lambda: abstract_like(trainer.state, trainer.state_shardings),
+            lambda: abstract_like(trainer.params, trainer.param_shardings),
+        )
+        state = None
+        if restored is not None:
+            resume.check_resumable(restored.meta["fingerprint"], self._fingerprint)
+            trainer.load_state(restored.trainer_state, restored.meta["trainer_version"])
+            for version in sorted(restored.versions):  # the store was emptied at start
+                self._store.publish(version, restored.versions[version])
+            state = {"coordinator": restored.meta["coordinator"], "prompts": restored.meta["prompts"]}
+        start = trainer.version
+        if self._client is not None:
+            resume.trim_rows(fs.join(self._workdir, "metrics.jsonl"), start)
+            request = pb.ResumeRequest(
+                session=self._client.session, has_state=state is not None, state_json=json.dumps(state or {})
+            )
+            self._client.call("Resume", lambda t: self._client.stub.Resume(request, timeout=t))
+            _log(f"resumed from the checkpoint of step {start}" if state else "no checkpoint restores: starting over")
+
+    def after_step(self, step: int) -> dict:
+        if not self._every or (step + 1) % self._every:
+            return {}
+        from dora_jax.runtime.checkpoint import CheckpointError
+
+        trainer, t0 = self._trainer, time.perf_counter()
+        meta = None
+        if self._client is not None:
+            try:
+                meta = self._meta()
+            except Exception as err:  # the run goes on; the previous checkpoint stays in use
+                _log(f"no checkpoint at step {trainer.version}: {err}")
+        if self._channel is not None:
+            meta = json.loads(self._channel.exchange(json.dumps(meta).encode() if self._channel.is_leader else None))
+        if meta is None:
+            return {"checkpoint_error": 1}
+        versions = {v: self._store.get(v, trainer.param_shardings, copy=False) for v in meta["versions"]}
+        try:
+            self._checkpointer.save(trainer.version, trainer.state, versions, meta)
+        except CheckpointError as err:
+            _log(f"{err}; the previous checkpoint stays in use")
+            return {"checkpoint_error": 1}
+        return {"checkpoint_s": time.perf_counter() - t0}
+
+    def _meta(self) -> dict:
+        from dora_jax.runtime import resume
+        from dora_jax.transport import dora_pb2 as pb
+
+        version = self._trainer.version
+        request = pb.SnapshotRequest(session=self._client.session, trainer_version=version)
+        reply = self._client.call("Snapshot", lambda t: self._client.stub.Snapshot(request, timeout=t))
+        state = json.loads(reply.state_json)
+        prompts = state["extra"].pop("prompts")
+        return resume.meta(state, version, prompts, self._fingerprint)
+
+    def close(self) -> None:
+        from dora_jax.runtime.checkpoint import CheckpointError
+
+        try:
+            self._checkpointer.close()
+        except CheckpointError as err:
+            _log(str(err))
 
 
 def _host_channel():

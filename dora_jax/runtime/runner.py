@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from dora_jax import models
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
@@ -43,7 +42,7 @@ from dora_jax.core import fs
 from dora_jax.parallel import sharding
 from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
-from dora_jax.runtime import faults, training_loop
+from dora_jax.runtime import faults, resume, training_loop
 from dora_jax.runtime.build import Setup, build_setup
 from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
 from dora_jax.runtime.evaluator import Evaluator
@@ -52,7 +51,6 @@ from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.runtime.supervisor import SliceSupervisor
 from dora_jax.store import InProcessTier, ParamStore, StoreError
 from dora_jax.tasks.eval_set import LeakCounter, eval_prompts
-from dora_jax.tasks.prompt import Prompt
 from dora_jax.tasks.reward_scorer import RewardPoolScorer
 from dora_jax.trainer import Trainer
 from dora_jax.transport.in_process import WorkerThread
@@ -117,12 +115,12 @@ def run(
             lambda: abstract_like(trainer.params, trainer.param_shardings),
         )
         if restored is not None:
-            check_resumable(restored.meta["fingerprint"], fingerprint(config, setup))
+            resume.check_resumable(restored.meta["fingerprint"], resume.fingerprint(config, setup))
             trainer.load_state(restored.trainer_state, restored.meta["trainer_version"])
             for version in sorted(restored.versions):
                 store.publish(version, restored.versions[version])
             setup.task.source.restore(restored.meta["coordinator"]["extra"]["source"])
-            prompts.update({k: _prompt_from_json(v) for k, v in restored.meta["prompts"].items()})
+            prompts.update(resume.prompts_from_json(restored.meta["prompts"]))
     trainer.publish()
     trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
     engine_config = config.rollout.engine_config()
@@ -183,8 +181,8 @@ def run(
     if resuming:
         coord.restore(restored.meta["coordinator"] if restored else None)
     start_step = trainer.version
-    _trim_rows(fs.join(workdir, "metrics.jsonl"), start_step)
-    _trim_rows(fs.join(workdir, "eval_samples.jsonl"), start_step)
+    resume.trim_rows(fs.join(workdir, "metrics.jsonl"), start_step)
+    resume.trim_rows(fs.join(workdir, "eval_samples.jsonl"), start_step)
     metrics_writer = MetricsWriter(
         workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
     )
@@ -218,7 +216,7 @@ def run(
         t0 = time.perf_counter()
         try:
             _save_checkpoint(
-                checkpointer, trainer, store, coord, setup, prompts, fingerprint(config, setup), loop.is_alive
+                checkpointer, trainer, store, coord, setup, prompts, resume.fingerprint(config, setup), loop.is_alive
             )
         except (CheckpointError, OSError) as err:  # e.g. disk full: keep running on the previous one
             log.warning("%s; the previous checkpoint stays in use", err)
@@ -382,39 +380,6 @@ def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
 
 
 # --------------------------------------------------------------------------- checkpoints
-def fingerprint(config: RunConfig, setup: Setup) -> dict:
-    """What a resumed run may not change."""
-    model = {
-        k: str(v) for k, v in dataclasses.asdict(setup.model_config).items() if k not in models.COMPUTE_FIELDS
-    }  # same numbers
-    return {
-        "model": model,
-        "mode": config.mode,
-        "group_size": config.coordinator.group_size,
-        "k_max": config.coordinator.k_max,
-        "task": str(config.task.kind),
-        "seed": config.seed,
-    }
-
-
-def check_resumable(saved: dict, current: dict) -> None:
-    """Refuses a resume whose config changes what cannot change, listing every difference."""
-    problems = []
-    for key in ("mode", "group_size", "task", "seed"):
-        if saved.get(key) != current[key]:
-            problems.append(f"{key}: checkpoint {saved.get(key)!r}, config {current[key]!r}")
-    for key, value in current["model"].items():
-        if saved["model"].get(key) != value:
-            problems.append(f"model.{key}: checkpoint {saved['model'].get(key)}, config {value}")
-    if current["k_max"] < saved["k_max"]:
-        problems.append(
-            f"coordinator.k_max: checkpoint {saved['k_max']}, config {current['k_max']} (a smaller "
-            "window could strand trajectories admitted under the larger one)"
-        )
-    if problems:
-        raise ValueError("cannot resume this workdir with this config; differences:\n  " + "\n  ".join(problems))
-
-
 def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, loop_alive) -> None:
     coord.wait_for_version(trainer.version)
     # The loop thread takes the snapshot (it calls the ports); the trainer thread only waits.
@@ -424,48 +389,11 @@ def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, lo
             raise CheckpointError("the coordinator's loop has stopped: no snapshot for this checkpoint")
         concurrent.futures.wait([future], timeout=0.1)
     state = future.result()
-    requests = state["dispatched"] + state["backlog"]
-    needed = {r["version"] for r in requests} | {g["version"] for g in state["queue"]}
-    needed |= {g["version"] for g in state["groups"].values()} | {t["version"] for t in state["unscored"]}
-    needed.discard(trainer.version)
-    live = {r["prompt_id"] for r in requests} | {t["prompt_id"] for t in state["unscored"]}
-    meta = {
-        "coordinator": state,
-        "trainer_version": trainer.version,
-        "versions": sorted(needed),
-        "prompts": {pid: _prompt_to_json(prompts[pid]) for pid in sorted(live)},
-        "fingerprint": fp,
-    }
-    versions = {v: store.get(v, trainer.param_shardings, copy=False) for v in needed}
+    meta = resume.meta(state, trainer.version, resume.live_prompts(state, prompts), fp)
+    versions = {v: store.get(v, trainer.param_shardings, copy=False) for v in meta["versions"]}
     faults.before_checkpoint_save()
     checkpointer.save(trainer.version, trainer.state, versions, meta)
     faults.reached("checkpoint_save")
-
-
-def _prompt_to_json(prompt: Prompt) -> dict:
-    return dataclasses.asdict(prompt)
-
-
-def _prompt_from_json(data: dict) -> Prompt:
-    return Prompt(**{**data, "prompt_ids": tuple(data["prompt_ids"])})
-
-
-def _trim_rows(path: str, start_step: int) -> None:
-    """A resumed run rewrites the steps after its checkpoint (and re-evaluates from there): drop
-    the lost process's rows of metrics.jsonl / eval_samples.jsonl."""
-    if not fs.exists(path):
-        return
-    with fs.open(path) as f:
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] < start_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            continue  # a torn last row
-    with fs.open(path, "w") as f:
-        f.writelines(kept)
 
 
 def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:

@@ -69,6 +69,16 @@ class CoordinatorStub:
                 request_serializer=dora__jax_dot_transport_dot_dora__pb2.PublishedRequest.SerializeToString,
                 response_deserializer=dora__jax_dot_transport_dot_dora__pb2.PublishedReply.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/dora_jax.transport.Coordinator/Snapshot',
+                request_serializer=dora__jax_dot_transport_dot_dora__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=dora__jax_dot_transport_dot_dora__pb2.SnapshotReply.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/dora_jax.transport.Coordinator/Resume',
+                request_serializer=dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=dora__jax_dot_transport_dot_dora__pb2.ResumeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -119,6 +129,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +178,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportPublished,
                     request_deserializer=dora__jax_dot_transport_dot_dora__pb2.PublishedRequest.FromString,
                     response_serializer=dora__jax_dot_transport_dot_dora__pb2.PublishedReply.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=dora__jax_dot_transport_dot_dora__pb2.SnapshotRequest.FromString,
+                    response_serializer=dora__jax_dot_transport_dot_dora__pb2.SnapshotReply.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.FromString,
+                    response_serializer=dora__jax_dot_transport_dot_dora__pb2.ResumeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +379,60 @@ class Coordinator:
             '/dora_jax.transport.Coordinator/ReportPublished',
             dora__jax_dot_transport_dot_dora__pb2.PublishedRequest.SerializeToString,
             dora__jax_dot_transport_dot_dora__pb2.PublishedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dora_jax.transport.Coordinator/Snapshot',
+            dora__jax_dot_transport_dot_dora__pb2.SnapshotRequest.SerializeToString,
+            dora__jax_dot_transport_dot_dora__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dora_jax.transport.Coordinator/Resume',
+            dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.SerializeToString,
+            dora__jax_dot_transport_dot_dora__pb2.ResumeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,9 @@ slice id or slot count that does not match), open their `Commands` stream, `Hear
 each command with one `Ack` and post finished trajectories with `PostFinished` (in order: a worker
 posts what finished before it answers its next command, so an export's result finds the
 coordinator's view exact). The trainer registers too and calls `TakeBatch` (long-poll, idempotent
-per trainer version) and `ReportPublished`.
+per trainer version) and `ReportPublished`; `Snapshot` gives it the coordinator's state for its
+checkpoint, and `Resume` (told to in its `RegisterReply` when the workdir already held a run)
+hands a restored checkpoint's state back before its first `ReportPublished`.
 
 A rollout session ends when its stream breaks, its heartbeats stop for `heartbeat_timeout_s`, or a
 call to it fails; its port fails and the coordinator gets `post_slice_failed`. A worker that then
@@ -35,7 +37,7 @@ from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport import dora_pb2_grpc as pb_grpc
 from dora_jax.transport.port import GrpcRolloutPort
 
-PROTOCOL = 1  # bump on any incompatible change to dora.proto's meaning
+PROTOCOL = 2  # bump on any incompatible change to dora.proto's meaning
 MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch
 
 
@@ -79,8 +81,12 @@ class _Session:
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, identity: Identity, timing: Timing = Timing(), *, log=None):
+    def __init__(self, identity: Identity, timing: Timing = Timing(), *, resume: bool = False, log=None):
         self.identity = identity
+        self.resume = resume  # the workdir held a run: wait for the trainer's Resume
+        self.resume_state: dict | None = None  # what Resume handed over ({} for "start over")
+        self._snapshot_extra = None  # see attach()
+        self._live_prompts = None
         self.timing = timing
         self._log = log or (lambda message: print(f"[coordinator] {message}", file=sys.stderr, flush=True))
         self._cond = threading.Condition()
@@ -121,13 +127,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _ready(self) -> bool:
         slices = all(s in self.ports and self.ports[s].connected.is_set() for s in range(self.identity.num_slices))
-        return slices and self.initial_version is not None
+        resumed = not self.resume or self.resume_state is not None
+        return slices and self.initial_version is not None and resumed
 
-    def attach(self, backend, known_ports: Sequence[GrpcRolloutPort] = ()) -> None:
+    def attach(
+        self, backend, known_ports: Sequence[GrpcRolloutPort] = (), *, snapshot_extra=None, live_prompts=None
+    ) -> None:
         """Hands over the coordinator built from `known_ports` (what `wait_ready` returned); a
-        slice that joined since then joins it now."""
+        slice that joined since then joins it now. What only the coordinator's process knows goes
+        into a `Snapshot`: `snapshot_extra()` (taken with the state: the prompt source's position)
+        as the state's `extra`, and `live_prompts(state)` (the prompts it still refers to) under
+        `extra["prompts"]`."""
         with self._cond:
             self.backend = backend
+            self._snapshot_extra, self._live_prompts = snapshot_extra, live_prompts
             late = [p for p in self.ports.values() if p.connected.is_set() and p not in known_ports]
             self._cond.notify_all()
         for port in late:
@@ -199,7 +212,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             f"registered {pb.Role.Name(request.role).lower()} "
             f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}"
         )
-        return pb.RegisterReply(session=session_id, heartbeat_period_s=self.timing.heartbeat_period_s)
+        return pb.RegisterReply(
+            session=session_id,
+            heartbeat_period_s=self.timing.heartbeat_period_s,
+            resume=self.resume and request.role == pb.TRAINER,
+        )
 
     def _refusal(self, request: pb.RegisterRequest) -> str | None:
         ident = self.identity
@@ -365,7 +382,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     self.initial_version = version
                     self._published = version
                     self._cond.notify_all()
-                return pb.PublishedReply(oldest_needed=self.initial_version)
+                # Retire nothing yet: a resumed trainer has just published again the older
+                # versions its checkpoint's unconsumed work needs.
+                return pb.PublishedReply(oldest_needed=0)
             fresh = version > self._published
             self._published = max(self._published, version)
         if fresh:
@@ -373,6 +392,34 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 backend.record_behaviour(version - 1, dict(request.behaviour_digests))
             backend.post_published(version)
         return pb.PublishedReply(oldest_needed=min(backend.versions_needed() | {version}))
+
+    def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
+        self._session(request.session, context, pb.TRAINER)
+        with self._cond:
+            if not self.resume:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this run is not resuming (its ledger was new)")
+            if self.backend is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the coordinator is already running this run")
+            self.resume_state = json.loads(request.state_json) if request.has_state else {}
+            self._cond.notify_all()
+        return pb.ResumeReply()
+
+    def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+        """The coordinator's state once the trainer's publish of `trainer_version` is applied,
+        taken by its event loop (consistent with the ledger offset it records)."""
+        self._session(request.session, context, pb.TRAINER)
+        with self._cond:
+            backend, extra, live_prompts = self.backend, self._snapshot_extra, self._live_prompts
+        if backend is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no snapshot before the coordinator runs")
+        try:
+            backend.wait_for_version(int(request.trainer_version), timeout=self.timing.command_timeout_s)
+            state = backend.request_snapshot(extra).result(timeout=self.timing.command_timeout_s)
+        except Exception as err:  # the trainer keeps its previous checkpoint and says why
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"no snapshot: {type(err).__name__}: {err}")
+        if live_prompts is not None:
+            state["extra"]["prompts"] = live_prompts(state)
+        return pb.SnapshotReply(state_json=json.dumps(state))
 
 
 def make_server(service: CoordinatorService, port: int, *, host: str = "[::]", max_workers: int | None = None):

@@ -146,3 +146,56 @@ def test_every_role_works_on_a_gs_workdir(gcs_root):
     with fs.open(fs.join(workdir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
     assert _left_running(workdir) == []
+
+
+def test_a_pod_killed_at_once_resumes_from_its_checkpoint_when_launched_again(tmp_path):
+    """A spot preemption: every process SIGKILLed mid-run (the launcher, and with it each role,
+    through PDEATHSIG). The same launch on the same workdir resumes: the trainer from its newest
+    checkpoint, the coordinator from the state saved in it; the audit over the whole ledger is
+    clean, every step trained once, nothing trained twice or lost."""
+    workdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dora_jax.launch_local",
+            *TINY,
+            "--config.checkpoint.every_steps=1",
+            f"--workdir={workdir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 400
+    checkpoints, metrics = workdir / "checkpoints", workdir / "metrics.jsonl"
+    while not ((checkpoints / "2").is_dir() and metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the first launch ended before step 3"
+        time.sleep(0.2)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while _left_running(workdir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _left_running(workdir) == []
+    lost = list(read_ledger(str(workdir / "ledger.jsonl")))
+    assert sum(e["ev"] == "publish" for e in lost) < STEPS, "the run finished before it was killed"
+
+    proc = _launch(workdir, "--config.checkpoint.every_steps=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = _summary(proc)
+    assert summary["trainer_exit"] == 0 and summary["audit_ok"], summary
+    events = list(read_ledger(str(workdir / "ledger.jsonl")))
+    report = audit(events)
+    assert report.ok and report.resumes == 1, report.summary()
+    assert report.consumed == STEPS * TBS and not report.c1_violations
+    resumed = next(e for e in events if e["ev"] == "resume")
+    assert resumed["version"] >= 2 and resumed["ledger_offset"] > 0
+    assert resumed["in_flight"] > 0  # continued under their own version (the audit's C1), not regenerated
+    trainer_log = (workdir / "logs" / "trainer.log").read_text()
+    assert f"resumed from the checkpoint of step {resumed['version']}" in trainer_log
+    rows = [json.loads(line) for line in open(metrics)]
+    assert [r["step"] for r in rows] == list(range(STEPS))  # the lost run's later rows were dropped
+    assert _left_running(workdir) == []
