@@ -67,6 +67,19 @@ KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL th
 KILL_AFTER_S = flags.DEFINE_float(
     "kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, as soon as it holds requests"
 )
+KILL_ROLE = flags.DEFINE_enum(
+    "kill_role",
+    None,
+    ["trainer", "coordinator"],
+    "fault injection: SIGKILL this role's process once --kill_after_step steps are checkpointed",
+)
+KILL_AFTER_STEP = flags.DEFINE_integer("kill_after_step", 2, "see --kill_role")
+MAX_RESTARTS = flags.DEFINE_integer(
+    "max_restarts",
+    0,
+    "when the trainer or the coordinator dies, restart the whole job on the workdir this many times "
+    "(each restart resumes from the newest checkpoint)",
+)
 
 
 def main(argv):
@@ -93,6 +106,7 @@ def main(argv):
         "wall_s": round(wall, 1),
         "trainer_exit": outcome["trainer_exit"],
         "killed": outcome["killed"],
+        "restarts": outcome["restarts"],
     }
     ok = outcome["trainer_exit"] == 0
     if fs.exists(fs.join(workdir, "ledger.jsonl")):
@@ -138,15 +152,32 @@ def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]
 def launch(
     config, workdir: str, config_flags: list[str], *, trainer: tuple[int, int], rollout: tuple[int, int]
 ) -> dict:
-    """Starts every process, supervises them until the trainer ends, tears them down. `trainer` and
-    `rollout` are (hosts, devices per host) of the trainer slice and of each rollout slice."""
+    """Starts every process, supervises them until the trainer ends, tears them down; when the
+    trainer or the coordinator died, does it again (a resume) up to --max_restarts times.
+    `trainer` and `rollout` are (hosts, devices per host) of the trainer slice and of each rollout
+    slice."""
+    outcome = {"trainer_exit": None, "killed": None, "processes": 0, "restarts": 0}
+    while True:
+        stopped = _launch_once(config, workdir, config_flags, trainer, rollout, outcome)
+        if stopped or outcome["trainer_exit"] == 0 or outcome["restarts"] >= MAX_RESTARTS.value:
+            return outcome
+        outcome["restarts"] += 1
+        outcome["trainer_exit"] = None
+        _print(
+            f"restart {outcome['restarts']} of {MAX_RESTARTS.value}: launching the job again on {workdir} "
+            "(it resumes from its newest checkpoint)"
+        )
+
+
+def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout, outcome: dict) -> bool:
+    """One launch of every process until the trainer ends or something fails; True when stopped
+    by a signal."""
     logs = tempfile.mkdtemp(prefix="dora_launch_logs_") if fs.is_remote(workdir) else fs.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     port = PORT.value or _free_port()
     address = f"127.0.0.1:{port}"
     common = [*config_flags, f"--workdir={workdir}"]
     children: dict[str, subprocess.Popen] = {}
-    outcome = {"trainer_exit": None, "killed": None, "processes": 0}
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -177,7 +208,7 @@ def launch(
             signal.signal(s, handler)
     if stop["signal"] is not None:
         _print(f"interrupted by signal {stop['signal']}; every process was stopped")
-    return outcome
+    return stop["signal"] is not None
 
 
 _SETTLE_S = 2.0  # >> the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results
@@ -217,6 +248,10 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
                     )
                     _print(f"killed {outcome['killed']}")
         steps = _steps_done(workdir)
+        if KILL_ROLE.value and outcome["killed"] is None and _checkpointed(workdir) >= KILL_AFTER_STEP.value:
+            os.killpg(children[KILL_ROLE.value].pid, signal.SIGKILL)
+            outcome["killed"] = f"{KILL_ROLE.value} (SIGKILL after the checkpoint of step {_checkpointed(workdir)})"
+            _print(f"killed {outcome['killed']}")
         if steps != reported and steps % 5 == 0:
             reported = steps
             _print(f"trainer step {steps}/{num_steps}")
@@ -361,6 +396,13 @@ def _steps_done(workdir: str) -> int:
     with contextlib.suppress(OSError), fs.open(path) as f:
         return sum(1 for line in f if line.strip())
     return 0
+
+
+def _checkpointed(workdir: str) -> int:
+    """The newest finalised checkpoint step (orbax names it by its number), or -1."""
+    with contextlib.suppress(OSError):
+        return max((int(name) for name in fs.listdir(fs.join(workdir, "checkpoints")) if name.isdigit()), default=-1)
+    return -1
 
 
 def _tail(logs: str, name: str, lines: int = 20) -> str:

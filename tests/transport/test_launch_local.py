@@ -199,3 +199,27 @@ def test_a_pod_killed_at_once_resumes_from_its_checkpoint_when_launched_again(tm
     rows = [json.loads(line) for line in open(metrics)]
     assert [r["step"] for r in rows] == list(range(STEPS))  # the lost run's later rows were dropped
     assert _left_running(workdir) == []
+
+
+@pytest.mark.parametrize("role", ["trainer", "coordinator"])
+def test_a_killed_trainer_or_coordinator_is_restarted_and_the_job_resumes(tmp_path, role):
+    """--max_restarts: the job is launched again on its workdir when the trainer or the
+    coordinator dies, and resumes from the newest checkpoint; the audit over the whole ledger
+    stays clean."""
+    workdir = tmp_path / "run"
+    proc = _launch(
+        workdir,
+        "--config.checkpoint.every_steps=1",
+        f"--kill_role={role}",
+        "--kill_after_step=2",
+        "--max_restarts=1",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = _summary(proc)
+    assert summary["killed"].startswith(role) and summary["restarts"] == 1 and summary["audit_ok"], summary
+    events = list(read_ledger(str(workdir / "ledger.jsonl")))
+    report = audit(events)
+    assert report.ok and report.resumes == 1 and report.consumed == STEPS * TBS, report.summary()
+    assert next(e for e in events if e["ev"] == "resume")["version"] >= 2
+    assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == list(range(STEPS))
+    assert _left_running(workdir) == []
