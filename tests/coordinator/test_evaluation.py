@@ -211,14 +211,7 @@ def test_a_resumed_run_evaluates_under_new_round_ids_and_audits_clean(tmp_path):
     coord.start()
     rng = random.Random(0)
     first = coord.request_eval(0, 0, EVAL_PROMPTS, SAMPLES)  # e0: finishes before the checkpoint
-    version = 0
-    while version < 2 or not first.done():
-        tick_some(workers, rng)
-        coord.process()
-        if version < 2 and coord.try_take_batch(version) is not None:
-            version += 1
-            coord.post_published(version)
-            coord.process()
+    version = _train_until(coord, workers, rng, 0, 2, first)
     assert coord.stats.evals == 1
     coord.request_eval(version, version, EVAL_PROMPTS, SAMPLES)  # e1: in flight at the checkpoint
     coord.process()
@@ -230,13 +223,7 @@ def test_a_resumed_run_evaluates_under_new_round_ids_and_audits_clean(tmp_path):
     coord2.restore(state)
     coord2.start()
     future = coord2.request_eval(version, version, EVAL_PROMPTS, SAMPLES)
-    while version < 4 or not future.done():
-        tick_some(workers2, rng)
-        coord2.process()
-        if version < 4 and coord2.try_take_batch(version) is not None:
-            version += 1
-            coord2.post_published(version)
-            coord2.process()
+    _train_until(coord2, workers2, rng, version, 4, future)
     ledger2.close()
     events = list(read_ledger(path))
     assert [e["round"] for e in events if e["ev"] == "eval_start"] == ["e0", "e1", "e2"]
@@ -247,3 +234,15 @@ def test_a_resumed_run_evaluates_under_new_round_ids_and_audits_clean(tmp_path):
     assert report.eval_finished == 2 * per_round and report.eval_unfinished_at_end == per_round
     assert [r["round"] for r in report.evaluations] == ["e0", "e2"]
     assert report.consumed == 4 * 8
+
+
+def _train_until(coord, workers, rng, version, steps, future):
+    """Ticks and trains up to version `steps`, and on until `future` (an evaluation) is done."""
+    while version < steps or not future.done():
+        tick_some(workers, rng)
+        coord.process()
+        if version < steps and coord.try_take_batch(version) is not None:
+            version += 1
+            coord.post_published(version)
+            coord.process()
+    return version
