@@ -124,9 +124,8 @@ def test_train_cli_writes_config_ledger_metrics_and_audits(tmp_path):
 def test_a_gs_workdir_trains_checkpoints_resumes_and_audits_from_the_bucket(gcs_root, tmp_path):
     """Every file of the run on gs:// (a local GCS emulator): ledger, metrics, config.json,
     evaluation samples, TensorBoard events, the reward curve and orbax checkpoints; a second run
-    resumes from the bucket's checkpoint and ledger, and `python -m dora_jax.audit gs://...` audits it.
-    (The resumed run has no evaluation: resuming with evaluation on breaks the audit on local disk
-    too, a separate bug.)"""
+    resumes from the bucket's checkpoint and ledger, evaluating again under new round ids, and
+    `python -m dora_jax.audit gs://...` audits it."""
     workdir = fs.join(gcs_root, "run")
     cmd = _train_command(workdir, "--config.checkpoint.every_steps=1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -143,7 +142,7 @@ def test_a_gs_workdir_trains_checkpoints_resumes_and_audits_from_the_bucket(gcs_
         assert json.load(f)["mode"] == "dora"
 
     out = subprocess.run(
-        cmd + ["--config.num_steps=3", "--config.eval.every_steps=0"],
+        cmd + ["--config.num_steps=3"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -152,6 +151,7 @@ def test_a_gs_workdir_trains_checkpoints_resumes_and_audits_from_the_bucket(gcs_
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["resumed_from"] == 2 and summary["steps"] == 1 and summary["audit_ok"]
+    assert summary["eval"]["steps"] == [0, 2, 3]  # the last step's round, e2: not a reused id
     with fs.open(fs.join(workdir, "metrics.jsonl")) as f:
         assert [r["step"] for r in map(json.loads, f) if "reward_mean" in r] == [0, 1, 2]
     audit_out = subprocess.run([sys.executable, "-m", "dora_jax.audit", workdir], capture_output=True, text=True)
