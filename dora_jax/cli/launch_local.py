@@ -29,6 +29,12 @@ preemption does), it resumes that run: the trainer restores its newest checkpoin
 (`checkpoint.every_steps`), the coordinator the state saved in it, in-flight requests continue
 under their own version from their tokens so far, and the ledger's `resume` event voids what the
 lost processes wrote after the checkpoint (dora_jax.serve_coordinator, dora_jax.trainer_worker).
+With `--max_restarts=N` the launcher restarts a dead role by itself: a restarted trainer registers
+with the running coordinator, which goes back to the trainer's checkpoint (the rollout workers drop
+their requests and rejoin, engines warm); a restarted coordinator listens on the same port, the
+trainer goes back to its checkpoint and the workers rejoin; a restarted rollout worker rejoins.
+`--kill_role=trainer|coordinator --kill_after_step=S` SIGKILLs that role once the checkpoint of step
+S exists (fault injection).
 """
 
 from __future__ import annotations
@@ -77,8 +83,9 @@ KILL_AFTER_STEP = flags.DEFINE_integer("kill_after_step", 2, "see --kill_role")
 MAX_RESTARTS = flags.DEFINE_integer(
     "max_restarts",
     0,
-    "when the trainer or the coordinator dies, restart the whole job on the workdir this many times "
-    "(each restart resumes from the newest checkpoint)",
+    "start a dead role again, this many times in all: a trainer or coordinator restarted in place sends "
+    "the run back to its newest checkpoint while the other processes wait and rejoin; a role of several "
+    "processes relaunches the whole job, which resumes the same way",
 )
 
 
@@ -152,10 +159,10 @@ def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]
 def launch(
     config, workdir: str, config_flags: list[str], *, trainer: tuple[int, int], rollout: tuple[int, int]
 ) -> dict:
-    """Starts every process, supervises them until the trainer ends, tears them down; when the
-    trainer or the coordinator died, does it again (a resume) up to --max_restarts times.
-    `trainer` and `rollout` are (hosts, devices per host) of the trainer slice and of each rollout
-    slice."""
+    """Starts every process, supervises them until the trainer ends, tears them down. With
+    --max_restarts a dead single-process role is started again in place; a dead role that spans
+    several processes relaunches the whole job (a resume). `trainer` and `rollout` are (hosts,
+    devices per host) of the trainer slice and of each rollout slice."""
     outcome = {"trainer_exit": None, "killed": None, "processes": 0, "restarts": 0}
     while True:
         stopped = _launch_once(config, workdir, config_flags, trainer, rollout, outcome)
@@ -183,22 +190,35 @@ def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout
     def on_signal(signum, _frame):
         stop["signal"] = signum
 
+    roles = {  # name -> (module, args, (hosts, devices per host))
+        "coordinator": ("serve_coordinator", [*common, f"--port={port}"], (1, 1)),
+        "trainer": ("trainer_worker", [*common, f"--coordinator={address}"], trainer),
+    }
+    for sid in range(config.rollout.num_slices):
+        roles[f"rollout_{sid}"] = (
+            "rollout_worker",
+            [*common, f"--coordinator={address}", f"--slice_id={sid}"],
+            rollout,
+        )
+
+    def respawn(name: str) -> bool:
+        """Starts a dead single-process role again (a restarted coordinator listens on the same
+        port, so the others reconnect); False when no restart is left or the role spans hosts."""
+        module, args, hosts_devices = roles[name]
+        if outcome["restarts"] >= MAX_RESTARTS.value or hosts_devices[0] > 1:
+            return False
+        outcome["restarts"] += 1
+        _print(f"restart {outcome['restarts']} of {MAX_RESTARTS.value}: starting {name} again")
+        children[name] = _spawn(name, module, args, hosts_devices[1], logs)
+        return True
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        children["coordinator"] = _spawn("coordinator", "serve_coordinator", [*common, f"--port={port}"], 1, logs)
-        _spawn_slice(children, "trainer", "trainer_worker", [*common, f"--coordinator={address}"], trainer, logs)
-        for sid in range(config.rollout.num_slices):
-            _spawn_slice(
-                children,
-                f"rollout_{sid}",
-                "rollout_worker",
-                [*common, f"--coordinator={address}", f"--slice_id={sid}"],
-                rollout,
-                logs,
-            )
+        for name, (module, args, hosts_devices) in roles.items():
+            _spawn_slice(children, name, module, args, hosts_devices, logs)
         outcome["processes"] = len(children)
         _print(f"started {len(children)} processes (coordinator at {address}); logs in {logs}")
-        _supervise(children, workdir, logs, outcome, stop, config.num_steps)
+        _supervise(children, workdir, logs, outcome, stop, config.num_steps, respawn)
     finally:
         _teardown(children)
         if fs.is_remote(workdir):
@@ -215,20 +235,27 @@ _SETTLE_S = 2.0  # >> the ledger's flush interval (0.2 s) plus the coordinator's
 _SETTLE_MAX_S = 6.0  # far below the heartbeat timeout that would declare the stopped slice dead
 
 
-def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dict, num_steps: int) -> None:
+def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dict, num_steps: int, respawn) -> None:
     deadline = time.monotonic() + TIMEOUT_S.value
     dispatch_t, reported, exits_seen = None, -1, set()
     follower = _SliceLoad(fs.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
     while stop["signal"] is None:
         if children["trainer"].poll() is not None:
-            outcome["trainer_exit"] = children["trainer"].returncode
-            if outcome["trainer_exit"] != 0:
-                _print(f"the trainer exited with {outcome['trainer_exit']}:\n" + _tail(logs, "trainer"))
+            code = children["trainer"].returncode
+            if code != 0:
+                _print(f"the trainer exited with {code}:\n" + _tail(logs, "trainer"))
+                if respawn("trainer"):
+                    continue
+            outcome["trainer_exit"] = code
             return
         if children["coordinator"].poll() is not None:
             _print(f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(logs, "coordinator"))
+            if respawn("coordinator"):
+                continue
             return
-        for name, child in children.items():
+        for name, child in list(children.items()):
+            if name.startswith("rollout") and child.poll() not in (None, 0) and respawn(name):
+                continue
             if name.startswith("rollout") and child.poll() not in (None, 0) and name not in exits_seen:
                 exits_seen.add(name)
                 _print(

@@ -7,7 +7,10 @@ the trainer (`python -m dora_jax.trainer_worker`) has published its first versio
 dispatches. A workdir that already holds a ledger is resumed: the trainer restores its newest
 checkpoint and hands over the coordinator state saved in it (or says there is none: then the
 run starts over), which is restored before anything is dispatched; the ledger's `resume` event
-voids what the lost processes wrote after that checkpoint. It runs until SIGTERM/SIGINT (the
+voids what the lost processes wrote after that checkpoint. A trainer that registers while the run
+is going (it was restarted) sends the run back the same way: the rollout workers' sessions end
+(they drop their requests and join again, their engines warm) and the coordinator is rebuilt from
+the state in the trainer's checkpoint. It runs until SIGTERM/SIGINT (the
 launcher sends it when the trainer is done): then it tells the rollout workers to stop and
 exits. Uses no accelerator (JAX stays on the CPU).
 """
@@ -83,50 +86,56 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
     server, port = make_server(service, PORT.value)
     _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
     tokenizer = make_tokenizer(config)
-    task = make_task(task_config(config), tokenizer)
-    prompts: dict = {}
-
-    def next_prompt():
-        prompt = task.source.next()
-        prompts[prompt.prompt_id] = prompt
-        return prompt.prompt_id, prompt.prompt_ids
-
-    pool = task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
+    pool_task = make_task(task_config(config), tokenizer)
+    pool = pool_task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
     if resuming:
         repair_torn_tail(ledger_path)
         _log(f"{ledger_path} exists: resuming that run from the trainer's newest checkpoint")
     ledger = Ledger(ledger_path)
     coord, code = None, 0
     try:
-        ports, version = _wait_ready(service, stop)
-        if ports is None:
-            return 0
-        coord = Coordinator(
-            config.coordinator,
-            ports,
-            next_prompt,
-            RewardPoolScorer(pool, prompts, tokenizer.decode),
-            ledger,
-            initial_version=version,
-            on_slice_dropped=service.slice_dropped,
-        )
-        if resuming:
-            state = service.resume_state
-            if state:
-                task.source.restore(state["coordinator"]["extra"]["source"])
-                prompts.update(resume.prompts_from_json(state["prompts"]))
-            coord.restore(state["coordinator"] if state else None)
-            _log(f"restored the state of version {version}" if state else "no checkpoint: starting over")
-        service.attach(
-            coord,
-            list(ports.values()),
-            snapshot_extra=lambda: {"source": task.source.state()},
-            live_prompts=lambda state: resume.live_prompts(state, prompts),
-        )
-        _log(f"all roles joined; dispatching from version {version}")
-        coord.start()
-        while not stop.is_set():
-            coord.process(timeout=0.005)
+        while not stop.is_set():  # one pass per generation: a restarted trainer starts the next one
+            ports, version = _wait_ready(service, stop)
+            if ports is None:
+                return 0
+            generation = service.generation
+            # The prompt source and the prompts it handed out belong to one generation: a rewind
+            # restores the source's position from the checkpoint (or starts it over).
+            task = pool_task if generation == 0 else make_task(task_config(config), tokenizer)
+            prompts: dict = {}
+
+            def next_prompt(task=task, prompts=prompts):
+                prompt = task.source.next()
+                prompts[prompt.prompt_id] = prompt
+                return prompt.prompt_id, prompt.prompt_ids
+
+            coord = Coordinator(
+                config.coordinator,
+                ports,
+                next_prompt,
+                RewardPoolScorer(pool, prompts, tokenizer.decode),
+                ledger,
+                initial_version=version,
+                on_slice_dropped=service.slice_dropped,
+            )
+            if service.resume:
+                state = service.resume_state
+                if state:
+                    task.source.restore(state["coordinator"]["extra"]["source"])
+                    prompts.update(resume.prompts_from_json(state["prompts"]))
+                coord.restore(state["coordinator"] if state else None)
+                _log(f"restored the state of version {version}" if state else "no checkpoint: starting over")
+            service.attach(
+                coord,
+                list(ports.values()),
+                snapshot_extra=lambda task=task: {"source": task.source.state()},
+                live_prompts=lambda state, prompts=prompts: resume.live_prompts(state, prompts),
+            )
+            _log(f"all roles joined; dispatching from version {version}")
+            coord.start()
+            while not stop.is_set() and service.generation == generation:
+                coord.process(timeout=0.005)
+            coord.closed = True  # a rewind: what it posts from now on is never handled
     except Exception as err:  # the run cannot go on: the trainer's next TakeBatch says so
         _log(f"stopping: {type(err).__name__}: {err}")
         code = 1

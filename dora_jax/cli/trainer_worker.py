@@ -72,6 +72,7 @@ def train(config, workdir: str, client) -> None:
     from dora_jax.runtime.metrics import MetricsWriter
     from dora_jax.trainer import Trainer
     from dora_jax.transport import dora_pb2 as pb
+    from dora_jax.transport.client import CoordinatorUnreachable, SessionLost
 
     leader = client is not None
     channel = _host_channel() if jax.process_count() > 1 else None
@@ -114,18 +115,27 @@ def train(config, workdir: str, client) -> None:
             )
 
     try:
-        training_loop.train(
-            trainer,
-            source,
-            num_steps=config.num_steps,
-            pad_to=config.pad_to,
-            pad_id=setup.tokenizer.pad_id,
-            max_length=config.rollout.cache_length,
-            writer=writer,
-            after_step=checkpoints.after_step,
-            on_row=on_row,
-            start=start,
-        )
+        while True:
+            try:
+                training_loop.train(
+                    trainer,
+                    source,
+                    num_steps=config.num_steps,
+                    pad_to=config.pad_to,
+                    pad_id=setup.tokenizer.pad_id,
+                    max_length=config.rollout.cache_length,
+                    writer=writer,
+                    after_step=checkpoints.after_step,
+                    on_row=on_row,
+                    start=start,
+                )
+                break
+            except (SessionLost, CoordinatorUnreachable) as err:
+                if channel is not None or not checkpoints.steps():
+                    raise  # a multi-host trainer, or nothing to go back to: the job is relaunched
+                _log(f"lost the coordinator ({err}); joining again to resume from the newest checkpoint")
+                _rejoin(client, store, trainer, checkpoints)
+                report(trainer.version)
     except BaseException:
         source.abort()
         raise
@@ -139,6 +149,19 @@ def train(config, workdir: str, client) -> None:
         ),
         flush=True,
     )
+
+
+def _rejoin(client, store, trainer, checkpoints) -> None:
+    """A restarted coordinator: register again (it finds the ledger and asks for a resume), go
+    back to the newest checkpoint and publish its versions again."""
+    from dora_jax.transport import dora_pb2 as pb
+
+    if not client.register(pb.TRAINER, roles.identity_hash(), host_id=0).resume:
+        raise SystemExit("the coordinator answering now is not resuming this run; stopping")
+    store.rollback_to(-1)  # versions after the checkpoint are trained again, maybe differently
+    if not checkpoints.restore():
+        raise SystemExit("no checkpoint restores: relaunch the job (it starts over)")
+    trainer.publish()
 
 
 class _Checkpoints:
@@ -160,9 +183,10 @@ class _Checkpoints:
     def steps(self) -> list[int]:
         return self._checkpointer.steps()
 
-    def restore(self) -> None:
+    def restore(self) -> bool:
         """Loads the newest checkpoint that restores into the trainer and the store, and hands
-        its coordinator state to the coordinator (host 0); without one the run starts over."""
+        its coordinator state to the coordinator (host 0); without one the run starts over.
+        Returns whether a checkpoint was restored."""
         from dora_jax.runtime import resume
         from dora_jax.runtime.checkpoint import abstract_like
         from dora_jax.transport import dora_pb2 as pb
@@ -187,6 +211,7 @@ class _Checkpoints:
             )
             self._client.call("Resume", lambda t: self._client.stub.Resume(request, timeout=t))
             _log(f"resumed from the checkpoint of step {start}" if state else "no checkpoint restores: starting over")
+        return state is not None
 
     def after_step(self, step: int) -> dict:
         if not self._every or (step + 1) % self._every:

@@ -7,11 +7,13 @@ commands that arrived (submit, load a version, export, import, stop), answering 
 the next command runs. Fetching a version's params is the caller's `fetch_params(version)`
 (the tensorstore tier in `python -m dora_jax.rollout_worker`).
 
-Ends: a Stop command (returns "stopped"); the coordinator unreachable past the client deadline or
-its stream silent past `silence_s` (raises CoordinatorUnreachable); a command the worker cannot
-execute (answered with the error, then raised). If the coordinator ends the session (it declared
-the slice failed, e.g. after a stall) the agent drops its requests, which the coordinator has
-re-dispatched, and registers again: the slice rejoins with nothing loaded.
+Ends: a Stop command (returns "stopped"); the coordinator unreachable past the client deadline
+when joining (raises CoordinatorUnreachable); a command the worker cannot execute (answered with
+the error, then raised). If the coordinator ends the session (it declared the slice failed, e.g.
+after a stall, or a restarted trainer sent the run back to its checkpoint) or goes away (its
+stream breaks or falls silent past `silence_s`: a restarted coordinator comes back on the same
+address), the agent drops its requests, which the coordinator re-dispatches, and registers again:
+the slice rejoins with nothing loaded.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class RolloutAgent:
                 return self._serve()
             except SessionLost as err:
                 self._log(f"slice {self.worker.slice_id}: {err}; dropping its requests and joining again")
+            except CoordinatorUnreachable as err:  # a restarted coordinator re-dispatches from its checkpoint
+                self._log(
+                    f"slice {self.worker.slice_id}: {err}; dropping its requests and joining again once "
+                    "the coordinator answers"
+                )
             finally:
                 self._done.set()
                 stream.cancel()

@@ -85,6 +85,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.identity = identity
         self.resume = resume  # the workdir held a run: wait for the trainer's Resume
         self.resume_state: dict | None = None  # what Resume handed over ({} for "start over")
+        self.generation = 0  # bumped when a restarted trainer sends the run back to its checkpoint
         self._snapshot_extra = None  # see attach()
         self._live_prompts = None
         self.timing = timing
@@ -180,7 +181,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._log(f"refused {pb.Role.Name(request.role).lower()} from {request.host}: {problem}")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         session_id = uuid.uuid4().hex
+        rewind: list[GrpcRolloutPort] = []
         with self._cond:
+            if request.role == pb.TRAINER and request.host_id == 0 and self.backend is not None:
+                rewind = self._rewind()
             if request.role == pb.TRAINER:
                 old = self._trainers.get(request.host_id)
                 if old is not None:
@@ -208,6 +212,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._cond.notify_all()
         if request.role == pb.ROLLOUT and stale is not None:  # registered, died before its stream opened
             stale.fail("replaced by a new registration of its slice")
+        for port in rewind:  # each worker drops its requests and joins again with nothing loaded
+            port.fail("the trainer restarted: the run goes back to its newest checkpoint")
         self._log(
             f"registered {pb.Role.Name(request.role).lower()} "
             f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}"
@@ -217,6 +223,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             heartbeat_period_s=self.timing.heartbeat_period_s,
             resume=self.resume and request.role == pb.TRAINER,
         )
+
+    def _rewind(self) -> list[GrpcRolloutPort]:
+        """A trainer joined a running run (it was restarted): the trainer's state is back at its
+        newest checkpoint, so the coordinator must be too. Detaches the running coordinator (the
+        serving loop sees `generation` change, closes it and builds the next one from the state
+        the trainer hands over with Resume) and returns the rollout ports to end. Caller holds
+        self._cond."""
+        self.backend = None
+        self.generation += 1
+        self.resume, self.resume_state = True, None
+        self.initial_version, self._published, self._taken = None, -1, None
+        self._cond.notify_all()
+        self._log("the trainer joined a running run: going back to its newest checkpoint")
+        return list(self.ports.values())
 
     def _refusal(self, request: pb.RegisterRequest) -> str | None:
         ident = self.identity

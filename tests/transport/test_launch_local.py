@@ -202,10 +202,10 @@ def test_a_pod_killed_at_once_resumes_from_its_checkpoint_when_launched_again(tm
 
 
 @pytest.mark.parametrize("role", ["trainer", "coordinator"])
-def test_a_killed_trainer_or_coordinator_is_restarted_and_the_job_resumes(tmp_path, role):
-    """--max_restarts: the job is launched again on its workdir when the trainer or the
-    coordinator dies, and resumes from the newest checkpoint; the audit over the whole ledger
-    stays clean."""
+def test_a_killed_trainer_or_coordinator_is_restarted_in_place_and_the_run_resumes(tmp_path, role):
+    """--max_restarts: the dead role alone is started again; the run goes back to the trainer's
+    newest checkpoint while the other processes wait (the rollout workers drop their requests and
+    rejoin, never restarted); the audit over the whole ledger stays clean."""
     workdir = tmp_path / "run"
     proc = _launch(
         workdir,
@@ -220,6 +220,13 @@ def test_a_killed_trainer_or_coordinator_is_restarted_and_the_job_resumes(tmp_pa
     events = list(read_ledger(str(workdir / "ledger.jsonl")))
     report = audit(events)
     assert report.ok and report.resumes == 1 and report.consumed == STEPS * TBS, report.summary()
-    assert next(e for e in events if e["ev"] == "resume")["version"] >= 2
+    resumed = events.index(next(e for e in events if e["ev"] == "resume"))
+    assert events[resumed]["version"] >= 2
+    assert {e["slice"] for e in events[resumed:] if e["ev"] == "finish"} == {0, 1}  # both rejoined
     assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == list(range(STEPS))
+    starts = {name: (workdir / "logs" / f"{name}.log").read_text().count("==== ") for name in _ROLES}
+    assert starts == {name: 1 + (name == role) for name in _ROLES}  # only the killed role started twice
     assert _left_running(workdir) == []
+
+
+_ROLES = ("coordinator", "trainer", "rollout_0", "rollout_1")
