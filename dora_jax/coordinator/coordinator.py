@@ -10,6 +10,10 @@ and posts a `Taken` event: what follows a take runs on the loop, so the trainer 
 a port. Port calls (submit, export, import, load, progress) are made with the lock released, so a
 slow or hung slice never holds up the trainer's take; only the loop thread changes the slices'
 state, so what it planned under the lock still holds when the call returns.
+
+Beside it, one idea a module: its settings (config.py) and counters (stats.py), the training groups
+(groups.py), rewards (rewards.py), evaluation rounds (evaluation.py), the checkpoint's JSON
+(snapshot.py), and the pure decisions it acts on (orchestrator.py, legacy_fill.py, switching.py).
 """
 
 from __future__ import annotations
@@ -22,108 +26,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Protocol
 
-from dora_jax.coordinator import evaluation, events, legacy_fill, orchestrator
+from dora_jax.coordinator import evaluation, events, legacy_fill, orchestrator, snapshot, switching
+from dora_jax.coordinator.config import CoordinatorConfig
+from dora_jax.coordinator.groups import Groups, GroupState
 from dora_jax.coordinator.ledger import Ledger
 from dora_jax.coordinator.ports import RolloutPort
+from dora_jax.coordinator.rewards import Rewards, RewardScorer
+from dora_jax.coordinator.stats import CoordinatorStats
 from dora_jax.coordinator.transfer_queue import TransferQueue
-from dora_jax.core import records
 from dora_jax.core.modes import Supply, Switch, policy_for
-from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
-from dora_jax.core.window import staleness_bound, takes_for_newest, window_allows
-
-
-@dataclasses.dataclass(frozen=True)
-class CoordinatorConfig:
-    mode: str = "dora"
-    k_max: int = 2
-    rollout_batch_size: int = 32  # RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)
-    train_batch_size: int = 16  # TBS: samples per training step
-    group_size: int = 4  # G samples per prompt
-    max_new_tokens: int = 64
-    sampling: SamplingParams = SamplingParams()
-    stop_ids: tuple[int, ...] = ()
-    seed: int = 0
-    rebalance_period_s: float = 0.5  # periodic trigger
-    # dora: new groups at an older version fill that version's idle slots while the trainer can
-    # still consume them within C3 (dora_jax/coordinator/legacy_fill.py)
-    legacy_fill: bool = False
-
-    def validate(self, num_slices: int) -> None:
-        """Rejects inconsistent settings, naming the field."""
-        policy = policy_for(self.mode)
-        if self.group_size < 1:
-            raise ValueError(f"coordinator.group_size={self.group_size}; expected >= 1")
-        if self.train_batch_size % self.group_size:
-            raise ValueError(
-                f"coordinator.train_batch_size={self.train_batch_size} is not a multiple of "
-                f"coordinator.group_size={self.group_size}"
-            )
-        if self.rollout_batch_size % self.group_size:
-            raise ValueError(
-                f"coordinator.rollout_batch_size={self.rollout_batch_size} is not a multiple of "
-                f"coordinator.group_size={self.group_size}"
-            )
-        if policy.supply == Supply.STREAM:
-            if self.k_max < 1:
-                raise ValueError(f"coordinator.k_max={self.k_max}; mode {self.mode} needs k_max >= 1")
-            if self.rollout_batch_size < self.train_batch_size:
-                raise ValueError(
-                    f"coordinator.rollout_batch_size={self.rollout_batch_size} < train_batch_size="
-                    f"{self.train_batch_size}; mode {self.mode} keeps at least one batch in flight"
-                )
-            if self.rollout_batch_size > (self.k_max + 1) * self.train_batch_size:
-                raise ValueError(
-                    f"coordinator.rollout_batch_size={self.rollout_batch_size} exceeds (k_max + 1) * "
-                    f"train_batch_size={(self.k_max + 1) * self.train_batch_size}: the version window never lets "
-                    "more samples than K + 1 steps can train on be unconsumed, so it could never be reached"
-                )
-        if num_slices < 1:
-            raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
-        if self.legacy_fill and policy.switch != Switch.ORCHESTRATE:
-            raise ValueError(f"coordinator.legacy_fill=True needs mode dora (the orchestrator), got mode {self.mode}")
-
-    @property
-    def window(self) -> int:
-        return staleness_bound(self.mode, self.k_max)
-
-
-class RewardScorer(Protocol):
-    def submit(self, trajectory: Trajectory) -> Future[tuple[float, str | None]]:
-        """Scores off the critical path; resolves to (reward, error or None)."""
-
-
-@dataclasses.dataclass
-class _GroupState:
-    version: int
-    size: int
-    scored: dict = dataclasses.field(default_factory=dict)
-    dispatched_at: float | None = None  # clock at its first dispatch (for legacy fill's pace)
-    longest_s: float = 0.0  # the longest run time of its finished samples (legacy fill's pace)
-    legacy: bool = False  # started at an older version by legacy fill
-
-
-@dataclasses.dataclass
-class CoordinatorStats:
-    dispatched: int = 0
-    finished: int = 0
-    consumed: int = 0
-    migrations_kv: int = 0
-    migrations_queued: int = 0
-    interrupts: int = 0
-    rebalances: int = 0
-    switches: int = 0
-    reward_failures: int = 0
-    slice_failures: int = 0
-    redispatched: int = 0
-    late_finishes: int = 0  # finished on a slice already declared dead (re-dispatched meanwhile)
-    trainer_wait_s: float = 0.0
-    max_versions_in_flight: int = 0
-    eval_dispatched: int = 0  # evaluation requests (counted apart from the training samples above)
-    eval_finished: int = 0
-    evals: int = 0  # evaluation rounds completed
-    legacy_groups: int = 0  # groups started at an older version by legacy fill
+from dora_jax.core.records import Group, Request, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.window import takes_for_newest, window_allows
 
 
 class Coordinator:
@@ -151,10 +65,7 @@ class Coordinator:
         self.config = config
         self.policy = policy_for(config.mode)
         self.ports = dict(ports)
-        self._next_prompt = next_prompt
-        self._scorer = scorer
         self.ledger = ledger
-        self._forced_length = forced_length
         self._on_slice_dropped = on_slice_dropped
         self._clock = clock
         self._cost_timer = cost_timer
@@ -168,32 +79,31 @@ class Coordinator:
         self.slice_of: dict[str, int] = {}
         self.origin: dict[str, int] = {}
         self.backlog: list[Request] = []  # dispatched, waiting for a slice serving their version
-        self.groups: dict[str, _GroupState] = {}
-        self._group_samples = 0  # sum of the sizes of `groups` (kept, not recounted: a hot path)
+        self._pace = legacy_fill.Pace()  # observed group and step times (legacy fill's deadlines)
+        self._groups = Groups(config, next_prompt, forced_length, clock, self._pace)
         self._latest_counted = -1  # the newest version already counted in max_versions_in_flight
         self.queue = TransferQueue()
         self.stats = CoordinatorStats()
-        self.unscored: dict[str, Trajectory] = {}  # finished, reward not back yet
         self.dead: set[int] = set()  # failed slices (their port is gone from self.ports)
         self.draining: dict[int, int] = {}  # slice -> old version it loads once empty (re-dispatches)
         self._redispatch: set[str] = set()  # backlog ids that were dispatched before
-        self._unsent: set[str] = set()  # groups none of whose requests was ever sent: only these may be re-tagged
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
-        self._evals: dict[str, evaluation.EvalRound] = {}  # evaluation rounds not yet complete
-        self._eval_of: dict[str, str] = {}  # evaluation trajectory -> its round
-        self._eval_unfinished = 0  # evaluation requests dispatched or waiting, not finished
-        self._next_eval = 0
+        self._evaluation = evaluation.Rounds(config, ledger, self._count_eval)
         self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
+        self._rewards = Rewards(scorer, self._inbox.put)
         # A plain lock: `_port_call` releases it around each call, which a re-entrant lock held
         # twice would not do.
         self._cond = threading.Condition(threading.Lock())
-        self._next_group = 0
         self._last_rebalance = 0.0
-        self._pace = legacy_fill.Pace()  # observed group and step times (legacy fill's deadlines)
         # Seconds (by `cost_timer`) of the latest switching passes (placement, orchestrator,
         # migrations), port calls included: what one rebalance costs the control plane.
         self.switching_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.closed = False
+
+    @property
+    def groups(self) -> dict[str, GroupState]:
+        """The training groups in flight (not yet whole in the TransferQueue), by id."""
+        return self._groups.by_id
 
     # ------------------------------------------------------------------ events in
     def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None:
@@ -256,18 +166,10 @@ class Coordinator:
         with self._cond:  # events are taken only under the lock, so `_absorb` sees every one
             if timeout > 0 and self._inbox.empty():
                 self._cond.wait(timeout)  # posters do not notify (they must never block): poll
-            try:
-                event = self._inbox.get_nowait()
-            except queue.Empty:
-                event = None
-            while event is not None:
+            while (event := self._next_event()) is not None:
                 self._handle(event)
                 handled += 1
                 kinds.add(type(event))
-                try:
-                    event = self._inbox.get_nowait()
-                except queue.Empty:
-                    event = None
             # Finishes trigger once per batch of events, not once per event (the hot path).
             new = self._supply() if handled else []  # top up whenever the window allows, not only on a take
             finished = events.Finished in kinds and (self.policy.switch != Switch.ORCHESTRATE or self._pressure())
@@ -300,7 +202,10 @@ class Coordinator:
             case events.SliceJoined(port):
                 self._on_slice_joined(port)
             case events.EvalRequested():
-                self._on_eval_requested(event)
+                if requests := self._evaluation.start(event, self.latest):
+                    self.backlog += requests
+                    self._count_versions_in_flight()
+                    self._apply_switching()
             case events.SnapshotRequested(extra, result):
                 try:
                     result.set_result(self._snapshot(extra))
@@ -309,25 +214,24 @@ class Coordinator:
             case _:
                 raise TypeError(f"unknown coordinator event {event!r}")
 
+    def _next_event(self) -> events.Event | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
     # ------------------------------------------------------------------ dispatch
     def _unconsumed(self) -> int:
-        return self._group_samples + self.queue.num_samples
+        return self._groups.samples + self.queue.num_samples
 
     def _absorb(self) -> None:
         """Applies finished/scored events already in the inbox, without triggers. A worker posts
         what finished before it executes the next command, so after an export returns this makes
         the coordinator's view of that slice exact. Publishes are put back for `process`."""
         deferred = []
-        while True:
-            try:
-                event = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(event, events.Finished):
-                for traj in event.trajectories:
-                    self._on_finished(event.slice_id, traj)
-            elif isinstance(event, events.Scored):
-                self._on_scored(event.trajectory, event.reward, event.error)
+        while (event := self._next_event()) is not None:
+            if isinstance(event, events.Finished | events.Scored):
+                self._handle(event)
             else:
                 deferred.append(event)
         for event in deferred:
@@ -341,11 +245,11 @@ class Coordinator:
         elif supply == Supply.ONE_AHEAD:  # one_step_off: the next batch as the trainer takes one
             want = cfg.train_batch_size if (initial or after_take) and unconsumed == 0 else 0
         else:  # streaming: RBS in flight, and never more unconsumed than the takes that may still train on it
-            in_flight = len(self.requests) + len(self.backlog) - self._eval_unfinished
+            in_flight = len(self.requests) + len(self.backlog) - self._evaluation.unfinished
             want = min(cfg.rollout_batch_size - in_flight, self._takes_for_newest() * cfg.train_batch_size - unconsumed)
         new = []
         for _ in range(max(want, 0) // cfg.group_size):
-            new += self._new_group()
+            new += self._groups.start(self.latest)
         self.backlog += new
         if new:
             self._count_versions_in_flight()
@@ -356,36 +260,6 @@ class Coordinator:
         versions latest .. latest + K): K + 1 until the trainer has taken at `latest`, K after.
         Everything unconsumed is at most that new, so it must fit in these takes."""
         return takes_for_newest(self.config.window, self._taken_at, self.latest)
-
-    def _new_group(self, version: int | None = None) -> list[Request]:
-        """A new prompt's G requests, at the newest version unless `version` says otherwise."""
-        cfg = self.config
-        version = self.latest if version is None else version
-        group_id = f"g{self._next_group}"
-        self._next_group += 1
-        prompt_id, prompt_ids = self._next_prompt()
-        self.groups[group_id] = _GroupState(version, cfg.group_size, legacy=version != self.latest)
-        self._group_samples += cfg.group_size
-        self._unsent.add(group_id)
-        requests = []
-        for i in range(cfg.group_size):
-            traj_id = f"{group_id}/{i}"
-            sampling = records.request_sampling(cfg.sampling, cfg.seed, traj_id)
-            forced = self._forced_length(prompt_id, i) if self._forced_length else None
-            requests.append(
-                Request(
-                    traj_id,
-                    group_id,
-                    str(prompt_id),
-                    tuple(int(t) for t in prompt_ids),
-                    version,
-                    cfg.max_new_tokens,
-                    sampling,
-                    tuple(cfg.stop_ids),
-                    forced,
-                )
-            )
-        return requests
 
     def _send(self, requests: Sequence[Request], slice_id: int) -> None:
         for request in requests:
@@ -399,12 +273,9 @@ class Coordinator:
             self.origin.setdefault(request.traj_id, slice_id)
             self.slice_trajs[slice_id][request.traj_id] = None
             again = request.traj_id in self._redispatch
-            is_eval = request.traj_id in self._eval_of
-            group = self.groups.get(request.group_id)
-            if group is not None and group.dispatched_at is None:
-                group.dispatched_at = self._clock()
+            is_eval = request.traj_id in self._evaluation
+            group = self._groups.sent(request.group_id)
             self._redispatch.discard(request.traj_id)
-            self._unsent.discard(request.group_id)
             self.ledger.write(
                 "dispatch",
                 traj=request.traj_id,
@@ -475,31 +346,23 @@ class Coordinator:
             if sid in self.ports and not self.slice_trajs[sid]:
                 del self.draining[sid]
                 self._load(sid, version)
-        old: dict[int, list[Request]] = {}
-        for request in self.backlog:
-            if request.version != self.latest:
-                old.setdefault(request.version, []).append(request)
+        old = switching.by_old_version(self.backlog, self.latest)
         sent: set[str] = set()
         for version, requests in sorted(old.items()):
             serving = self._serving(version)
             if not serving and version not in self.draining.values():
                 empty = [s for s in self.ports if not self.slice_trajs[s] and s not in self.draining]
-                reserve = 1 if len(old) > 1 or any(r.version == self.latest for r in self.backlog) else 0
+                reserve = len(old) > 1 or any(r.version == self.latest for r in self.backlog)
                 slots = max(self._slots[s] for s in self.ports)
-                wanted = max(1, min(-(-len(requests) // slots), len(empty) - reserve))
-                for sid in empty[:wanted]:
+                for sid in switching.to_load(len(requests), empty, slots, reserve):
                     self._load(sid, version)
-                if not empty:
-                    candidates = [s for s in self.ports if s not in self.draining]
-                    if candidates:
-                        sid = min(candidates, key=lambda s: (len(self.slice_trajs[s]), s))
-                        self.draining[sid] = version
-                        self.ledger.write("drain", slice=sid, for_version=version)
+                if not empty and (sid := switching.to_drain(self.slice_trajs, self.draining)) is not None:
+                    self.draining[sid] = version
+                    self.ledger.write("drain", slice=sid, for_version=version)
                 serving = self._serving(version)
             for request in requests:
                 if serving:
-                    sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self._slots[s], s))
-                    self._send([request], sid)
+                    self._send([request], switching.least_loaded(serving, self.slice_trajs, self._slots))
                     sent.add(request.traj_id)
         if sent:
             self.backlog = [r for r in self.backlog if r.traj_id not in sent]
@@ -511,24 +374,13 @@ class Coordinator:
             if self.slice_version[s] == version and s not in self.draining and s not in self._failing
         ]
 
-    def _views(self) -> list[orchestrator.SliceView]:
-        return [
-            orchestrator.SliceView(sid, self.slice_version[sid], self._slots[sid], tuple(self.slice_trajs[sid]))
-            for sid in self.ports
-            if sid not in self.draining
-        ]
-
     def _orchestrate(self) -> None:
         self._absorb()
-        views = self._views()
+        views = orchestrator.views(self.slice_version, self._slots, self.slice_trajs, self.draining)
         if not views:
             return  # every live slice is draining for an old version
-        backlog, old = {}, []  # old: waiting for a draining slice
-        for r in self.backlog:
-            if r.version == self.latest:
-                backlog[r.traj_id] = r
-            else:
-                old.append(r)
+        backlog = {r.traj_id: r for r in self.backlog if r.version == self.latest}
+        old = [r for r in self.backlog if r.version != self.latest]  # waiting for a draining slice
         if self.config.legacy_fill:
             self._legacy_fill(views, backlog)
         plan = orchestrator.plan_rebalance(views, self.latest, list(backlog), self.origin)
@@ -544,16 +396,7 @@ class Coordinator:
         self.backlog = old + list(backlog.values())
         for sid, requests in sorted(by_slice.items()):
             self._send(requests, sid)
-        self._migrate(
-            [
-                m
-                for m in plan.fills
-                if m.src in self.ports
-                and m.dst in self.ports
-                and self.slice_version[m.src] == self.slice_version[m.dst]
-                and m.traj_id in self.slice_trajs[m.src]
-            ]
-        )
+        self._migrate(orchestrator.still_possible(plan.fills, self.slice_version, self.slice_trajs))
 
     def _legacy_fill(self, views: Sequence[orchestrator.SliceView], backlog: dict[str, Request]) -> None:
         """Groups at an older version on its slices' idle slots (legacy_fill.py), before the
@@ -562,39 +405,11 @@ class Coordinator:
         move to the old version; then new groups, as far as the window allows. Only on slices the
         orchestrator keeps at their version (filling one it would empty would hold it)."""
         g = self.config.group_size
-        loads: collections.Counter[int] = collections.Counter({self.latest: len(backlog)})
-        newest_free, old = 0, {}
-        for view in views:
-            if view.version is not None:
-                loads[view.version] += len(view.trajs)
-            if view.version == self.latest:
-                newest_free += max(view.free, 0)
-            elif not view.trajs:
-                newest_free += view.num_slots  # the orchestrator switches it to the newest version
-            elif view.version is not None and view.free >= g and view.slice_id not in self._failing:
-                old.setdefault(view.version, []).append(view)
-        targets = orchestrator.target_partition(loads, len(views), self.latest)
-        candidates = [
-            legacy_fill.OldSlice(v.slice_id, v.version, v.free)
-            for version, members in old.items()
-            if len(members) <= targets.get(version, 0)
-            for v in members
-        ]
+        candidates, newest_free = legacy_fill.candidates(views, self.latest, len(backlog), g, self._failing)
         if not candidates:
             return
-        ids_of: dict[str, list[str]] = {}  # unsent newest groups -> their ids in the backlog, in order
-        for traj_id, r in backlog.items():
-            if r.group_id in self._unsent:
-                ids_of.setdefault(r.group_id, []).append(traj_id)
-        movable = collections.deque(list(ids_of)[: max(len(backlog) - newest_free, 0) // g])
-        unconsumed: collections.Counter[int] = collections.Counter()
-        for version in self.queue.versions():
-            unconsumed[version] += g
-        now, ages = self._clock(), []
-        for group in self.groups.values():
-            unconsumed[group.version] += group.size
-            if group.legacy and group.dispatched_at is not None:
-                ages.append(now - group.dispatched_at)  # admitted at dispatch: its age is run time
+        movable = collections.deque(legacy_fill.movable_groups(backlog, self._groups.unsent, newest_free, g))
+        now = self._clock()
         fills = legacy_fill.plan(
             candidates,
             latest=self.latest,
@@ -602,34 +417,29 @@ class Coordinator:
             k=self.config.window,
             train_batch_size=self.config.train_batch_size,
             group_size=g,
-            unconsumed=unconsumed,
+            unconsumed=self._groups.unconsumed_by_version(self.queue.versions()),
             now=now,
             pace=self._pace,
-            running_ages=ages,
+            running_ages=self._groups.legacy_ages(now),
             movable_groups=len(movable),
         )
-        for sid, groups in fills:
+        for sid, count in fills:
             version = self.slice_version[sid]
-            for _ in range(groups):
+            for _ in range(count):
                 if movable:  # an unsent group of the newest version, re-tagged as a publish re-tags
-                    group_id = movable.popleft()
-                    self.groups[group_id].version, self.groups[group_id].legacy = version, True
-                    requests = [dataclasses.replace(backlog.pop(t), version=version) for t in ids_of[group_id]]
+                    group_id, traj_ids = movable.popleft()
+                    self._groups.move_to_legacy(group_id, version)
+                    requests = [dataclasses.replace(backlog.pop(t), version=version) for t in traj_ids]
                 else:
-                    requests = self._new_group(version)
+                    requests = self._groups.start(version, legacy=version != self.latest)
                 self._send(requests, sid)
                 self.stats.legacy_groups += 1
 
     def _switch_idle(self) -> None:
         """sync / one_step_off / partial_rollout: a slice loads the newest version only when empty;
         the backlog goes to slices serving its version, least loaded first."""
-        for sid in list(self.ports):
-            if (
-                sid not in self.draining
-                and not self.slice_trajs[sid]
-                and self.slice_version[sid] != self.latest
-                and any(r.version == self.latest for r in self.backlog)
-            ):
+        if any(r.version == self.latest for r in self.backlog):
+            for sid in switching.idle_behind(self.slice_version, self.slice_trajs, self.draining, self.latest):
                 self._load(sid, self.latest)
         remaining = []
         for request in self.backlog:
@@ -637,8 +447,7 @@ class Coordinator:
             if not serving:
                 remaining.append(request)
                 continue
-            sid = min(serving, key=lambda s: (len(self.slice_trajs[s]) / self._slots[s], s))
-            self._send([request], sid)
+            self._send([request], switching.least_loaded(serving, self.slice_trajs, self._slots))
         self.backlog = remaining
 
     def _load(self, slice_id: int, version: int) -> bool:
@@ -739,18 +548,10 @@ class Coordinator:
                 self._port_call(dst, "import_", items)
 
     def _pressure(self) -> bool:
-        """A slice has queued work while a same-version slice has free slots, or an old-version
-        slice sits empty while newer work waits."""
-        if self.backlog:
-            return True
-        # One pass (it runs on every batch of finishes; thousands of slices at pod scale): the
-        # versions with a slice that has a free slot; an over-full slice is never one of them.
-        free = {self.slice_version[o] for o in self.ports if len(self.slice_trajs[o]) < self._slots[o]}
-        for sid, trajs in self.slice_trajs.items():
-            v = self.slice_version[sid]
-            if (len(trajs) > self._slots[sid] and v in free) or (not trajs and v != self.latest):
-                return True
-        return False
+        """Work waits for a slice (the backlog, or `orchestrator.under_pressure`)."""
+        return bool(self.backlog) or orchestrator.under_pressure(
+            self.slice_version, self.slice_trajs, self._slots, self.latest
+        )
 
     # ------------------------------------------------------------------ partial rollout
     def _interrupt_all(self) -> None:
@@ -760,13 +561,12 @@ class Coordinator:
             self._absorb()
             if sid in self._failing:
                 continue  # dropped at the end of the cycle: what it holds is re-dispatched
-            for item in items:
-                del self.slice_trajs[sid][item.request.traj_id if isinstance(item, SlotState) else item.traj_id]
-            requests = [_as_request(item) for item in items]
+            requests = [switching.continuation(item) for item in items]
+            for request in requests:
+                del self.slice_trajs[sid][request.traj_id]
             if self.slice_version[sid] != self.latest and not self._load(sid, self.latest):
-                self.slice_trajs[sid].update(
-                    dict.fromkeys(r.traj_id for r in requests)
-                )  # re-dispatched when the slice is dropped
+                # Re-dispatched when the slice is dropped.
+                self.slice_trajs[sid].update(dict.fromkeys(r.traj_id for r in requests))
                 continue
             for request in requests:
                 self.stats.interrupts += 1
@@ -793,17 +593,13 @@ class Coordinator:
         self.requests.pop(traj.traj_id)
         sid = self.slice_of.pop(traj.traj_id)
         del self.slice_trajs[sid][traj.traj_id]
-        is_eval = traj.traj_id in self._eval_of
+        is_eval = traj.traj_id in self._evaluation
         if is_eval:
             self.stats.eval_finished += 1
-            self._eval_unfinished -= 1
+            self._evaluation.unfinished -= 1
         else:
             self.stats.finished += 1
-            group = self.groups.get(traj.group_id)
-            if group is not None and group.dispatched_at is not None:
-                # Decode time where the worker measured it, else (migrated) dispatch to finish here.
-                run_s = traj.decode_s if traj.decode_s > 0 else self._clock() - group.dispatched_at
-                group.longest_s = max(group.longest_s, run_s)
+            self._groups.finished(traj)
         self.ledger.write(
             "finish",
             traj=traj.traj_id,
@@ -815,34 +611,22 @@ class Coordinator:
             **({"eval": True} if is_eval else {}),
             **({"error": traj.error} if traj.error else {}),
         )
-        self._score(traj)
-
-    def _score(self, traj: Trajectory) -> None:
-        self.unscored[traj.traj_id] = traj
-        if traj.finish_reason == FinishReason.REJECTED:
-            self._inbox.put(events.Scored(traj, 0.0, f"rejected: {traj.error}"))
-            return
-        future = self._scorer.submit(traj)
-        future.add_done_callback(lambda f, t=traj: self._inbox.put(events.Scored(t, *_result(f))))
+        self._rewards.submit(traj)
 
     def _on_scored(self, traj: Trajectory, reward: float, error: str | None) -> None:
-        if self.unscored.pop(traj.traj_id, None) is None:
-            raise RuntimeError(f"{traj.traj_id} scored but not awaiting a reward")
-        if traj.traj_id in self._eval_of:
-            self._on_eval_scored(traj, reward, error)
+        self._rewards.received(traj)
+        if traj.traj_id in self._evaluation:
+            self._evaluation.scored(traj, reward, error)
             return
-        group = self.groups[traj.group_id]
-        group.scored[traj.traj_id] = ScoredTrajectory(traj, float(reward), error)
+        group = self._groups.scored(ScoredTrajectory(traj, float(reward), error))
         if error:
             self.stats.reward_failures += 1
             self.ledger.write("reward_error", traj=traj.traj_id, error=error)
-        if len(group.scored) == group.size:
-            del self.groups[traj.group_id]
-            if group.dispatched_at is not None:
-                self._pace.group_done(group.longest_s)
-            self._group_samples -= group.size
-            samples = tuple(group.scored[k] for k in sorted(group.scored, key=lambda k: int(k.rsplit("/", 1)[1])))
-            self.queue.put(Group(traj.group_id, group.version, samples))
+        if group is not None:
+            self.queue.put(group)
+
+    def _count_eval(self) -> None:
+        self.stats.evals += 1  # told by `Rounds` as a round completes (`restore` replaces `stats`)
 
     def _on_published(self, version: int) -> None:
         if version <= self.latest:
@@ -853,65 +637,12 @@ class Coordinator:
         # Whole groups that were never sent (no dispatch line yet) move to the newest version,
         # where new work belongs. The rest of the backlog keeps its version (C1): requests put back
         # from a dead slice or restored from a checkpoint, and groups partly sent already.
-        self.backlog = [
-            dataclasses.replace(r, version=version) if r.group_id in self._unsent else r for r in self.backlog
-        ]
-        for group_id in self._unsent:
-            self.groups[group_id].version = version
+        self.backlog = self._groups.retag_unsent(self.backlog, version)
         self._count_versions_in_flight()
         if self.policy.switch == Switch.INTERRUPT:
             self._interrupt_all()
         self._supply(after_publish=True)
         self._apply_switching()
-
-    # ------------------------------------------------------------------ evaluation
-    def _on_eval_requested(self, event: events.EvalRequested) -> None:
-        if event.version > self.latest:
-            event.result.set_exception(ValueError(f"evaluation of version {event.version}: newest is {self.latest}"))
-            return
-        round_id = f"e{self._next_eval}"
-        self._next_eval += 1
-        cfg = self.config
-        requests = evaluation.make_requests(
-            round_id,
-            event.version,
-            event.prompts,
-            event.samples,
-            max_new_tokens=cfg.max_new_tokens,
-            sampling=cfg.sampling,
-            stop_ids=tuple(cfg.stop_ids),
-            seed=cfg.seed,
-        )
-        run = evaluation.EvalRound(round_id, event.version, event.step, len(event.prompts), event.samples, event.result)
-        self.ledger.write("eval_start", round=round_id, version=event.version, step=event.step, requests=len(requests))
-        if not requests:
-            self._eval_done(run)
-            return
-        self._evals[round_id] = run
-        for request in requests:
-            self._eval_of[request.traj_id] = round_id
-        self._eval_unfinished += len(requests)
-        self.backlog += requests
-        self._count_versions_in_flight()
-        self._apply_switching()
-
-    def _on_eval_scored(self, traj: Trajectory, reward: float, error: str | None) -> None:
-        run = self._evals[self._eval_of[traj.traj_id]]
-        run.add(traj, float(reward), error)
-        if error:
-            self.ledger.write("reward_error", traj=traj.traj_id, error=error, eval=True)
-        if run.done:
-            del self._evals[run.round_id]
-            for traj_id in run.scored:
-                del self._eval_of[traj_id]
-            self._eval_done(run)
-
-    def _eval_done(self, run: evaluation.EvalRound) -> None:
-        summary = run.summary()
-        self.stats.evals += 1
-        self.ledger.write("eval", round=run.round_id, **summary)
-        responses = [run.scored[k] for k in sorted(run.scored)]
-        run.result.set_result({**summary, "responses": responses})
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self, extra: Callable[[], dict] | None = None) -> dict:
@@ -934,32 +665,22 @@ class Coordinator:
         self.ledger.flush()  # the offset counts only lines in the file
         extra_state = extra() if extra else {}
         # Evaluation requests are not saved: a round in flight at a checkpoint is lost with the process.
-        dispatched = [
-            progress.get(t, r) if progress.get(t, r).version == r.version else r
-            for t, r in self.requests.items()
-            if t not in self._eval_of
-        ]
-        return {
-            "latest": self.latest,
-            "next_group": self._next_group,
-            "next_eval": self._next_eval,  # round ids stay unique across a resume
-            "dispatched": [records.request_to_json(r) for r in dispatched],
-            "backlog": [records.request_to_json(r) for r in self.backlog if r.traj_id not in self._eval_of],
-            "redispatch": sorted(t for t in self._redispatch if t not in self._eval_of),
-            "groups": {
-                gid: {
-                    "version": g.version,
-                    "size": g.size,
-                    "scored": [records.scored_to_json(x) for x in g.scored.values()],
-                }
-                for gid, g in self.groups.items()
-            },
-            "unscored": [records.trajectory_to_json(t) for k, t in self.unscored.items() if k not in self._eval_of],
-            "queue": [records.group_to_json(g) for g in self.queue.peek_oldest(len(self.queue))],
-            "stats": dataclasses.asdict(self.stats),
-            "ledger_offset": self.ledger.lines_written,
-            "extra": extra_state,
-        }
+        evals = self._evaluation
+        saved = snapshot.Saved(
+            latest=self.latest,
+            next_group=self._groups.next_id,
+            next_eval=evals.next_round,
+            dispatched=snapshot.with_progress(self.requests, progress, skip=evals),
+            backlog=[r for r in self.backlog if r.traj_id not in evals],
+            redispatch=sorted(t for t in self._redispatch if t not in evals),
+            groups=self.groups,
+            unscored=[t for k, t in self._rewards.unscored.items() if k not in evals],
+            queue=self.queue.peek_oldest(len(self.queue)),
+            stats=self.stats,
+            ledger_offset=self.ledger.lines_written,
+            extra=extra_state,
+        )
+        return snapshot.to_json(saved)
 
     def restore(self, state: dict | None) -> None:
         """Continues from `snapshot()`, before `start()` and with nothing loaded on the slices:
@@ -968,43 +689,36 @@ class Coordinator:
         state (a run that died before its first checkpoint) everything before is voided."""
         with self._cond:
             if state is None:
-                self.ledger.write(
-                    "resume",
-                    ledger_offset=0,
-                    version=self.latest,
-                    in_flight=0,
-                    backlog=0,
-                    unconsumed_groups=0,
-                    prefix_tokens=0,
-                )
+                self._write_resume(0, (), 0, 0)
                 return
-            self.latest = int(state["latest"])
+            saved = snapshot.from_json(state)
+            self.latest = saved.latest
             self._taken_at = self.latest  # not known: assume taken, the smaller window (never more than C3 allows)
-            self._next_group = int(state["next_group"])
-            self._next_eval = int(state.get("next_eval", 0))
-            for gid, g in state["groups"].items():
-                scored = [records.scored_from_json(x) for x in g["scored"]]
-                self.groups[gid] = _GroupState(
-                    int(g["version"]), int(g["size"]), {x.trajectory.traj_id: x for x in scored}
-                )
-                self._group_samples += int(g["size"])
-            for g in state["queue"]:
-                self.queue.put(records.group_from_json(g))
-            self.stats = CoordinatorStats(**state["stats"])
-            dispatched = [records.request_from_json(r) for r in state["dispatched"]]
-            self.backlog = dispatched + [records.request_from_json(r) for r in state["backlog"]]
-            self._redispatch = set(state["redispatch"]) | {r.traj_id for r in dispatched}
-            self.ledger.write(
-                "resume",
-                ledger_offset=int(state["ledger_offset"]),
-                version=self.latest,
-                in_flight=len(dispatched),
-                backlog=len(state["backlog"]),
-                unconsumed_groups=len(self.queue) + len(self.groups),
-                prefix_tokens=sum(len(r.prefix_response_ids) for r in dispatched),
+            self._evaluation.next_round = saved.next_eval
+            self._groups.restore(saved.groups, saved.next_group)
+            for group in saved.queue:
+                self.queue.put(group)
+            self.stats = saved.stats
+            self.backlog = [*saved.dispatched, *saved.backlog]
+            self._redispatch = set(saved.redispatch) | {r.traj_id for r in saved.dispatched}
+            self._write_resume(
+                saved.ledger_offset, saved.dispatched, len(saved.backlog), len(self.queue) + len(self.groups)
             )
-            for data in state["unscored"]:
-                self._score(records.trajectory_from_json(data))
+            for traj in saved.unscored:
+                self._rewards.submit(traj)
+
+    def _write_resume(self, ledger_offset: int, dispatched: Sequence[Request], backlog: int, groups: int) -> None:
+        """The ledger's `resume` event (`groups`: how many are unconsumed): it voids what the lost
+        process wrote after `ledger_offset`."""
+        self.ledger.write(
+            "resume",
+            ledger_offset=ledger_offset,
+            version=self.latest,
+            in_flight=len(dispatched),
+            backlog=backlog,
+            unconsumed_groups=groups,
+            prefix_tokens=sum(len(r.prefix_response_ids) for r in dispatched),
+        )
 
     def wait_for_version(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until the publish of `version` has been applied (the event loop runs it)."""
@@ -1025,11 +739,7 @@ class Coordinator:
             need = self.config.train_batch_size // self.config.group_size
             if len(self.queue) < need:
                 return None
-            rest: collections.Counter[int] = collections.Counter()
-            for v in itertools.islice(self.queue.versions(), need, None):
-                rest[v] += self.config.group_size
-            for g in self.groups.values():
-                rest[g.version] += g.size
+            rest = self._groups.unconsumed_by_version(itertools.islice(self.queue.versions(), need, None))
             if not window_allows(rest, trainer_version, self.config.window, self.config.train_batch_size):
                 return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
@@ -1063,23 +773,3 @@ class Coordinator:
                 raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
             with self._cond:
                 self._cond.wait(0.05)
-
-
-def _as_request(item) -> Request:
-    if isinstance(item, Request):
-        return item
-    r = item.request
-    return dataclasses.replace(
-        r,
-        prefix_response_ids=tuple(item.response_ids),
-        prefix_logprobs=tuple(item.logprobs),
-        prefix_versions=tuple(item.token_versions),
-    )
-
-
-def _result(future: Future) -> tuple[float, str | None]:
-    try:
-        reward, error = future.result()
-    except Exception as err:  # the scorer itself failed: mask the sample, keep the run
-        return 0.0, f"scorer error: {type(err).__name__}: {err}"
-    return reward, error

@@ -19,14 +19,19 @@ The longest group time is the longest of the recently completed groups (a migrat
 from its group's dispatch, an upper bound) and of the legacy groups still running (their age so
 far: they started at dispatch), so a slow legacy tail raises it before it finishes. As v + K
 nears, the deadline closes and filling stops by itself.
+
+`candidates` and `movable_groups` pick, from the orchestrator's views and the backlog, the slices a
+fill may use and the unsent groups it may move there; `plan` decides how many groups each takes.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
+from dora_jax.coordinator import orchestrator
+from dora_jax.core.records import Request
 from dora_jax.core.window import window_fits
 
 
@@ -65,6 +70,53 @@ class OldSlice:
     slice_id: int
     version: int
     free: int  # slots with nothing admitted or queued
+
+
+def candidates(
+    views: Sequence[orchestrator.SliceView],
+    latest: int,
+    unsent_latest: int,
+    group_size: int,
+    failing: Container[int],
+) -> tuple[list[OldSlice], int]:
+    """The old-version slices a fill may use, and the free slots the newest version will have.
+
+    A slice qualifies with a group's worth of free slots, and only where the orchestrator keeps its
+    version at its number of slices (filling a slice it would empty would hold it). `unsent_latest`
+    counts the newest version's requests not yet on a slice, which the orchestrator places next.
+    """
+    loads: collections.Counter[int] = collections.Counter({latest: unsent_latest})
+    newest_free, old = 0, {}
+    for view in views:
+        if view.version is not None:
+            loads[view.version] += len(view.trajs)
+        if view.version == latest:
+            newest_free += max(view.free, 0)
+        elif not view.trajs:
+            newest_free += view.num_slots  # the orchestrator switches it to the newest version
+        elif view.version is not None and view.free >= group_size and view.slice_id not in failing:
+            old.setdefault(view.version, []).append(view)
+    targets = orchestrator.target_partition(loads, len(views), latest)
+    slices = [
+        OldSlice(v.slice_id, v.version, v.free)
+        for version, members in old.items()
+        if len(members) <= targets.get(version, 0)
+        for v in members
+    ]
+    return slices, newest_free
+
+
+def movable_groups(
+    backlog: Mapping[str, Request], unsent: Container[str], newest_free: int, group_size: int
+) -> list[tuple[str, list[str]]]:
+    """Whole groups of `backlog` (none of their requests ever sent) that a fill may move to an old
+    version, with their request ids in order: as many, first ones first, as the newest version's
+    `newest_free` slots leave without a slot (they would queue there)."""
+    ids_of: dict[str, list[str]] = {}
+    for traj_id, request in backlog.items():
+        if request.group_id in unsent:
+            ids_of.setdefault(request.group_id, []).append(traj_id)
+    return list(ids_of.items())[: max(len(backlog) - newest_free, 0) // group_size]
 
 
 def plan(

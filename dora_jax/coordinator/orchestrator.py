@@ -11,6 +11,10 @@ returns what to do; the coordinator carries it out through the ports. One cycle:
      slices and idle old-version slices switch to the newest version;
   4. fill: queued (not yet admitted) requests move from over-full slices to same-version slices
      with free slots; new requests go to the newest version's least-loaded slices.
+
+`views` builds the planner's input from the coordinator's tables, `still_possible` drops the fills
+that the plan's earlier steps made void, and `under_pressure` is the trigger the coordinator checks
+as requests finish.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,46 @@ def plan_rebalance(
     placements = _place(new_trajs, [sid for sid in version if version[sid] == newest], trajs, slots)
     fills = _fill(version, trajs, slots)
     return Plan(tuple(migrations), tuple(switches), tuple(placements), tuple(fills), targets)
+
+
+def views(
+    versions: Mapping[int, int | None],
+    slots: Mapping[int, int],
+    trajs: Mapping[int, Collection[str]],
+    draining: Container[int],
+) -> list[SliceView]:
+    """The live slices (those in `trajs`) as the planner sees them, less those draining for an
+    old version (they take no new work)."""
+    return [
+        SliceView(sid, versions[sid], slots[sid], tuple(held)) for sid, held in trajs.items() if sid not in draining
+    ]
+
+
+def under_pressure(
+    versions: Mapping[int, int | None], trajs: Mapping[int, Collection[str]], slots: Mapping[int, int], newest: int
+) -> bool:
+    """A slice has queued work while a same-version slice has free slots, or an old-version
+    slice sits empty while newer work waits (per slice: its version, requests and slots)."""
+    # One pass (it runs on every batch of finishes; thousands of slices at pod scale): the
+    # versions with a slice that has a free slot; an over-full slice is never one of them.
+    free = {versions[s] for s in trajs if len(trajs[s]) < slots[s]}
+    for sid, held in trajs.items():
+        v = versions[sid]
+        if (len(held) > slots[sid] and v in free) or (not held and v != newest):
+            return True
+    return False
+
+
+def still_possible(
+    moves: Sequence[Migration], versions: Mapping[int, int | None], trajs: Mapping[int, Collection[str]]
+) -> list[Migration]:
+    """The planned moves that still hold once the plan's earlier steps ran: both slices live (in
+    `trajs`) and at one version, the request still on its source (it may have finished)."""
+    return [
+        m
+        for m in moves
+        if m.src in trajs and m.dst in trajs and versions[m.src] == versions[m.dst] and m.traj_id in trajs[m.src]
+    ]
 
 
 class _MostFree:

@@ -1,0 +1,65 @@
+"""The coordinator's settings: the mode, the version window and the batch sizes, checked once at
+start against the number of rollout slices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dora_jax.core.modes import Supply, Switch, policy_for
+from dora_jax.core.records import SamplingParams
+from dora_jax.core.window import staleness_bound
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    mode: str = "dora"
+    k_max: int = 2
+    rollout_batch_size: int = 32  # RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)
+    train_batch_size: int = 16  # TBS: samples per training step
+    group_size: int = 4  # G samples per prompt
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    rebalance_period_s: float = 0.5  # periodic trigger
+    # dora: new groups at an older version fill that version's idle slots while the trainer can
+    # still consume them within C3 (dora_jax/coordinator/legacy_fill.py)
+    legacy_fill: bool = False
+
+    def validate(self, num_slices: int) -> None:
+        """Rejects inconsistent settings, naming the field."""
+        policy = policy_for(self.mode)
+        if self.group_size < 1:
+            raise ValueError(f"coordinator.group_size={self.group_size}; expected >= 1")
+        if self.train_batch_size % self.group_size:
+            raise ValueError(
+                f"coordinator.train_batch_size={self.train_batch_size} is not a multiple of "
+                f"coordinator.group_size={self.group_size}"
+            )
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError(
+                f"coordinator.rollout_batch_size={self.rollout_batch_size} is not a multiple of "
+                f"coordinator.group_size={self.group_size}"
+            )
+        if policy.supply == Supply.STREAM:
+            if self.k_max < 1:
+                raise ValueError(f"coordinator.k_max={self.k_max}; mode {self.mode} needs k_max >= 1")
+            if self.rollout_batch_size < self.train_batch_size:
+                raise ValueError(
+                    f"coordinator.rollout_batch_size={self.rollout_batch_size} < train_batch_size="
+                    f"{self.train_batch_size}; mode {self.mode} keeps at least one batch in flight"
+                )
+            if self.rollout_batch_size > (self.k_max + 1) * self.train_batch_size:
+                raise ValueError(
+                    f"coordinator.rollout_batch_size={self.rollout_batch_size} exceeds (k_max + 1) * "
+                    f"train_batch_size={(self.k_max + 1) * self.train_batch_size}: the version window never lets "
+                    "more samples than K + 1 steps can train on be unconsumed, so it could never be reached"
+                )
+        if num_slices < 1:
+            raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
+        if self.legacy_fill and policy.switch != Switch.ORCHESTRATE:
+            raise ValueError(f"coordinator.legacy_fill=True needs mode dora (the orchestrator), got mode {self.mode}")
+
+    @property
+    def window(self) -> int:
+        return staleness_bound(self.mode, self.k_max)

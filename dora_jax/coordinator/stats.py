@@ -1,0 +1,28 @@
+"""The coordinator's counters, which the runner and the simulator report; a checkpoint keeps them,
+so that a resumed run counts on from where it stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CoordinatorStats:
+    dispatched: int = 0
+    finished: int = 0
+    consumed: int = 0
+    migrations_kv: int = 0
+    migrations_queued: int = 0
+    interrupts: int = 0
+    rebalances: int = 0
+    switches: int = 0
+    reward_failures: int = 0
+    slice_failures: int = 0
+    redispatched: int = 0
+    late_finishes: int = 0  # finished on a slice already declared dead (re-dispatched meanwhile)
+    trainer_wait_s: float = 0.0
+    max_versions_in_flight: int = 0
+    eval_dispatched: int = 0  # evaluation requests (counted apart from the training samples above)
+    eval_finished: int = 0
+    evals: int = 0  # evaluation rounds completed
+    legacy_groups: int = 0  # groups started at an older version by legacy fill
