@@ -5,8 +5,8 @@ Runs one job as separate processes on this machine, as a pod would: the coordina
 rollout workers (`dora_jax.rollout_worker`), each on its own fake CPU devices
 (JAX_PLATFORMS=cpu, XLA_FLAGS=--xla_force_host_platform_device_count=<its mesh's size>), talking
 gRPC on localhost; versions go through DIR/versions. The trainer runs the SFT cold start (others
-wait for its first version). When the trainer has done `num_steps` the launcher stops the
-coordinator (which stops the workers), tears everything down (also on Ctrl-C or a failure: each
+wait for its first version). When the trainer has done `num_steps` it tells the coordinator, which
+stops the workers and exits; the launcher tears everything down (also on Ctrl-C or a failure: each
 child is its own process group, killed whole, and dies with the launcher), audits DIR/ledger.jsonl
 and prints the summary. Logs: DIR/logs/<role>.log (with a gs:// DIR written locally while the job
 runs, then copied there). Exit status: 0 when the trainer finished and the audit is clean.
@@ -248,8 +248,9 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
                     continue
             outcome["trainer_exit"] = code
             return
-        if children["coordinator"].poll() is not None:
-            _print(f"the coordinator exited with {children['coordinator'].returncode}:\n" + _tail(logs, "coordinator"))
+        code = children["coordinator"].poll()
+        if code not in (None, 0):  # 0: the trainer called Finish and is about to exit too
+            _print(f"the coordinator exited with {code}:\n" + _tail(logs, "coordinator"))
             if respawn("coordinator"):
                 continue
             return

@@ -10,9 +10,9 @@ run starts over), which is restored before anything is dispatched; the ledger's 
 voids what the lost processes wrote after that checkpoint. A trainer that registers while the run
 is going (it was restarted) sends the run back the same way: the rollout workers' sessions end
 (they drop their requests and join again, their engines warm) and the coordinator is rebuilt from
-the state in the trainer's checkpoint. It runs until SIGTERM/SIGINT (the
-launcher sends it when the trainer is done): then it tells the rollout workers to stop and
-exits. Uses no accelerator (JAX stays on the CPU).
+the state in the trainer's checkpoint. It runs until the trainer says it is done (`Finish`) or
+SIGTERM/SIGINT: then it tells the rollout workers to stop and exits (0 when the trainer
+finished). Uses no accelerator (JAX stays on the CPU).
 """
 
 from __future__ import annotations
@@ -135,6 +135,9 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
             coord.start()
             while not stop.is_set() and service.generation == generation:
                 coord.process(timeout=0.005)
+                if service.finished.is_set():
+                    _log("the trainer is done: stopping the rollout workers")
+                    return 0
             coord.closed = True  # a rewind: what it posts from now on is never handled
     except Exception as err:  # the run cannot go on: the trainer's next TakeBatch says so
         _log(f"stopping: {type(err).__name__}: {err}")

@@ -5,8 +5,9 @@ coordinator first (a wrong config or package version is refused before any work)
 run's setup (the SFT cold start of a fresh model runs here, once, cached in W/sft), publishes
 version 0 to the ParamStore's tensorstore tier (W/versions unless --versions) and reports it;
 then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> publish ->
-ReportPublished, retiring the versions the coordinator no longer needs. Writes W/metrics.jsonl
-(and TensorBoard events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
+ReportPublished, retiring the versions the coordinator no longer needs; at the end `Finish`
+(the coordinator stops the rollout workers and exits). Writes W/metrics.jsonl (and TensorBoard
+events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
 
 Every `checkpoint.every_steps` steps it saves a run checkpoint (W/checkpoints, as the embedded
 run does: trainer state, the older versions still needed, and the coordinator's state from its
@@ -143,6 +144,9 @@ def train(config, workdir: str, client) -> None:
         if writer is not None:
             writer.close()
         checkpoints.close()
+    if leader:  # after the last checkpoint: the coordinator stops the workers and exits
+        finish = pb.FinishRequest(session=client.session)
+        client.call("Finish", lambda t: client.stub.Finish(finish, timeout=t))
     print(
         json.dumps(
             {"steps": config.num_steps, "version": trainer.version, "wall_s": round(time.perf_counter() - start, 2)}

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=dora__jax_dot_transport_dot_dora__pb2.ResumeReply.FromString,
                 _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/dora_jax.transport.Coordinator/Finish',
+                request_serializer=dora__jax_dot_transport_dot_dora__pb2.FinishRequest.SerializeToString,
+                response_deserializer=dora__jax_dot_transport_dot_dora__pb2.FinishReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -141,6 +146,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Finish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +199,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.FromString,
                     response_serializer=dora__jax_dot_transport_dot_dora__pb2.ResumeReply.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=dora__jax_dot_transport_dot_dora__pb2.FinishRequest.FromString,
+                    response_serializer=dora__jax_dot_transport_dot_dora__pb2.FinishReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -433,6 +449,33 @@ class Coordinator:
             '/dora_jax.transport.Coordinator/Resume',
             dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.SerializeToString,
             dora__jax_dot_transport_dot_dora__pb2.ResumeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dora_jax.transport.Coordinator/Finish',
+            dora__jax_dot_transport_dot_dora__pb2.FinishRequest.SerializeToString,
+            dora__jax_dot_transport_dot_dora__pb2.FinishReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,7 @@ class RolloutAgent:
         self._seq = 0
         self.busy_s = 0.0
         self.rejoins = 0
+        self._reader: threading.Thread | None = None
 
     # ------------------------------------------------------------------ session
     def register(self) -> None:
@@ -74,23 +75,29 @@ class RolloutAgent:
             self._done.clear()
             stream = self.client.stub.Commands(pb.CommandsRequest(session=session))  # open for the session's life
             reader = threading.Thread(target=self._read_commands, args=(stream,), daemon=True, name="commands")
+            self._reader = reader
             beater = threading.Thread(target=self._beat, args=(session,), daemon=True, name="heartbeat")
             reader.start()
             beater.start()
             try:
                 return self._serve()
-            except SessionLost as err:
-                self._log(f"slice {self.worker.slice_id}: {err}; dropping its requests and joining again")
-            except CoordinatorUnreachable as err:  # a restarted coordinator re-dispatches from its checkpoint
-                self._log(
-                    f"slice {self.worker.slice_id}: {err}; dropping its requests and joining again once "
-                    "the coordinator answers"
-                )
+            except (SessionLost, CoordinatorUnreachable) as err:
+                stop = self._stop_behind()
+                if stop is not None:
+                    return f"stopped: {stop}"
+                lost = err
             finally:
                 self._done.set()
                 stream.cancel()
                 reader.join(timeout=5)
                 beater.join(timeout=5)
+            if isinstance(lost, SessionLost):
+                self._log(f"slice {self.worker.slice_id}: {lost}; dropping its requests and joining again")
+            else:  # a restarted coordinator re-dispatches from its checkpoint
+                self._log(
+                    f"slice {self.worker.slice_id}: {lost}; dropping its requests and joining again once "
+                    "the coordinator answers"
+                )
             self._reset()
             self.rejoins += 1
             self.register()
@@ -173,6 +180,20 @@ class RolloutAgent:
                 self.busy_s += time.perf_counter() - start
                 if finished:
                     self._post_finished(finished)
+
+    def _stop_behind(self) -> str | None:
+        """At the end of a run the coordinator queues Stop and ends the session: a heartbeat may
+        learn of the end before the stream delivers the Stop. Lets the stream finish (briefly)
+        and returns the reason of a Stop found behind the loss, if any."""
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return None
+            if item[0] == "command" and item[1].WhichOneof("kind") == "stop":
+                return item[1].stop.reason
 
     def _execute(self, command: pb.Command, arrays: list[np.ndarray]) -> None:
         kind = command.WhichOneof("kind")

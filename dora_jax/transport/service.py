@@ -6,8 +6,9 @@ each command with one `Ack` and post finished trajectories with `PostFinished` (
 posts what finished before it answers its next command, so an export's result finds the
 coordinator's view exact). The trainer registers too and calls `TakeBatch` (long-poll, idempotent
 per trainer version) and `ReportPublished`; `Snapshot` gives it the coordinator's state for its
-checkpoint, and `Resume` (told to in its `RegisterReply` when the workdir already held a run)
-hands a restored checkpoint's state back before its first `ReportPublished`.
+checkpoint, `Resume` (told to in its `RegisterReply` when the workdir already held a run)
+hands a restored checkpoint's state back before its first `ReportPublished`, and `Finish` says
+the run is over (the coordinator then stops the workers and exits).
 
 A rollout session ends when its stream breaks, its heartbeats stop for `heartbeat_timeout_s`, or a
 call to it fails; its port fails and the coordinator gets `post_slice_failed`. A worker that then
@@ -85,6 +86,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.identity = identity
         self.resume = resume  # the workdir held a run: wait for the trainer's Resume
         self.resume_state: dict | None = None  # what Resume handed over ({} for "start over")
+        self.finished = threading.Event()  # the trainer called Finish: the run is over
         self.generation = 0  # bumped when a restarted trainer sends the run back to its checkpoint
         self._snapshot_extra = None  # see attach()
         self._live_prompts = None
@@ -440,6 +442,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if live_prompts is not None:
             state["extra"]["prompts"] = live_prompts(state)
         return pb.SnapshotReply(state_json=json.dumps(state))
+
+    def Finish(self, request: pb.FinishRequest, context) -> pb.FinishReply:
+        self._session(request.session, context, pb.TRAINER)
+        with self._cond:
+            backend, published = self.backend, self._published
+        if backend is not None:  # the last publish is in the ledger before the loop stops
+            backend.wait_for_version(published, timeout=self.timing.command_timeout_s)
+        self._log("the trainer has finished its steps")
+        self.finished.set()
+        return pb.FinishReply()
 
 
 def make_server(service: CoordinatorService, port: int, *, host: str = "[::]", max_workers: int | None = None):

@@ -88,6 +88,9 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(r["generated_tokens"] >= 0 and 0 <= r["bubble_ratio"] <= 1 for r in rows)
+    logs = tmp_path / "run" / "logs"  # the roles ended by themselves: trainer -> Finish -> Stop
+    assert "the trainer is done: stopping the rollout workers" in (logs / "coordinator.log").read_text()
+    assert all("stopped: the run is over" in (logs / f"rollout_{i}.log").read_text() for i in (0, 1))
     assert _left_running(tmp_path / "run") == []
 
 
