@@ -136,6 +136,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pod.runtime_version = ""  # TPU software version; "" = the generation's default (v2-alpha-tpuv5-lite)
     c.pod.provisioning = "spot"  # on_demand | spot | preemptible (plain VMs) | reserved (queued)
     c.pod.queued = True  # create through a queued resource (waits for capacity)
+    c.pod.queued_together = True  # slices layouts: every node from one queued resource (one node here)
     c.pod.workdir = "runs/qwen2_5_0_5b_gsm8k"  # run directory on the host (relative: to ~/dora_jax)
     c.pod.port = 8470  # coordinator port (unused by single_host: the coordinator is in-process)
     c.pod.python = "3.12"  # Python of the uv environment setup makes on every worker (the images ship 3.10)

@@ -12,7 +12,7 @@ You provide (set the `YOUR_...` fields, here or with `--config.FIELD=VALUE`):
     at `task.source.path` (gs:// or local on every worker).
   - `pod.project`, and `pod.workdir` in a bucket the TPU VMs' service account can write.
 
-    python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py     # 5 queued resources; --dry-run prints them
+    python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py     # one queued resource for the 5 nodes; --dry-run prints it
     python launch/tpu.py status --config=configs/qwen2_5_7b_dapo.py     # wait until all are ACTIVE
     python launch/tpu.py setup  --config=configs/qwen2_5_7b_dapo.py
     python launch/tpu.py run    --config=configs/qwen2_5_7b_dapo.py
@@ -140,7 +140,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pod.rollout_type = "v5p-8"  # each rollout slice: 4 chips, 1 host (= mesh.rollout)
     c.pod.runtime_version = ""  # TPU software version; "" = the generation's default (v2-alpha-tpuv5)
     c.pod.provisioning = "spot"  # on_demand | spot | preemptible (plain VMs) | reserved (queued)
-    c.pod.queued = True  # create through queued resources (one per node; waits for capacity)
+    c.pod.queued = True  # create through queued resources (waits for capacity)
+    c.pod.queued_together = True  # slices: every node from ONE queued resource, all or nothing (False: one each)
     c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen2_5_7b_dapo"  # shared run directory and param versions
     c.pod.port = 8470  # coordinator port on worker 0 of the trainer slice
     c.pod.python = "3.12"  # Python of the uv environment setup makes on every worker (the images ship 3.10)

@@ -9,6 +9,7 @@ session; `stop` kills each recorded process group.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from collections.abc import Sequence
 
@@ -52,7 +53,8 @@ def _provisioning_flags(pod: Pod) -> list[str]:
 
 
 def create(pod: Pod) -> list[list[str]]:
-    """One `queued-resources create` per request, or one `tpu-vm create` per node."""
+    """One `queued-resources create` per request (a POST to the TPU API for a request of mixed
+    types), or one `tpu-vm create` per node."""
     if not pod.queued:
         return [
             gcloud(
@@ -68,6 +70,9 @@ def create(pod: Pod) -> list[list[str]]:
         ]
     commands = []
     for request in pod.requests:
+        if request.node_specs:
+            commands.append(_create_node_specs(pod, request))
+            continue
         first = request.nodes[0]
         if request.multislice:
             nodes = [f"--node-count={len(request.nodes)}", f"--node-prefix={request.name}"]
@@ -86,6 +91,44 @@ def create(pod: Pod) -> list[list[str]]:
             + _provisioning_flags(pod)
         )
     return commands
+
+
+TPU_API = "https://tpu.googleapis.com/v2"
+
+
+def node_specs_body(pod: Pod, request) -> dict:
+    """The TPU API's QueuedResource for nodes of several types: one nodeSpec per node."""
+    parent = f"projects/{pod.project}/locations/{pod.zone}"
+    body: dict = {
+        "tpu": {
+            "nodeSpec": [
+                {
+                    "parent": parent,
+                    "nodeId": node.name,
+                    "node": {"acceleratorType": node.tpu.name, "runtimeVersion": node.runtime_version},
+                }
+                for node in request.nodes
+            ]
+        }
+    }
+    provisioning = {
+        Provisioning.SPOT: {"spot": {}},
+        Provisioning.RESERVED: {"guaranteed": {"reserved": True}},
+    }
+    body.update(provisioning.get(pod.provisioning, {}))
+    return body
+
+
+def _create_node_specs(pod: Pod, request) -> list[str]:
+    """gcloud has no flag for a request of mixed types: POST the QueuedResource to the TPU API
+    with gcloud's own credentials (the token is read in the shell, never printed)."""
+    url = f"{TPU_API}/projects/{pod.project}/locations/{pod.zone}/queuedResources?queuedResourceId={request.name}"
+    script = (
+        'curl -sS --fail-with-body -X POST -H "Authorization: Bearer $(gcloud auth print-access-token)" '
+        f'-H "Content-Type: application/json" -d {shlex.quote(json.dumps(node_specs_body(pod, request)))} '
+        f"{shlex.quote(url)}"
+    )
+    return ["bash", "-c", script]
 
 
 # A rollout slice of a multi-node layout loads every version from the ParamStore (the trainer

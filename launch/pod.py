@@ -6,7 +6,9 @@ Layouts (`pod.layout`):
                (`dora_jax.train`); its chips are split by `mesh.trainer`, `mesh.rollout` and
                `rollout.num_slices` as on a laptop. Node: NAME.
   slices       one trainer node (`pod.trainer_type`) and `rollout.num_slices` rollout nodes
-               (`pod.rollout_type`), each its own TPU VM / queued resource and its own JAX job.
+               (`pod.rollout_type`), each its own TPU VM and its own JAX job; queued, all of them
+               come from ONE queued resource NAME (all or nothing: the trainer is never billed
+               while rollout capacity queues) unless `pod.queued_together=False` (one each).
                Nodes: NAME-trainer, NAME-rollout-0, NAME-rollout-1, ...
   multislice   1 + `rollout.num_slices` identical slices from ONE queued resource
                (`--node-count`, `--node-prefix`): all arrive together or not at all. Nodes:
@@ -62,15 +64,17 @@ class Node:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What one `queued-resources create` asks for: one node (`--node-id`) or several identical
-    nodes named `<name>-0 ...` (`--node-count`, `--node-prefix`)."""
+    """What one queued resource asks for: one node (`--node-id`), several identical nodes named
+    `<name>-0 ...` (`--node-count`, `--node-prefix`), or nodes of several types, each with its own
+    nodeSpec (the TPU API; gcloud takes one accelerator type per request)."""
 
     name: str
     nodes: tuple[Node, ...]
+    node_specs: bool = False  # nodes of different types in one request: the TPU API's nodeSpec list
 
     @property
     def multislice(self) -> bool:
-        return len(self.nodes) > 1
+        return len(self.nodes) > 1 and not self.node_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,7 @@ POD_FIELDS = (
     "runtime_version",
     "provisioning",
     "queued",
+    "queued_together",
     "workdir",
     "port",
     "python",
@@ -179,8 +184,16 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
     else:
         nodes = _slices(c, p, layout, trainer_type, num_slices, queued, runtime)
 
+    together = bool(p.queued_together)
+    if together and layout is Layout.SLICES and not queued:
+        raise ValueError(
+            "pod.queued_together=True asks for every node from one queued resource but pod.queued=False; "
+            "set pod.queued=True, or pod.queued_together=False for one TPU VM per node"
+        )
     if layout is Layout.MULTISLICE:
         requests = (Request(p.name, nodes),)
+    elif queued and together and layout is Layout.SLICES:
+        requests = (Request(p.name, nodes, node_specs=True),)
     elif queued:
         requests = tuple(Request(node.name, (node,)) for node in nodes)
     else:

@@ -3,6 +3,7 @@ binary, no network) for a v5e-8 single host, v5p trainer + rollout slices and a 
 queued resource, and the refusals of configs that do not fit, each naming the field."""
 
 import io
+import json
 import shlex
 import subprocess
 import sys
@@ -176,8 +177,59 @@ def test_single_host_run_starts_dora_jax_train_with_overrides():
 # (2) v5p: a trainer slice and rollout slices, each its own node and JAX job.
 
 
-def test_v5p_slices_create_one_queued_resource_per_node():
+def test_v5p_slices_come_from_one_queued_resource_of_mixed_node_specs():
+    """All or nothing: the trainer is not billed while rollout capacity queues. gcloud takes one
+    accelerator type per request, so the request goes to the TPU API with a nodeSpec per node."""
     pod = pod_lib.from_config(dapo_config())
+    assert [r.name for r in pod.requests] == ["dora-qwen7b-dapo"] and pod.requests[0].node_specs
+    [argv] = dry("create", pod).commands
+    assert argv[:2] == ["bash", "-c"]
+    script = shlex.split(argv[2])
+    assert script[:5] == ["curl", "-sS", "--fail-with-body", "-X", "POST"]
+    assert "Authorization: Bearer $(gcloud auth print-access-token)" in argv[2]  # read in the shell, never printed
+    assert script[-1] == (
+        "https://tpu.googleapis.com/v2/projects/my-project/locations/us-east5-a/queuedResources"
+        "?queuedResourceId=dora-qwen7b-dapo"
+    )
+    body = json.loads(script[script.index("-d") + 1])
+    parent = "projects/my-project/locations/us-east5-a"
+    assert body == {
+        "tpu": {
+            "nodeSpec": [
+                {
+                    "parent": parent,
+                    "nodeId": "dora-qwen7b-dapo-trainer",
+                    "node": {"acceleratorType": "v5p-32", "runtimeVersion": "v2-alpha-tpuv5"},
+                }
+            ]
+            + [
+                {
+                    "parent": parent,
+                    "nodeId": f"dora-qwen7b-dapo-rollout-{i}",
+                    "node": {"acceleratorType": "v5p-8", "runtimeVersion": "v2-alpha-tpuv5"},
+                }
+                for i in range(4)
+            ]
+        },
+        "spot": {},
+    }
+    assert dry("delete", pod).commands == [
+        GCLOUD
+        + ["queued-resources", "delete", "dora-qwen7b-dapo", "--force", "--quiet", "--async"]
+        + ["--zone=us-east5-a", "--project=my-project"]
+    ]
+    c = dapo_config()
+    with c.unlocked():
+        c.pod.queued = False
+    with pytest.raises(ValueError, match="pod.queued_together=True asks for every node from one queued resource"):
+        pod_lib.from_config(c)
+
+
+def test_v5p_slices_create_one_queued_resource_per_node_when_not_together():
+    c = dapo_config()
+    with c.unlocked():
+        c.pod.queued_together = False
+    pod = pod_lib.from_config(c)
     assert [(n.name, n.tpu.name, n.tpu.chips, n.tpu.hosts, n.role, n.slice_id) for n in pod.nodes] == [
         ("dora-qwen7b-dapo-trainer", "v5p-32", 16, 4, Role.TRAINER, None)
     ] + [(f"dora-qwen7b-dapo-rollout-{i}", "v5p-8", 4, 1, Role.ROLLOUT, i) for i in range(4)]
@@ -460,6 +512,7 @@ def test_multislice_run_keeps_each_slice_its_own_jax_job():
 def test_logs_ssh_stop_status_address_every_node():
     c = dapo_config()
     c.pod.queued = False
+    c.pod.queued_together = False
     pod = pod_lib.from_config(c)
     names = [n.name for n in pod.nodes]
     where = ["--zone=us-east5-a", "--project=my-project"]
@@ -651,8 +704,9 @@ def test_command_line_dry_run(monkeypatch):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if not line.startswith("#")]
-    assert [shlex.split(line)[5] for line in lines] == [
+    [line] = [line for line in out.stdout.splitlines() if not line.startswith("#")]  # one queued resource
+    body = json.loads(shlex.split(shlex.split(line)[2])[10])
+    assert [spec["nodeId"] for spec in body["tpu"]["nodeSpec"]] == [
         "dora-qwen7b-dapo-trainer",
         "dora-qwen7b-dapo-rollout-0",
         "dora-qwen7b-dapo-rollout-1",
