@@ -93,6 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus filter (1 = off)
     c.rollout.top_k = 0  # top-k filter (0 = off)
     c.rollout.max_new_tokens = 8192  # response cap
+    c.rollout.weights_transfer = False  # True: versions device to device (one-host trainer only; this one has 4)
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

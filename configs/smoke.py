@@ -79,6 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 128  # response cap (k_max = 40 terms: 3 x 40 + 2 characters + EOS = 123)
     c.rollout.heartbeat_timeout_s = 120.0  # a slice silent this long is declared dead, its requests re-dispatched
     c.rollout.max_rejoins = 2  # times a crashed slice is restarted and rejoins
+    c.rollout.weights_transfer = False  # role processes: pull versions device to device from the trainer
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

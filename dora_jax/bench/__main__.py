@@ -1,4 +1,4 @@
-"""`python -m dora_jax.bench {engine,modes,convergence} --config=... --out=DIR`: benchmarks that
+"""`python -m dora_jax.bench {engine,modes,convergence,weights} --config=... --out=DIR`: benchmarks that
 write JSON (and PNGs); ratios are measured side by side in one process run."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ _OUT = flags.DEFINE_string("out", None, "output directory for the JSON results a
 
 
 def main(argv):
-    if len(argv) != 2 or argv[1] not in ("engine", "modes", "convergence"):
-        raise app.UsageError("usage: python -m dora_jax.bench {engine,modes,convergence} --config=FILE --out=DIR")
+    if len(argv) != 2 or argv[1] not in ("engine", "modes", "convergence", "weights"):
+        raise app.UsageError(
+            "usage: python -m dora_jax.bench {engine,modes,convergence,weights} --config=FILE --out=DIR"
+        )
     if not _OUT.value:
         raise app.UsageError("--out is required")
     config = cli.CONFIG.value
@@ -35,6 +37,11 @@ def main(argv):
             from dora_jax.bench import convergence as bench_convergence
 
             bench_convergence.main(config, _OUT.value)
+        case "weights":
+            from dora_jax.bench import weights as bench_weights
+            from dora_jax.runtime import run_config
+
+            print(bench_weights.format_table(bench_weights.main(run_config.parse(config), _OUT.value)))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ devices (`mesh.rollout`), driven by the coordinator's commands (dora_jax/transpo
 It registers first (a wrong config, package version or slice id is refused before any work), waits
 for the trainer's first version in the ParamStore's tensorstore tier (W/versions unless
 --versions), compiles every engine program with it, then serves: versions are read from the tier
-with this slice's own shardings; finished trajectories and exported KV slot states go back over
-gRPC. Exits 0 when the coordinator says stop, 1 with the reason otherwise.
+with this slice's own shardings (or, with `rollout.weights_transfer` on a one-host slice, pulled
+device to device from the trainer, the tier being the fallback); finished trajectories and
+exported KV slot states go back over gRPC. Exits 0 when the coordinator says stop, 1 with the reason otherwise.
 
 A slice over H > 1 hosts is one multi-controller JAX job (`--num_hosts`, see roles.py): its mesh
 spans every host's devices; host 0 registers and serves as above, mirroring every engine call to
@@ -111,8 +112,18 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
     worker = _build_worker(config, slice_id)
     engine = worker.engine
     opened = []  # the store, once the trainer has created it
+    puller = None
+    if config.rollout.weights_transfer and jax.process_count() == 1:
+        from dora_jax.transport.weights import WeightPull
+
+        puller = WeightPull(jax.devices(), workdir, slice_id)
 
     def fetch(version: int):
+        if puller is not None:
+            try:
+                return puller.pull(version, engine.served_abstract_params())
+            except Exception as err:  # not offered, expired, or the trainer is gone: the durable copy
+                _log(slice_id, f"version {version} from the tensorstore tier ({type(err).__name__}: {err})")
         return fetch_from_store(opened[0], engine.param_shardings, wait_s=60.0)(version)
 
     mirror = MirroredWorker(worker, _host_channel(slice_id), fetch) if jax.process_count() > 1 else None

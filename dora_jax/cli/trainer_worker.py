@@ -4,7 +4,9 @@ The trainer role on its own devices (the trainer slice, `mesh.trainer`). It regi
 coordinator first (a wrong config or package version is refused before any work), builds the
 run's setup (the SFT cold start of a fresh model runs here, once, cached in W/sft), publishes
 version 0 to the ParamStore's tensorstore tier (W/versions unless --versions) and reports it;
-then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> publish ->
+With `rollout.weights_transfer` (a one-host trainer), every version is also offered to the rollout
+slices device to device (dora_jax/transport/weights.py) before the coordinator hears of it.
+Then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> publish ->
 ReportPublished, retiring the versions the coordinator no longer needs; at the end `Finish`
 (the coordinator stops the rollout workers and exits). Writes W/metrics.jsonl (and TensorBoard
 events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
@@ -101,7 +103,22 @@ def train(config, workdir: str, client) -> None:
             "ledger in the workdir: not this run's; give a new --workdir or remove them"
         )
     trainer.publish()
-    report = _reporter(client, store) if leader else (lambda version, digests=None: None)
+    offer = None
+    if leader and channel is None and config.rollout.weights_transfer:
+        from dora_jax.transport.weights import WeightOffer
+
+        offer = WeightOffer(
+            jax.devices(),
+            dict(config.mesh.rollout),
+            setup.axes,
+            trainer.serve_dtype,
+            config.rollout.num_slices,
+            workdir,
+            keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
+        )
+        _log(f"offering every version device to device at {offer.address}")
+    before = (lambda version: offer.offer(version, trainer.served_params())) if offer else None
+    report = _reporter(client, store, before) if leader else (lambda version, digests=None: None)
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
     source = _BatchSource(client, channel, report)
@@ -359,11 +376,14 @@ class _BatchSource:
                 self._channel.send(b"")
 
 
-def _reporter(client, store):
-    """Host 0 reports each publish and retires the versions the coordinator no longer needs."""
+def _reporter(client, store, before=None):
+    """Host 0 reports each publish and retires the versions the coordinator no longer needs;
+    `before(version)` runs first (the device-to-device offer, before any slice is told to load)."""
     from dora_jax.transport import dora_pb2 as pb
 
     def report(version: int, behaviour_digests=None) -> None:
+        if before is not None:
+            before(version)
         request = pb.PublishedRequest(
             session=client.session, version=version, behaviour_digests=behaviour_digests or {}
         )

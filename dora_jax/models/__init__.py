@@ -13,7 +13,7 @@ from dora_jax.models.config import COMPUTE_FIELDS, ModelConfig, RopeConfig, dtyp
 from dora_jax.models.decoder import KV_CACHE_AXES, Decoder, KVCache, init_model
 from dora_jax.models.hf_io import load_hf, read_config, save_hf
 from dora_jax.models.moe import Routing, expert_load, load_balancing_loss
-from dora_jax.models.params import in_compute_dtype
+from dora_jax.models.params import in_compute_dtype, served_abstract
 
 
 def split(model: Decoder):
@@ -44,6 +44,7 @@ __all__ = [
     "dtype_from_name",
     "expert_load",
     "in_compute_dtype",
+    "served_abstract",
     "init_model",
     "load_balancing_loss",
     "load_hf",

@@ -26,3 +26,14 @@ def in_compute_dtype(params, dtype):
     dtype = jnp.dtype(dtype)
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x  # noqa: E731
     return jax.tree.map(cast, params)
+
+
+def served_abstract(abstract_params, shardings, dtype):
+    """ShapeDtypeStructs of params as a version is served: laid out as `shardings`, the floating
+    leaves in the compute `dtype` (what a device-to-device pull asks for)."""
+    dtype = jnp.dtype(dtype)
+
+    def served(x, s):
+        return jax.ShapeDtypeStruct(x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s)
+
+    return jax.tree.map(served, abstract_params, shardings)

@@ -41,6 +41,7 @@ from dora_jax.models import (
     in_compute_dtype,
     load_hf,
     logical_axes,
+    served_abstract,
     split,
 )
 from dora_jax.parallel import sharding as sharding_lib
@@ -688,6 +689,12 @@ class RolloutEngine:
     def param_shardings(self) -> Any:
         """NamedShardings of the params on this slice (a tree like `models.split(model)[1]`)."""
         return self._param_shardings
+
+    def served_abstract_params(self) -> Any:
+        """ShapeDtypeStructs of the params as a version is served here: this slice's shardings, the
+        floating leaves in the compute dtype (what a device-to-device pull asks for)."""
+        abstract = split(abstract_model(self.model_config))[1]
+        return served_abstract(abstract, self._param_shardings, self.model_config.dtype)
 
     def _key_data(self, rng, params: SamplingParams) -> np.ndarray:
         if rng is None:

@@ -60,6 +60,7 @@ class RolloutSpec:
     max_new_tokens: int
     heartbeat_timeout_s: float = 120.0  # a slice silent this long is declared dead
     max_rejoins: int = 2  # times a slice whose worker raised is restarted
+    weights_transfer: bool = False  # role processes: versions device to device (dora_jax/transport/weights.py)
 
     def engine_config(self):
         """Every rollout slice's engine sizes (dora_jax.rollout.engine.EngineConfig, imported here:
@@ -165,6 +166,7 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         int(r.max_new_tokens),
         float(r.get("heartbeat_timeout_s", 120.0)),
         int(r.get("max_rejoins", 2)),
+        bool(r.get("weights_transfer", False)),
     )
     if rollout.heartbeat_timeout_s <= 0:
         raise ValueError(f"rollout.heartbeat_timeout_s={rollout.heartbeat_timeout_s}; expected > 0")

@@ -377,10 +377,10 @@ class Trainer:
         (`serve_dtype`); returns the version."""
         if self._store is None:
             raise ValueError("Trainer.publish() needs a ParamStore; none was given")
-        self._store.publish(self._version, self._served_params())
+        self._store.publish(self._version, self.served_params())
         return self._version
 
-    def _served_params(self):
+    def served_params(self):
         """The current params as versions are published: in the compute dtype."""
         params = self._state.params
         floating = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -480,7 +480,7 @@ class Trainer:
     def _params_of(self, version: int):
         """The params of `version` for the behaviour recompute; notes their digest for the ledger."""
         if version == self._version:
-            params = self._served_params()
+            params = self.served_params()
         elif self._store is None:
             raise ValueError(
                 f"batch holds version {version} but the trainer (version {self._version}) has no ParamStore"

@@ -71,7 +71,7 @@ def _left_running(workdir) -> list[str]:
 
 
 def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
-    proc = _launch(tmp_path / "run")
+    proc = _launch(tmp_path / "run", "--config.rollout.weights_transfer=True")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = _summary(proc)
     assert summary["trainer_exit"] == 0 and summary["audit_ok"] and summary["processes"] == 4
@@ -91,6 +91,14 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
     logs = tmp_path / "run" / "logs"  # the roles ended by themselves: trainer -> Finish -> Stop
     assert "the trainer is done: stopping the rollout workers" in (logs / "coordinator.log").read_text()
     assert all("stopped: the run is over" in (logs / f"rollout_{i}.log").read_text() for i in (0, 1))
+    # Versions came device to device from the trainer's transfer server; the tensorstore tier only
+    # served what was not on offer yet (at most the first version, read while the trainer offers it).
+    tier_reads = [
+        line for i in (0, 1) for line in (logs / f"rollout_{i}.log").read_text().splitlines() if "tier" in line
+    ]
+    assert len(tier_reads) <= 2 and all("version 0 from the tensorstore tier (NotOffered" in t for t in tier_reads)
+    loads = [e for e in events if e["ev"] == "load_version"]
+    assert len(loads) > len(tier_reads)
     assert _left_running(tmp_path / "run") == []
 
 

@@ -1,0 +1,144 @@
+"""Weights device to device: the trainer offers every version it publishes to each rollout slice
+through a JAX transfer server (`jax.experimental.transfer`), and a slice pulls it straight onto
+its own devices when it loads that version. The tensorstore tier stays the durable copy
+(checkpoints, restarts) and the fallback whenever a pull fails.
+
+A pull moves shards, not arrays: each device buffer the trainer offers lands on the receiving
+device in the same position, so the offer must already have the slice's layout. The trainer
+builds it on its first `mesh.rollout`-sized group of devices, a mesh of the rollout slice's shape
+and axis names, with the rollout sharding rules, in the served dtype: one copy per version on
+those devices, shared by every slice, held for the last `keep_versions` versions (a slice loads
+a version within C3's window, soon after its publish) and offered for `keep_s` at most.
+
+Rendezvous: the trainer writes its server's address to WORKDIR/weights_server.json; each
+(version, slice) pair is one transfer id, pulled once. Single-process trainer and rollout slices
+only (a multi-host slice's shards live in several processes); others use the tensorstore tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import socket
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dora_jax.core import fs
+from dora_jax.models.params import in_compute_dtype
+from dora_jax.parallel import sharding
+
+ADDRESS_FILE = "weights_server.json"
+_SLICES_PER_VERSION = 1 << 16  # transfer id = version * this + slice id
+
+
+def transfer_id(version: int, slice_id: int) -> int:
+    return int(version) * _SLICES_PER_VERSION + int(slice_id)
+
+
+def host_address() -> str:
+    """This host's address as other hosts reach it (the loopback on a machine without a network
+    name, as in launch_local)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class WeightOffer:
+    """Trainer side: a transfer server and, per published version, its copy in the rollout layout."""
+
+    def __init__(
+        self,
+        devices: Sequence[jax.Device],
+        rollout_mesh_shape: dict,
+        axes,
+        dtype,
+        num_slices: int,
+        workdir: str,
+        *,
+        keep_s: float = 600.0,
+        keep_versions: int = 4,
+        host: str | None = None,
+    ):
+        size = sharding.mesh_size(rollout_mesh_shape)
+        if size > len(devices):
+            raise ValueError(
+                f"mesh.rollout={rollout_mesh_shape} has {size} devices but the trainer has {len(devices)}: "
+                "no room to lay a version out as a slice's shards"
+            )
+        from jax.experimental import transfer
+
+        self._mesh = sharding.make_mesh(list(devices)[:size], rollout_mesh_shape)
+        self._axes, self._dtype = axes, dtype
+        self._num_slices, self._keep_s = num_slices, keep_s
+        host = host or host_address()
+        self._server = transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
+        self.address = self._server.address()
+        self._path = fs.join(workdir, ADDRESS_FILE)
+        self._offered: collections.deque[int] = collections.deque(maxlen=64)
+        self._write()
+        self._shardings = None
+        self._held: collections.deque = collections.deque(maxlen=keep_versions)
+        self.bytes_per_version = 0
+
+    def _write(self) -> None:
+        with fs.open(self._path, "w") as f:
+            json.dump({"address": self.address, "versions": list(self._offered)}, f)
+
+    def offer(self, version: int, params) -> float:
+        """Lays `params` out as a slice's shards and offers them to every slice; returns the
+        seconds it took (the trainer waits for the copy, not for the pulls)."""
+        start = time.perf_counter()
+        params = in_compute_dtype(params, self._dtype)
+        if self._shardings is None:
+            self._shardings = sharding.tree_shardings(self._axes, params, self._mesh, sharding.ROLLOUT_RULES)
+        # New buffers, never the trainer's own (it donates them to its next step): device_put
+        # hands a shard that is already where it should be over as it is.
+        arrays = jax.block_until_ready(jax.device_put(jax.tree.map(jnp.copy, params), self._shardings))
+        self.bytes_per_version = sum(x.nbytes for x in jax.tree.leaves(arrays))
+        expires = datetime.datetime.now() + datetime.timedelta(seconds=self._keep_s)
+        for slice_id in range(self._num_slices):
+            self._server.await_pull(transfer_id(version, slice_id), arrays, timeout=expires)
+        self._offered.append(int(version))
+        self._held.append(arrays)  # the server does not keep them alive until they are pulled
+        self._write()
+        return time.perf_counter() - start
+
+
+class WeightPull:
+    """Rollout side: pulls a version offered by the trainer onto this slice's devices, laid out
+    as `shardings` (the engine's param shardings) in `dtype`."""
+
+    def __init__(self, devices: Sequence[jax.Device], workdir: str, slice_id: int, *, host: str | None = None):
+        from jax.experimental import transfer
+
+        host = host or host_address()
+        self._server = transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
+        self._path, self._slice_id = fs.join(workdir, ADDRESS_FILE), slice_id
+        self._connection, self._address = None, None
+        self._pulled: set[tuple[str, int]] = set()
+
+    def pull(self, version: int, abstract_params, timeout_s: float = 30.0):
+        """The params of `version` (a tree of ShapeDtypeStructs with shardings gives their form);
+        raises NotOffered when the trainer has no offer left for this slice (a version it
+        published again after a restart, or one this slice pulled already): read the tensorstore
+        tier then."""
+        with fs.open(self._path) as f:
+            offers = json.load(f)
+        address, version = offers["address"], int(version)
+        if version not in offers["versions"] or (address, version) in self._pulled:
+            raise NotOffered(f"version {version} is not on offer for slice {self._slice_id} at {address}")
+        if address != self._address:  # a restarted trainer has a new server
+            self._connection, self._address = self._server.connect(address), address
+        self._pulled.add((address, version))
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        params = self._connection.pull(transfer_id(version, self._slice_id), abstract_params, timeout=deadline)
+        return jax.block_until_ready(params)
+
+
+class NotOffered(LookupError):
+    pass
