@@ -138,10 +138,7 @@ def train(config, workdir: str, client) -> None:
                 training_loop.train(
                     trainer,
                     source,
-                    num_steps=config.num_steps,
-                    pad_to=config.pad_to,
-                    pad_id=setup.tokenizer.pad_id,
-                    max_length=config.rollout.cache_length,
+                    **training_loop.sizes(config, setup.tokenizer.pad_id),
                     writer=writer,
                     after_step=checkpoints.after_step,
                     on_row=on_row,

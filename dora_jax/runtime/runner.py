@@ -249,10 +249,7 @@ def run(
         loop_result = training_loop.train(
             trainer,
             source,
-            num_steps=config.num_steps,
-            pad_to=config.pad_to,
-            pad_id=setup.tokenizer.pad_id,
-            max_length=config.rollout.cache_length,
+            **training_loop.sizes(config, setup.tokenizer.pad_id),
             writer=metrics_writer,
             after_step=after_step,
             on_row=on_row,

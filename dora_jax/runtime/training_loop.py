@@ -51,6 +51,16 @@ class LoopResult:
     stopped_early: bool  # the source returned no batch before num_steps
 
 
+def sizes(config, pad_id: int) -> dict:
+    """`train`'s batch-shape arguments from a RunConfig (the same for every caller)."""
+    return {
+        "num_steps": config.num_steps,
+        "pad_to": config.pad_to,
+        "pad_id": pad_id,
+        "max_length": config.rollout.cache_length,
+    }
+
+
 def train(
     trainer: Trainer,
     source: BatchSource,
