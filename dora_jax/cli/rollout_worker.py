@@ -116,7 +116,10 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
     if config.rollout.weights_transfer and jax.process_count() == 1:
         from dora_jax.transport.weights import WeightPull
 
-        puller = WeightPull(jax.devices(), workdir, slice_id)
+        try:
+            puller = WeightPull(jax.devices(), workdir, slice_id)
+        except Exception as err:  # every version from the tensorstore tier, as without the option
+            _log(slice_id, f"no transfer server ({type(err).__name__}: {err}); reading the tensorstore tier only")
 
     def fetch(version: int):
         if puller is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -107,17 +108,20 @@ def train(config, workdir: str, client) -> None:
     if leader and channel is None and config.rollout.weights_transfer:
         from dora_jax.transport.weights import WeightOffer
 
-        offer = WeightOffer(
-            jax.devices(),
-            dict(config.mesh.rollout),
-            setup.axes,
-            trainer.serve_dtype,
-            config.rollout.num_slices,
-            workdir,
-            keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
-        )
-        _log(f"offering every version device to device at {offer.address}")
-    before = (lambda version: offer.offer(version, trainer.served_params())) if offer else None
+        try:
+            offer = WeightOffer(
+                jax.devices(),
+                dict(config.mesh.rollout),
+                setup.axes,
+                trainer.serve_dtype,
+                config.rollout.num_slices,
+                workdir,
+                keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
+            )
+            _log(f"offering every version device to device at {offer.address}")
+        except Exception as err:  # the slices read the tensorstore tier, as without the option
+            _log(f"no transfer server ({type(err).__name__}: {err}); versions go through the tensorstore tier only")
+    before = functools.partial(_offer, offer, trainer) if offer else None
     report = _reporter(client, store, before) if leader else (lambda version, digests=None: None)
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
@@ -371,6 +375,14 @@ class _BatchSource:
         if self._client is not None and self._channel is not None:
             with contextlib.suppress(Exception):
                 self._channel.send(b"")
+
+
+def _offer(offer, trainer, version: int) -> None:
+    """Offers `version` device to device; a failure leaves the slices the tensorstore tier."""
+    try:
+        offer.offer(version, trainer.served_params())
+    except Exception as err:
+        _log(f"version {version} not offered device to device ({type(err).__name__}: {err}); the tier has it")
 
 
 def _reporter(client, store, before=None):

@@ -40,10 +40,13 @@ def transfer_id(version: int, slice_id: int) -> int:
 
 
 def host_address() -> str:
-    """This host's address as other hosts reach it (the loopback on a machine without a network
-    name, as in launch_local)."""
+    """This host's address as other hosts reach it: its name's address when this host can bind
+    it, else the loopback (a machine whose name resolves to nothing of its own)."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        address = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+        return address
     except OSError:
         return "127.0.0.1"
 
