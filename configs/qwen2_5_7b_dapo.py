@@ -12,7 +12,7 @@ You provide (set the `YOUR_...` fields, here or with `--config.FIELD=VALUE`):
     at `task.source.path` (gs:// or local on every worker).
   - `pod.project`, and `pod.workdir` in a bucket the TPU VMs' service account can write.
 
-    python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py     # one queued resource for the 5 nodes; --dry-run prints it
+    python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py     # ONE queued resource, 5 nodes (--dry-run)
     python launch/tpu.py status --config=configs/qwen2_5_7b_dapo.py     # wait until all are ACTIVE
     python launch/tpu.py setup  --config=configs/qwen2_5_7b_dapo.py
     python launch/tpu.py run    --config=configs/qwen2_5_7b_dapo.py

@@ -12,7 +12,7 @@ You provide (set the `YOUR_...` fields, here or with `--config.FIELD=VALUE`):
   - the prompts: DAPO-Math-17k as Parquet at `task.source.path` (see configs/qwen2_5_7b_dapo.py).
   - `pod.project`, and `pod.workdir` in a bucket the TPU VMs' service account can write.
 
-    python launch/tpu.py create --config=configs/qwen3_30b_a3b.py     # one queued resource for the 5 nodes; --dry-run prints it
+    python launch/tpu.py create --config=configs/qwen3_30b_a3b.py     # ONE queued resource, 5 nodes (--dry-run)
     python launch/tpu.py status --config=configs/qwen3_30b_a3b.py
     python launch/tpu.py setup  --config=configs/qwen3_30b_a3b.py
     python launch/tpu.py run    --config=configs/qwen3_30b_a3b.py

@@ -263,7 +263,12 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
                     f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
                     + _tail(logs, name, 5)
                 )
-        if KILL_SLICE.value >= 0 and outcome["killed"] is None:
+        # Fault injection only into a running job: once the coordinator has ended the run, the
+        # ledger still shows the requests cut off by its end as held, by processes already gone.
+        running = code is None and all(
+            c.poll() is None for c in _slice_processes(children, f"rollout_{KILL_SLICE.value}")
+        )
+        if KILL_SLICE.value >= 0 and outcome["killed"] is None and running:
             holding = follower.poll()
             if dispatch_t is None and follower.dispatched:
                 dispatch_t = time.monotonic()
@@ -276,7 +281,12 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
                     )
                     _print(f"killed {outcome['killed']}")
         steps = _steps_done(workdir)
-        if KILL_ROLE.value and outcome["killed"] is None and _checkpointed(workdir) >= KILL_AFTER_STEP.value:
+        if (
+            KILL_ROLE.value
+            and outcome["killed"] is None
+            and code is None
+            and _checkpointed(workdir) >= KILL_AFTER_STEP.value
+        ):
             os.killpg(children[KILL_ROLE.value].pid, signal.SIGKILL)
             outcome["killed"] = f"{KILL_ROLE.value} (SIGKILL after the checkpoint of step {_checkpointed(workdir)})"
             _print(f"killed {outcome['killed']}")

@@ -120,13 +120,23 @@ class TensorStoreTier:
 
     def _scan(self) -> None:
         found: dict[int, epath.Path] = {}
+        sizes: dict[int, int] = {}
+        with self._lock:
+            known = set(self._cache)
         for child in self._children():
             match = _NAME.match(child.name)
-            if match and ocp.utils.is_checkpoint_finalized(child):
-                found[int(match.group(1))] = child
+            try:
+                if not (match and ocp.utils.is_checkpoint_finalized(child)):
+                    continue
+                version = int(match.group(1))
+                if version not in known:
+                    sizes[version] = _dir_bytes(child)
+            except FileNotFoundError:  # the writer retired it while we looked: it is gone
+                continue
+            found[version] = child
         with self._lock:
             for version in found.keys() - self._cache.keys():
-                self._bytes[version] = _dir_bytes(found[version])
+                self._bytes[version] = sizes.get(version, 0)  # 0: a concurrent scan dropped it meanwhile
             for version in self._cache.keys() - found.keys():
                 self._bytes.pop(version, None)
             self._cache = found

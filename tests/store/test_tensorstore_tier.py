@@ -57,6 +57,24 @@ def test_same_process_roundtrip_and_bytes(published):
     assert sorted(p.name for p in root.iterdir()) == [version_dir_name(v) for v in range(3)]
 
 
+def test_a_reader_scanning_while_the_writer_retires_a_version_skips_it(published, monkeypatch):
+    """A reader lists the root while the trainer retires a version: the directory it is sizing
+    disappears under it. The reader must see the version gone, not fail (a rollout slice's load
+    failed on exactly this after a trainer's resume)."""
+    from dora_jax.store import tensorstore_tier
+
+    root = published[0]
+    sizing = tensorstore_tier._dir_bytes
+
+    def vanishing(path):
+        if path.name == version_dir_name(1):
+            raise FileNotFoundError(f"No such file or directory: {path}")
+        return sizing(path)
+
+    monkeypatch.setattr(tensorstore_tier, "_dir_bytes", vanishing)
+    assert TensorStoreTier(root, read_only=True).versions() == (0, 2)
+
+
 @pytest.mark.slow
 def test_another_process_reads_with_its_own_mesh(published, tmp_path):
     root, store, params, _ = published
