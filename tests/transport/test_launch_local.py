@@ -103,15 +103,16 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
 
 
 def test_a_killed_rollout_process_is_survived(tmp_path):
-    proc = _launch(tmp_path / "run", "--kill_slice=0", "--kill_after_s=0")  # while it holds requests
+    steps = 2 * STEPS  # a run long enough that the kill lands mid-run on a loaded machine
+    proc = _launch(tmp_path / "run", f"--config.num_steps={steps}", "--kill_slice=0", "--kill_after_s=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = _summary(proc)
-    assert summary["killed"].startswith("rollout_0") and summary["audit_ok"]
+    assert summary["killed"] and summary["killed"].startswith("rollout_0") and summary["audit_ok"], summary
     events = list(read_ledger(str(tmp_path / "run" / "ledger.jsonl")))
     failed = [e for e in events if e["ev"] == "slice_failed"]
     assert [e["slice"] for e in failed] == [0], failed
     report = audit(events)
-    assert report.ok and report.consumed == STEPS * TBS, report.summary()
+    assert report.ok and report.consumed == steps * TBS, report.summary()
     assert failed[0]["requests"] > 0
     assert report.redispatched == failed[0]["requests"]  # every request it held was dispatched again
     after = events.index(failed[0])
