@@ -13,6 +13,7 @@ from dora_jax.models.config import COMPUTE_FIELDS, ModelConfig, RopeConfig, dtyp
 from dora_jax.models.decoder import KV_CACHE_AXES, Decoder, KVCache, init_model
 from dora_jax.models.hf_io import load_hf, read_config, save_hf
 from dora_jax.models.moe import Routing, expert_load, load_balancing_loss
+from dora_jax.models.paged import PAGED_KV_AXES, PagedKVCache
 from dora_jax.models.params import in_compute_dtype, served_abstract
 
 
@@ -37,6 +38,8 @@ __all__ = [
     "KV_CACHE_AXES",
     "Decoder",
     "KVCache",
+    "PAGED_KV_AXES",
+    "PagedKVCache",
     "ModelConfig",
     "RopeConfig",
     "Routing",

@@ -8,7 +8,9 @@ Two call paths share every layer:
   * full forward: `model(input_ids_BT)` -> logits_BTV (training, log-probs);
   * cached: `model(input_ids_BT, positions_BT, cache=KVCache)` -> (logits_BTV, KVCache): the T new
     tokens' keys/values are written at their positions and attention reads the cache (prefill
-    with T = prompt length, decode with T = 1).
+    with T = prompt length, decode with T = 1);
+  * paged: `model(input_ids_B1, positions_B1, cache=PagedKVCache)` -> (logits_B1V, PagedKVCache):
+    a decode step over a pool of pages (dora_jax.models.paged).
 The full forward's attention is `dora_jax.models.attention.causal_attention` (the kernel picked by
 backend, `ModelConfig.attention`); the cached path attends over the cache with the reference.
 A full forward with `return_routing=True` also returns each MoE layer's `Routing` (router
@@ -24,9 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dora_jax.models import paged
 from dora_jax.models.attention import causal_attention, reference_attention
 from dora_jax.models.config import ModelConfig
 from dora_jax.models.moe import MoE
+from dora_jax.models.paged import PagedKVCache
 from dora_jax.models.params import in_compute_dtype
 from dora_jax.models.params import normal as _normal
 from dora_jax.models.params import param as _param
@@ -85,9 +89,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
 
-    def __call__(self, x_BTE, positions_BT, cache: tuple | None = None, layer: int = 0):
+    def __call__(self, x_BTE, positions_BT, cache: tuple | PagedKVCache | None = None, layer: int = 0):
         """With `cache` = (k_LBSKD, v_LBSKD), writes this layer's new rows into the stacked cache
-        (a scatter XLA does in place when the caller donates the cache) and returns it whole."""
+        (a scatter XLA does in place when the caller donates the cache) and returns it whole; with a
+        PagedKVCache (one token per row), writes into the slots' pages and attends over them."""
         cfg, dt = self.cfg, self.cfg.dtype
         q_BTHD = jnp.einsum("bte,ehd->bthd", x_BTE, self.q_EHD[...].astype(dt))
         k_BTKD = jnp.einsum("bte,ekd->btkd", x_BTE, self.k_EKD[...].astype(dt))
@@ -110,6 +115,17 @@ class Attention(nnx.Module):
                 q_BTHD, k_BTKD.astype(dt), v_BTKD.astype(dt), positions_BT, implementation=cfg.attention
             )
             new_cache = (k_BTKD, v_BTKD)
+        elif isinstance(cache, PagedKVCache):  # a decode step: write each slot's token into its page
+            if x_BTE.shape[1] != 1:
+                raise ValueError(f"a paged KV cache takes one token per row (a decode step); got {x_BTE.shape[1]}")
+            kv_LPNCD = paged.write_token(
+                cache.kv_LPNCD, layer, k_BTKD[:, 0], v_BTKD[:, 0], cache.page_table_BM, positions_BT[:, 0]
+            )
+            out_BHD = paged.attend(
+                q_BTHD[:, 0], kv_LPNCD[layer], cache.page_table_BM, positions_BT[:, 0], implementation=cfg.attention
+            )
+            out_BTHD = out_BHD[:, None].astype(dt)
+            new_cache = cache.replace(kv_LPNCD=kv_LPNCD)
         else:  # write the new rows at their positions, attend over the whole cache
             new_cache = (
                 _write_rows(cache[0], k_BTKD, positions_BT, layer),
@@ -198,7 +214,7 @@ class Decoder(nnx.Module):
         input_ids_BT,
         positions_BT=None,
         *,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         return_kv: bool = False,
         return_routing: bool = False,
         return_hidden: bool = False,
@@ -224,7 +240,8 @@ class Decoder(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BTE = constrain(jnp.take(self.embed_VE[...], input_ids_BT, axis=0).astype(cfg.dtype), _RESIDUAL)
         new_k, new_v, routings = [], [], []
-        stacked = None if cache is None else (cache.k_LBSKD, cache.v_LBSKD)
+        paged_cache = isinstance(cache, PagedKVCache)
+        stacked = cache if cache is None or paged_cache else (cache.k_LBSKD, cache.v_LBSKD)
         remat = cache is None and cfg.remat != "none"
         if cache is None and cfg.scan_layers:
             x_BTE, kv, routings = self._scanned_blocks(x_BTE, positions_BT, return_kv)
@@ -249,7 +266,7 @@ class Decoder(nnx.Module):
         if cache is None and not return_kv:
             return logits_BTV
         if cache is not None:
-            return logits_BTV, KVCache(*stacked)
+            return logits_BTV, stacked if paged_cache else KVCache(*stacked)
         if cfg.scan_layers:
             return logits_BTV, KVCache(new_k, new_v)
         return logits_BTV, KVCache(jnp.stack(new_k), jnp.stack(new_v))

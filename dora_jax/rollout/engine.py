@@ -35,17 +35,22 @@ from jax.sharding import Mesh, NamedSharding
 from dora_jax.core.records import Request, SamplingParams, SlotState
 from dora_jax.models import (
     KV_CACHE_AXES,
+    PAGED_KV_AXES,
     KVCache,
     ModelConfig,
+    PagedKVCache,
     abstract_model,
     in_compute_dtype,
     load_hf,
     logical_axes,
+    paged,
     served_abstract,
     split,
 )
+from dora_jax.models.attention import resolve_implementation
 from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.rollout import sampling
+from dora_jax.rollout.pages import OutOfPages, PagePool
 
 _PREFIX_KV_AXES = ("layers", "length", "kv_heads", "head_dim")
 
@@ -64,6 +69,14 @@ class EngineConfig:
     # asking for a filter are refused. RolloutSpec.engine_config turns it on when the run's
     # sampling filters.
     sampling_filters: bool = True
+    # Paged KV cache (dora_jax.models.paged): rows per page, a power of two up to
+    # min_prefill_bucket dividing cache_length; 0 = the dense cache (every slot holds
+    # cache_length rows whatever its length).
+    page_size: int = 0
+    # Pages in the pool, the scratch page included; 0 = enough for every slot at cache_length
+    # (nothing is ever preempted). Fewer pages hold more slots at the same memory: a request is
+    # admitted when its pages are free, and the youngest is preempted when the pool runs dry.
+    num_pages: int = 0
 
     def __post_init__(self):
         for name in ("max_prefill_length", "min_prefill_bucket"):
@@ -78,6 +91,47 @@ class EngineConfig:
             raise ValueError(f"engine.max_prefill_length={self.max_prefill_length} > cache_length={self.cache_length}")
         if self.num_slots < 1:
             raise ValueError(f"engine.num_slots={self.num_slots}; expected >= 1")
+        if self.page_size:
+            ps = self.page_size
+            if ps < 1 or ps & (ps - 1) or ps > self.min_prefill_bucket or self.cache_length % ps:
+                raise ValueError(
+                    f"engine.page_size={ps}; expected 0 (dense) or a power of two <= min_prefill_bucket="
+                    f"{self.min_prefill_bucket} dividing cache_length={self.cache_length}"
+                )
+            if self.num_pages and self.num_pages - 1 < self.pages_per_slot:
+                raise ValueError(
+                    f"engine.num_pages={self.num_pages} gives {self.num_pages - 1} pages of page_size={ps} rows "
+                    f"(page 0 is scratch); one request at cache_length={self.cache_length} needs "
+                    f"{self.pages_per_slot}: expected 0 (every slot full) or >= {self.pages_per_slot + 1}"
+                )
+        elif self.num_pages:
+            raise ValueError(f"engine.num_pages={self.num_pages} without engine.page_size; expected a page_size")
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def pages_per_slot(self) -> int:
+        """M: the page-table width (cache_length rows)."""
+        return self.cache_length // self.page_size if self.paged else 0
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in the pool, the scratch page included."""
+        if not self.paged:
+            return 0
+        return self.num_pages or self.num_slots * self.pages_per_slot + 1
+
+    @property
+    def live_page_buckets(self) -> tuple[int, ...]:
+        """Page-table widths `generate` is compiled for: powers of two up to M, and M (the
+        reference attention's work follows the longest live slot, not cache_length)."""
+        sizes, size = [], 1
+        while size < self.pages_per_slot:
+            sizes.append(size)
+            size *= 2
+        return tuple(sizes) + (self.pages_per_slot,)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -133,7 +187,7 @@ class Prefix:
 class DecodeState:
     """Every slot's state; the only thing `generate` transforms."""
 
-    cache: KVCache  # k_LBSKD / v_LBSKD
+    cache: KVCache | jax.Array  # k_LBSKD / v_LBSKD, or the paged pool kv_LPNCD
     position_B: jax.Array  # row where each slot's pending token goes
     token_B: jax.Array  # pending token (the last sampled one)
     generated_B: jax.Array
@@ -244,7 +298,9 @@ def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, s
     return tokens_B, logp_B, logp_B
 
 
-def _insert_step(prefix: Prefix, state: DecodeState, slot):
+def _insert_step(prefix: Prefix, state: DecodeState, slot, pages_Q=None):
+    """Puts `prefix` into `slot`: its rows into the dense cache, or into pages `pages_Q` (paged)."""
+
     def rows(cache_LBSKD, rows_LRKD):
         return jax.lax.dynamic_update_slice(
             cache_LBSKD, rows_LRKD[:, None].astype(cache_LBSKD.dtype), (0, slot, 0, 0, 0)
@@ -254,8 +310,12 @@ def _insert_step(prefix: Prefix, state: DecodeState, slot):
         value = jnp.asarray(value, vector.dtype).reshape((1,) + vector.shape[1:])
         return jax.lax.dynamic_update_slice(vector, value, (slot,) + (0,) * (vector.ndim - 1))
 
+    if pages_Q is None:
+        cache = KVCache(rows(state.cache.k_LBSKD, prefix.k_LRKD), rows(state.cache.v_LBSKD, prefix.v_LRKD))
+    else:
+        cache = paged.write_rows(state.cache, prefix.k_LRKD, prefix.v_LRKD, pages_Q)
     return DecodeState(
-        cache=KVCache(rows(state.cache.k_LBSKD, prefix.k_LRKD), rows(state.cache.v_LBSKD, prefix.v_LRKD)),
+        cache=cache,
         position_B=put(state.position_B, prefix.length),
         token_B=put(state.token_B, prefix.token),
         generated_B=put(state.generated_B, prefix.generated),
@@ -267,10 +327,24 @@ def _insert_step(prefix: Prefix, state: DecodeState, slot):
 
 
 def _generate_step(
-    graphdef, config: EngineConfig, mesh: Mesh, rules: sharding_lib.Rules, params, state: DecodeState, *, sampler
+    graphdef,
+    config: EngineConfig,
+    mesh: Mesh,
+    rules: sharding_lib.Rules,
+    params,
+    state: DecodeState,
+    table_BM=None,
+    *,
+    sampler,
 ):
+    """One decode step; paged, `table_BM` is every slot's page table (a live-pages bucket wide)."""
     model = nnx.merge(graphdef, params)
-    logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
+    if table_BM is None:
+        logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
+    else:  # the paged kernel places its operands by the rules in context
+        with sharding_lib.activation_layout(mesh, rules):
+            cache = PagedKVCache(state.cache, table_BM)
+            logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=cache)
     next_B = state.position_B + 1
     tokens_B, logp_B, sample_logp_B = _pick(
         logits_B1V[:, 0],
@@ -287,18 +361,26 @@ def _generate_step(
     generated_B = state.generated_B + 1
     # Free slots keep stepping on garbage; clamping keeps their writes inside the cache.
     state = state.replace(
-        cache=cache, position_B=jnp.minimum(next_B, cache.length - 1), token_B=tokens_B, generated_B=generated_B
+        cache=cache if table_BM is None else cache.kv_LPNCD,
+        position_B=jnp.minimum(next_B, config.cache_length - 1),
+        token_B=tokens_B,
+        generated_B=generated_B,
     )
     data = jnp.stack([tokens_B, jnp.ones_like(tokens_B), generated_B], axis=1)
     return state, ResultTokens(data=data, log_prob=logp_B[:, None], sample_log_prob=sample_logp_B[:, None])
 
 
-def _read_slot(state: DecodeState, slot, *, rows: int):
+def _read_slot(state: DecodeState, slot, pages_Q=None, *, rows: int):
+    """The slot's first `rows` KV rows (from its pages `pages_Q` when paged) and its vectors."""
     cut = lambda c: jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(c, slot, 1, False), 0, rows, 1)
     at = lambda v: jax.lax.dynamic_index_in_dim(v, slot, 0, False)
+    if pages_Q is None:
+        k_LRKD, v_LRKD = cut(state.cache.k_LBSKD), cut(state.cache.v_LBSKD)
+    else:
+        k_LRKD, v_LRKD = paged.read_rows(state.cache, pages_Q)
     return (
-        cut(state.cache.k_LBSKD),
-        cut(state.cache.v_LBSKD),
+        k_LRKD,
+        v_LRKD,
         at(state.position_B),
         at(state.token_B),
         at(state.key_data_B2),
@@ -348,9 +430,14 @@ def _empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
 
 
 def _zero_state(config: EngineConfig, model_config: ModelConfig) -> DecodeState:
-    B = config.num_slots
+    B, cfg = config.num_slots, model_config
+    if config.paged:
+        shape = (cfg.num_layers, config.pool_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim)
+        cache = paged.pool_zeros(*shape, cfg.dtype)
+    else:
+        cache = KVCache.zeros(model_config, batch=B, length=config.cache_length)
     return DecodeState(
-        cache=KVCache.zeros(model_config, batch=B, length=config.cache_length),
+        cache=cache,
         position_B=jnp.zeros((B,), jnp.int32),
         token_B=jnp.zeros((B,), jnp.int32),
         generated_B=jnp.zeros((B,), jnp.int32),
@@ -390,6 +477,28 @@ class RolloutEngine:
         (self._init_jit, self._prefill_jit, self._insert_jit, self._generate_jit, self._read_jit) = _programs(
             model_config, config, mesh, rules, self._graphdef, self._state_shardings, self._prefix_shardings
         )
+        # Paged: which pages each slot holds and where it writes next, kept here on the host for the
+        # one live decode state (init_decode_state starts them over), and the page-table widths
+        # generate runs at (one: the TPU kernel reads only live pages whatever the width).
+        self._live_widths = (config.pages_per_slot,) if self.paged_kernel else config.live_page_buckets
+        self._reset_pages()
+
+    @property
+    def paged_kernel(self) -> bool:
+        """Whether a paged decode step attends with the ragged paged attention TPU kernel."""
+        if not self.config.paged:
+            return False
+        platform = self._mesh.devices.flat[0].platform
+        with sharding_lib.activation_layout(self._mesh, self._rules):
+            impl = resolve_implementation(self.model_config.attention, self.model_config.dtype, backend=platform)
+        return impl == "pallas_tpu"
+
+    def _reset_pages(self) -> None:
+        cfg = self.config
+        self._pages = PagePool(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.pages_per_slot) if cfg.paged else None
+        self._position = np.zeros((cfg.num_slots,), np.int64)  # the row each active slot writes next
+        self._active = np.zeros((cfg.num_slots,), bool)
+        self._table: tuple[tuple[int, int], Any] | None = None  # ((revision, width), device table)
 
     # ------------------------------------------------------------------ shardings
     def _spec(self, names: Sequence[str | None], shape) -> NamedSharding:
@@ -399,7 +508,10 @@ class RolloutEngine:
         def vector(x):
             return self._spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
 
-        cache = KVCache(*(self._spec(KV_CACHE_AXES, c.shape) for c in (state.cache.k_LBSKD, state.cache.v_LBSKD)))
+        if self.config.paged:
+            cache = self._spec(PAGED_KV_AXES, state.cache.shape)
+        else:
+            cache = KVCache(*(self._spec(KV_CACHE_AXES, c.shape) for c in (state.cache.k_LBSKD, state.cache.v_LBSKD)))
         return jax.tree.map(vector, state.replace(cache=None)).replace(cache=cache)
 
     def _prefix_sharding_tree(self) -> Prefix:
@@ -440,8 +552,67 @@ class RolloutEngine:
         return self.tokenizer
 
     def free_resource(self, slot: int) -> None:
-        """Nothing to free: the cache is dense and a slot is simply overwritten by the next insert."""
+        """Paged: the slot's pages go back to the pool (its later garbage steps write to scratch).
+        Dense: nothing to free, the next insert overwrites the slot."""
         self._check_slot(slot)
+        if self._pages is not None:
+            self._pages.release(slot)
+            self._active[slot] = False
+
+    # ------------------------------------------------------------------ pages
+    @property
+    def pages(self) -> PagePool | None:
+        """The host's page pool of the live decode state (None: dense cache)."""
+        return self._pages
+
+    def _next_rows(self, slot: int) -> int:
+        return min(int(self._position[slot]) + 1, self.config.cache_length)
+
+    def _decoding_shortfall(self, skip: int = -1) -> int:
+        pool = self._pages
+        return sum(pool.shortfall(s, self._next_rows(s)) for s in np.flatnonzero(self._active) if s != skip)
+
+    def page_shortfall(self) -> int:
+        """Pages the next `generate` needs beyond those free (> 0: it would raise OutOfPages; the
+        caller preempts first). 0 for a dense cache."""
+        if self._pages is None:
+            return 0
+        return max(0, self._decoding_shortfall() - self._pages.free_pages)
+
+    def admit_shortfall(self, slot: int, tokens: int) -> int:
+        """Pages short of admitting `tokens` prefilled tokens into `slot` now while keeping the
+        pages the other slots' next step needs (0: admit). 0 for a dense cache."""
+        if self._pages is None:
+            return 0
+        need = self._pages.pages_for(min(tokens + 1, self.config.cache_length)) + self._decoding_shortfall(skip=slot)
+        return max(0, need - self._pages.free_pages)
+
+    def _host_length(self, prefix: Prefix) -> int:
+        known = getattr(prefix, "_host_length", None)
+        if known is not None:
+            return known
+        length = prefix.length  # a Prefix built elsewhere: read this host's copy (one sync)
+        return int(length.addressable_data(0) if isinstance(length, jax.Array) else length)
+
+    def _page_row(self, slot: int, width: int) -> np.ndarray:
+        """The slot's first `width` page-table entries (0 = scratch past what it holds)."""
+        row = np.zeros((width,), np.int32)
+        held = self._pages.pages(slot)[:width]
+        row[: len(held)] = held
+        return row
+
+    def _device_table(self):
+        pool = self._pages
+        live = max(1, max((int(pool.held[s]) for s in np.flatnonzero(self._active)), default=1))
+        width = next(w for w in self._live_widths if w >= live)
+        key = (pool.revision, width)
+        if self._table is None or self._table[0] != key:
+            self._table = (key, self._put_table(pool.table[:, :width]))
+        return self._table[1]
+
+    def _put_table(self, table_BM: np.ndarray):
+        # A copy: a CPU device_put may alias the host buffer, and the pool's table changes in place.
+        return jax.device_put(np.array(table_BM, np.int32, copy=True), sharding_lib.replicated(self._mesh))
 
     def load_params(self, params: Any = None, *, hf_path: str | None = None) -> Any:
         """Params placed with this slice's shardings: `params` (a pure dict like `models.split`'s)
@@ -466,7 +637,9 @@ class RolloutEngine:
         return in_compute_dtype(jax.device_put(params, self._param_shardings), self.model_config.dtype)
 
     def init_decode_state(self) -> DecodeState:
-        """All slots empty (zeros), born with the slice's shardings."""
+        """All slots empty (zeros), born with the slice's shardings; paged, every page free again
+        (an engine keeps the page pool of one live decode state: the newest)."""
+        self._reset_pages()
         return self._init_jit()
 
     def prefill(
@@ -510,7 +683,7 @@ class RolloutEngine:
                     f"existing_prefix ({start} tokens) + {bucket} (the bucket of {true_length} tokens) "
                     f"exceed cache_length={self.config.cache_length}"
                 )
-        return self._prefill_jit(
+        prefix, result = self._prefill_jit(
             params,
             padded,
             prior,
@@ -523,21 +696,52 @@ class RolloutEngine:
             np.bool_(sample_first),
             sampler=sampler,
         )
+        # The length as the host knows it, so that a paged insert need not wait for the prefill.
+        object.__setattr__(prefix, "_host_length", start + true_length - (0 if sample_first else 1))
+        return prefix, result
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Puts `prefix` into `slot` (its previous occupant is overwritten); donates decode_state."""
+        """Puts `prefix` into `slot` (its previous occupant is overwritten); donates decode_state.
+        Paged: the previous occupant's pages are freed and the slot takes pages for the prefix's
+        rows and its pending token's (OutOfPages, nothing changed, when the pool lacks them:
+        `admit_shortfall` says so beforehand)."""
         self._check_slot(slot)
-        if prefix.k_LRKD.shape[1] > self.config.cache_length:
-            raise ValueError(
-                f"prefix has {prefix.k_LRKD.shape[1]} rows, more than cache_length={self.config.cache_length}"
+        rows = prefix.k_LRKD.shape[1]
+        if rows > self.config.cache_length:
+            raise ValueError(f"prefix has {rows} rows, more than cache_length={self.config.cache_length}")
+        if self._pages is None:
+            return self._insert_jit(prefix, decode_state, np.int32(slot))
+        length = self._host_length(prefix)
+        rows_held = min(length + 1, self.config.cache_length)  # its rows and its pending token's
+        if self._pages.pages_for(rows_held) > self._pages.free_pages + self._pages.releasable(slot):
+            raise OutOfPages(
+                f"slot {slot}: a prefix of {length} tokens needs {self._pages.pages_for(rows_held)} pages; "
+                f"{self._pages.free_pages} are free"
             )
-        return self._insert_jit(prefix, decode_state, np.int32(slot))
+        self._pages.release(slot)
+        self._pages.grow(slot, rows_held)
+        self._position[slot], self._active[slot] = length, True
+        pages_Q = self._page_row(slot, rows // self.config.page_size)
+        return self._insert_jit(prefix, decode_state, np.int32(slot), pages_Q)
 
     def generate(
         self, params, decode_state: DecodeState, sampler: Callable | None = None
     ) -> tuple[DecodeState, ResultTokens]:
-        """One decode step over every slot; donates decode_state."""
-        return self._generate_jit(params, decode_state, sampler=sampler)
+        """One decode step over every slot; donates decode_state. Paged, every occupied slot first
+        takes the page its next row lands in (OutOfPages if the pool lacks them: `page_shortfall`
+        says so beforehand)."""
+        if self._pages is None:
+            return self._generate_jit(params, decode_state, sampler=sampler)
+        if self.page_shortfall():
+            raise OutOfPages(
+                f"the next decode step needs {self._decoding_shortfall()} more pages; {self._pages.free_pages} are free"
+            )
+        active = np.flatnonzero(self._active)
+        for slot in active:
+            self._pages.grow(slot, self._next_rows(slot))
+        out = self._generate_jit(params, decode_state, self._device_table(), sampler=sampler)
+        self._position[active] = np.minimum(self._position[active] + 1, self.config.cache_length - 1)
+        return out
 
     # ------------------------------------------------------------------ migration
     def export_slot(
@@ -564,7 +768,10 @@ class RolloutEngine:
         # the device's own position is checked against it below.
         expected = len(request.prompt_ids) + len(response_ids) - 1
         rows = self.config.rows_bucket(max(expected, 1))
-        k, v, position, token, key_data = jax.device_get(self._read_jit(decode_state, np.int32(slot), rows=rows))
+        pages_Q = None if self._pages is None else self._page_row(slot, rows // self.config.page_size)
+        k, v, position, token, key_data = jax.device_get(
+            self._read_jit(decode_state, np.int32(slot), pages_Q, rows=rows)
+        )
         position = int(position)
         pending = response_ids[-1] if response_ids else None
         if pending is None or position != expected + in_flight or (not in_flight and int(token) != pending):
@@ -611,6 +818,7 @@ class RolloutEngine:
             generated=np.int32(len(state.response_ids)),
         )
         prefix = jax.device_put(prefix, self._prefix_shardings)
+        object.__setattr__(prefix, "_host_length", state.position)
         return self.insert(prefix, decode_state, slot)
 
     # ------------------------------------------------------------------ helpers
@@ -627,9 +835,17 @@ class RolloutEngine:
         }
 
     def warmup(self, params, *, migration: bool = True) -> None:
-        """Compiles generate, every prefill bucket and the second chunk of a two-chunk prefill (a
-        re-prefill up to 2 x max_prefill_length); with `migration`, also the insert and slot read of
-        every row bucket (so that imports and exports compile nothing later)."""
+        """Compiles generate (paged: at every page-table width), every prefill bucket and the second
+        chunk of a two-chunk prefill (a re-prefill up to 2 x max_prefill_length); with `migration`,
+        also the insert and slot read of every row bucket (so that imports and exports compile
+        nothing later). Its own decode state: a live one's pages are left as they were."""
+        held = (self._pages, self._position, self._active, self._table)
+        try:
+            self._warm(params, migration)
+        finally:
+            self._pages, self._position, self._active, self._table = held
+
+    def _warm(self, params, migration: bool) -> None:
         state = self.init_decode_state()
         for bucket in self.config.prefill_buckets:
             prefix, _ = self.prefill(params=params, padded_tokens=np.zeros((bucket,), np.int32), true_length=bucket)
@@ -645,12 +861,16 @@ class RolloutEngine:
                 )
                 state = self.insert(prefix, state, 0)
         state, result = self.generate(params, state)
+        for width in self._live_widths if self.config.paged else ():
+            table = self._put_table(np.zeros((self.config.num_slots, width), np.int32))
+            state, result = self._generate_jit(params, state, table, sampler=None)
         rows = sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}) if migration else []
         for size in rows:
             state = self.insert(
                 jax.device_put(_empty_prefix(self.model_config, size), self._prefix_shardings), state, 0
             )
-            jax.block_until_ready(self._read_jit(state, np.int32(0), rows=size))
+            pages_Q = None if self._pages is None else self._page_row(0, size // self.config.page_size)
+            jax.block_until_ready(self._read_jit(state, np.int32(0), pages_Q, rows=size))
         jax.block_until_ready((state, result))
 
     def abstract_decode_state(self) -> DecodeState:
@@ -674,15 +894,24 @@ class RolloutEngine:
             tokens = jax.ShapeDtypeStruct((bucket,), jnp.int32)
             lowered = self._prefill_jit.lower(params, tokens, None, *scalars, np.bool_(True), sampler=None)
             programs.append((f"prefill[T={bucket}]", lowered))
-        programs.append(("generate", self._generate_jit.lower(params, state, sampler=None)))
+        if self.config.paged:
+            replicated = sharding_lib.replicated(self._mesh)
+            for width in self._live_widths:
+                table = jax.ShapeDtypeStruct((self.config.num_slots, width), jnp.int32, sharding=replicated)
+                lowered = self._generate_jit.lower(params, state, table, sampler=None)
+                widest = width == self.config.pages_per_slot
+                programs.append(("generate" if widest else f"generate[pages={width}]", lowered))
+        else:
+            programs.append(("generate", self._generate_jit.lower(params, state, sampler=None)))
         cfg = self.model_config
         one_row = jax.tree.map(abstract, _empty_prefix(cfg, 1), self._prefix_shardings)
         for rows in sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}):
             kv_shape = (cfg.num_layers, rows, cfg.num_kv_heads, cfg.head_dim)
             kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(cfg.dtype), sharding=self._prefix_shardings.k_LRKD)
             prefix = one_row.replace(k_LRKD=kv, v_LRKD=kv)
-            programs.append((f"insert[rows={rows}]", self._insert_jit.lower(prefix, state, np.int32(0))))
-            programs.append((f"read_slot[rows={rows}]", self._read_jit.lower(state, np.int32(0), rows=rows)))
+            pages_Q = None if not self.config.paged else np.zeros((rows // self.config.page_size,), np.int32)
+            programs.append((f"insert[rows={rows}]", self._insert_jit.lower(prefix, state, np.int32(0), pages_Q)))
+            programs.append((f"read_slot[rows={rows}]", self._read_jit.lower(state, np.int32(0), pages_Q, rows=rows)))
         return programs
 
     @property

@@ -65,6 +65,7 @@ class WorkerCounters:
     exports: int = 0
     finished: int = 0
     rejected: int = 0
+    preemptions: int = 0  # requests sent back to the queue when the KV page pool ran dry
 
     @property
     def occupancy(self) -> float:
@@ -89,6 +90,7 @@ class _Active:
     admit_t: float | None = None  # when it took its slot here (None: imported, decoded elsewhere too)
     in_flight: int = 0  # its tokens dispatched (prefill or generate) and not yet read
     closed: bool = False  # finished or exported: its tokens still in flight are dropped
+    seq: int = 0  # admission order on this worker (the youngest is preempted first)
 
     @property
     def needs_tokens(self) -> bool:
@@ -148,6 +150,7 @@ class RolloutWorker:
         self._rejected: list[Trajectory] = []
         self._unread: collections.deque[_Unread] = collections.deque()
         self._tally: collections.Counter[str] = collections.Counter()
+        self._seq = 0
 
     # ------------------------------------------------------------------ state
     @property
@@ -307,9 +310,12 @@ class RolloutWorker:
             if record is not None and record.needs_tokens:
                 continue
             # Free, or its last token is in flight: that step consumes the state before this insert.
-            request, dispatch_t = self._queue.popleft()
+            request, dispatch_t = self._queue[0]
             ids = np.asarray(request.prompt_ids + request.prefix_response_ids, np.int32)
             sample_first = not request.prefix_response_ids
+            if self._engine.admit_shortfall(slot, len(ids) - (0 if sample_first else 1)):
+                return  # paged: not enough free KV pages for it and the next step; it waits, first in line
+            self._queue.popleft()
             prefix, begin = None, 0
             for chunk in self._engine.config.prefill_chunks(len(ids)):  # one chunk unless a long prompt or prefix
                 begin += chunk
@@ -330,6 +336,7 @@ class RolloutWorker:
                 dispatch_t,
                 slot=slot,
                 admit_t=self._clock(),
+                seq=self._next_seq(),
             )
             self._slots[slot] = admitted
             self._count(prefills=1, prefill_tokens=len(ids))
@@ -338,11 +345,41 @@ class RolloutWorker:
 
     def _dispatch(self) -> list[_Unread]:
         """One generate over every slot, when some record needs a token; its tokens unread."""
+        self._make_room()
         records = tuple(record if record is not None and record.needs_tokens else None for record in self._slots)
         if not any(records):
             return []
         self._state, result = self._engine.generate(self._params, self._state)
         return [self._in_flight(result, records, decode_step=True)]
+
+    def _make_room(self) -> None:
+        """Paged: preempts the youngest decoding requests until the next step's KV pages are free.
+        A preempted request goes back to the front of the queue with its tokens so far and is
+        re-prefilled (same version, same per-position sampling keys: the same continuation) when
+        pages free up; its tokens in flight are dropped and recomputed then."""
+        while self._engine.page_shortfall():
+            victims = [r for r in self._slots if r is not None and r.needs_tokens]
+            victims = [r for r in victims if self._validate(self._resumption(r)) is None]
+            if not victims:
+                return  # generate says what is short
+            victim = max(victims, key=lambda r: r.seq)
+            self._close(victim)
+            self._queue.appendleft((self._resumption(victim), victim.dispatch_t))
+            self._count(preemptions=1)
+
+    @staticmethod
+    def _resumption(record: _Active) -> Request:
+        """The Request that resumes `record` by re-prefill of its prompt and tokens read so far."""
+        return dataclasses.replace(
+            record.request,
+            prefix_response_ids=tuple(record.response_ids),
+            prefix_logprobs=tuple(record.logprobs),
+            prefix_versions=tuple(record.versions),
+        )
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def _in_flight(self, result: ResultTokens, records: tuple[_Active | None, ...], *, decode_step: bool) -> _Unread:
         result.copy_to_host_async()
@@ -457,12 +494,7 @@ class RolloutWorker:
         out = {r.traj_id: r for r, _ in self._queue}
         for record in self._slots:
             if record is not None:
-                out[record.request.traj_id] = dataclasses.replace(
-                    record.request,
-                    prefix_response_ids=tuple(record.response_ids),
-                    prefix_logprobs=tuple(record.logprobs),
-                    prefix_versions=tuple(record.versions),
-                )
+                out[record.request.traj_id] = self._resumption(record)
         return out
 
     def take_queued(self, traj_ids: Iterable[str] | None = None) -> list[Request]:
@@ -501,6 +533,7 @@ class RolloutWorker:
                 self._clock(),
                 num_migrations=1,
                 slot=slot,
+                seq=self._next_seq(),
             )
             self._count(imports=1)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -20,6 +22,7 @@ TINY = ModelConfig(
     eos_token_id=2,
 )
 ENGINE = EngineConfig(num_slots=4, cache_length=64, max_prefill_length=32, min_prefill_bucket=16)
+PAGED = dataclasses.replace(ENGINE, page_size=8)  # a pool for every slot at cache_length: 4 x 8 pages + scratch
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +51,22 @@ def engine(slices):
 def engine_b(slices):
     """The same engine shape on rollout slice 1 (other devices): the migration destination."""
     return RolloutEngine(TINY, ENGINE, slices.rollout[1])
+
+
+@pytest.fixture(scope="session")
+def paged_engine(slices, tiny_params):
+    """The paged KV cache on rollout slice 0, warm."""
+    engine = RolloutEngine(TINY, PAGED, slices.rollout[0])
+    engine.warmup(engine.load_params(tiny_params))
+    return engine
+
+
+@pytest.fixture(scope="session")
+def paged_engine_b(slices, tiny_params):
+    """The paged KV cache on rollout slice 1 (the migration destination), warm."""
+    engine = RolloutEngine(TINY, PAGED, slices.rollout[1])
+    engine.warmup(engine.load_params(tiny_params))
+    return engine
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,20 @@ def _requests():
     ]
 
 
+LAYOUTS = {  # (source, destination) engines: dense caches, paged caches, paged to dense
+    "dense": ("warm_engine", "engine_b"),
+    "paged": ("paged_engine", "paged_engine_b"),
+    "paged_to_dense": ("paged_engine", "engine_b"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_migrated_equals_never_migrated(warm_engine, engine_b, tiny_params, slices, pipelined):
+def test_migrated_equals_never_migrated(request, tiny_params, slices, pipelined, layout):
     """Pipelined, the source exports with a decode step in flight: the records hold 7 tokens, the
-    device 8; the 8th is dropped there and recomputed (identically) at the destination."""
+    device 8; the 8th is dropped there and recomputed (identically) at the destination. Paged, an
+    export reads only the slot's pages and an import takes only the pages it needs."""
+    warm_engine, engine_b = (request.getfixturevalue(name) for name in LAYOUTS[layout])
     assert set(warm_engine.mesh.devices.flat).isdisjoint(engine_b.mesh.devices.flat)
     source = RolloutWorker(warm_engine, slice_id=0, eos_ids=(), pipelined=pipelined)
     source.load_version(0, tiny_params)
@@ -60,6 +70,8 @@ def test_migrated_equals_never_migrated(warm_engine, engine_b, tiny_params, slic
         assert moved.response_ids == ref.response_ids, traj_id
         assert moved.logprobs == ref.logprobs, traj_id  # bit-exact, not approximately
         assert moved.versions_seen == (0,) and moved.num_migrations == 1 and moved.slice_id == 1
+    for engine in (warm_engine, engine_b):  # every page back in the pool
+        assert engine.pages is None or engine.pages.free_pages == engine.pages.capacity_pages
 
 
 def test_import_refuses_other_versions_and_full_workers(warm_engine, tiny_params):
