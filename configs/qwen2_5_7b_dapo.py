@@ -94,6 +94,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_k = 0  # top-k filter (0 = off)
     c.rollout.max_new_tokens = 8192  # response cap
     c.rollout.weights_transfer = False  # True: versions device to device (one-host trainer only; this one has 4)
+    c.rollout.page_size = 64  # paged KV cache: rows per page (the TPU kernel reads 16 pages per block)
+    c.rollout.kv_pages = 0  # pages in the pool (0 = sized by kv_memory_fraction; CPU: every slot full)
+    c.rollout.kv_memory_fraction = 0.8  # the pool's share of chip memory left after the weights
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

@@ -80,6 +80,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.heartbeat_timeout_s = 120.0  # a slice silent this long is declared dead, its requests re-dispatched
     c.rollout.max_rejoins = 2  # times a crashed slice is restarted and rejoins
     c.rollout.weights_transfer = False  # role processes: pull versions device to device from the trainer
+    c.rollout.page_size = 16  # paged KV cache: rows per page (0 = dense: every slot holds cache_length rows)
+    c.rollout.kv_pages = 0  # pages in the pool (0 = sized by kv_memory_fraction; CPU: every slot full)
+    c.rollout.kv_memory_fraction = 0.8  # the pool's share of chip memory left after the weights
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

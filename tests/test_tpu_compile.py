@@ -79,8 +79,12 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
     assert step["name"] == "train_step[B=8,U=1,M=1,C=8,T=32]"
     assert step["flops"] > 0 and step["bytes_accessed"] > 0 and step["model_flops"] > 0
     names = [p["name"] for p in trainer["programs"] + rollout["programs"]]
-    expected = ["train_step[B=8,U=1,M=1,C=8,T=32]", "recompute[C=8,T=32]", "prefill[T=16]", "generate"]
-    assert names == expected + ["insert[rows=16]", "read_slot[rows=16]", "insert[rows=32]", "read_slot[rows=32]"]
+    # The paged KV cache (16-row pages): the reference attention runs at each live-page width.
+    expected = ["train_step[B=8,U=1,M=1,C=8,T=32]", "recompute[C=8,T=32]", "prefill[T=16]", "generate[pages=1]"]
+    expected += ["generate", "insert[rows=16]", "read_slot[rows=16]", "insert[rows=32]", "read_slot[rows=32]"]
+    assert names == expected
+    assert rollout["kv_page_size"] == 16 and rollout["cache_length"] == 32
+    assert rollout["kv_pool_tokens"] == 4 * 32  # 16 GiB sizes more, capped at every slot full (4 slots)
     assert aot.does_not_fit(result) == []
     json.dumps(result)  # compile.json's content
 
@@ -195,3 +199,25 @@ def test_the_command_names_a_bad_target_without_a_traceback(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "tpu_compile: --target='v5e:3x3'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
+def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel():
+    """A model whose heads are 128 wide decodes with the TPU kernel: one page-table width (the
+    kernel reads only live pages), the kernel in the compiled program, and the pool sized from the
+    chip's HBM by kv_memory_fraction (capped at every slot full)."""
+    c = _config(hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=128, attention="pallas_tpu")
+    with c.unlocked():
+        c.rollout.cache_length = 256
+        c.rollout.max_prefill_length = 64
+        c.rollout.max_new_tokens = 128
+        c.rollout.page_size = 16
+    config = run_config.parse(c)
+    (target,) = [t for t in aot.plan_roles(config, None, "v5e:2x2") if t.role == "rollout"]
+    cfg = aot.model_config(config)
+    engine = aot.RolloutEngine(cfg, config.rollout.engine_config(), target.mesh, hbm_bytes=16 * 2**30)
+    assert engine.paged_kernel and engine.config.num_pages == 4 * 16 + 1
+    (generate,) = [lowered for name, lowered in engine.lower_programs() if name.startswith("generate")]
+    assert "ragged_paged_attention" in generate.as_text()
+    compiled = generate.compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 2**20  # no copy of the pool (4 x 256 rows)

@@ -58,6 +58,9 @@ class EngineBenchConfig:
     loop_blocks: int = 20  # timed blocks of 10 steps per loop in the side-by-side worker timing
     tensor_parallel: int = 1  # devices the engine is sharded over (tensor axis)
     batch_curve: bool = True  # also time engines compiled for each point's slot count
+    page_size: int = 0  # paged KV cache: rows per page (0 = the dense cache)
+    kv_pages: int = 0  # pages in the pool (0 = every slot full)
+    compare_dense: bool = True  # paged: also time a dense engine's worker loop, side by side
     seed: int = 0
 
 
@@ -76,9 +79,17 @@ def _model_config(config: EngineBenchConfig) -> ModelConfig:
     )
 
 
-def _engine(config: EngineBenchConfig, slots: int, mesh) -> RolloutEngine:
+def _engine(config: EngineBenchConfig, slots: int, mesh, *, paged: bool = True) -> RolloutEngine:
+    """An engine of `slots` slots; paged as `config` says unless `paged=False` (the dense cache).
+    Engines of the same sizes share compiled programs; each keeps its own page pool."""
+    page_size = config.page_size if paged else 0
     engine_config = EngineConfig(
-        num_slots=slots, cache_length=config.cache_length, max_prefill_length=config.max_prefill_length
+        num_slots=slots,
+        cache_length=config.cache_length,
+        max_prefill_length=config.max_prefill_length,
+        min_prefill_bucket=min(max(16, page_size), config.max_prefill_length),
+        page_size=page_size,
+        num_pages=config.kv_pages if page_size and slots == config.slots else 0,
     )
     return RolloutEngine(_model_config(config), engine_config, mesh)
 
@@ -172,44 +183,59 @@ def _worker_loop(worker: RolloutWorker) -> Callable[[int], None]:
     return run
 
 
-def _measure_worker_loop(config: EngineBenchConfig, engine, params, rng) -> tuple[dict, RolloutWorker]:
+def _measure_worker_loop(config: EngineBenchConfig, mesh, params, rng) -> tuple[dict, RolloutWorker]:
     """Seconds per decode step at full occupancy of the bare loop and of `RolloutWorker.step()`
-    pipelined and not: blocks of steps (each ending with a wait for the device, so a block spans
-    exactly its device steps), the three loops taking turns in rotating order; medians of the
-    blocks (other processes share these cores); each overhead is the median over turns of a
-    worker's block time over the bare loop's. Also returns the pipelined worker."""
+    pipelined and not (and, for a paged engine, a dense engine's pipelined worker): blocks of steps
+    (each ending with a wait for the device, so a block spans exactly its device steps), the loops
+    taking turns in rotating order, each on its own engine (one decode state per engine); medians
+    of the blocks (other processes share these cores); each ratio is the median over turns of one
+    loop's block time over another's. Also returns the pipelined worker."""
     steps = max(1, config.cache_length - config.prompt_length - 2)  # the workers' requests must not end
     block = min(10, steps)
     blocks = min(config.loop_blocks, steps // block)
-    worker = _full_worker(config, engine, params, pipelined=True)
+    bare = _engine(config, config.slots, mesh)
+    worker = _full_worker(config, _engine(config, config.slots, mesh), params, pipelined=True)
     loops = {
         "bare": _bare_loop(
-            engine, params, _fill(engine, params, engine.init_decode_state(), config.slots, config.prompt_length, rng)
+            bare, params, _fill(bare, params, bare.init_decode_state(), config.slots, config.prompt_length, rng)
         ),
         "worker": _worker_loop(worker),
-        "unpipelined_worker": _worker_loop(_full_worker(config, engine, params, pipelined=False)),
+        "unpipelined_worker": _worker_loop(
+            _full_worker(config, _engine(config, config.slots, mesh), params, pipelined=False)
+        ),
     }
+    if config.page_size and config.compare_dense:
+        dense = _engine(config, config.slots, mesh, paged=False)
+        dense.warmup(params, migration=False)
+        loops["dense_worker"] = _worker_loop(_full_worker(config, dense, params, pipelined=True))
     names = list(loops)
     times = {name: [] for name in names}
     for turn in range(blocks):
-        for name in names[turn % 3 :] + names[: turn % 3]:
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
             start = time.perf_counter()
             loops[name](block)
             times[name].append((time.perf_counter() - start) / block)
     medians = {f"{name}_step_time_s": float(np.median(t)) for name, t in times.items()}
-    bare = np.asarray(times["bare"])
-    return medians | {  # ratios of the same turn's blocks (the load drifts between turns)
-        "worker_overhead": float(np.median(np.asarray(times["worker"]) / bare)),
-        "unpipelined_worker_overhead": float(np.median(np.asarray(times["unpipelined_worker"]) / bare)),
+    ratio = lambda a, b: float(np.median(np.asarray(times[a]) / np.asarray(times[b])))  # noqa: E731
+    result = medians | {  # ratios of the same turn's blocks (the load drifts between turns)
+        "worker_overhead": ratio("worker", "bare"),
+        "unpipelined_worker_overhead": ratio("unpipelined_worker", "bare"),
         "block_steps": block,
         "blocks": blocks,
-    }, worker
+    }
+    if "dense_worker" in times:  # > 1: the paged worker makes more tokens per second than the dense one
+        result["paged_speedup_over_dense"] = ratio("dense_worker", "worker")
+    return result, worker
 
 
 def _kv_figures(engine: RolloutEngine, worker: RolloutWorker) -> dict:
-    """The dense KV cache: every slot holds `cache_length` rows whatever its request's length, so
+    """The KV cache. Dense: every slot holds `cache_length` rows whatever its request's length, so
     a live token costs bytes_per_token x capacity_tokens / live_tokens (live: the prompt and
-    response tokens of `worker`'s requests, all slots busy)."""
+    response tokens of `worker`'s requests, all slots busy). Paged: a live token costs the pages its
+    slot holds; the pool holds `capacity_tokens` tokens, `capacity_sequences_at_mean_length`
+    sequences of the workload's mean length (live tokens / busy slots)."""
+    if engine.config.paged:
+        return _paged_kv_figures(worker.engine, worker)
     sizes, cache = engine.config, engine.abstract_decode_state().cache
     cache_bytes = sum(math.prod(c.shape) * c.dtype.itemsize for c in (cache.k_LBSKD, cache.v_LBSKD))
     # = layers x 2 (k, v) x kv_heads x head_dim x dtype bytes per row, cache_length rows per slot
@@ -223,6 +249,28 @@ def _kv_figures(engine: RolloutEngine, worker: RolloutWorker) -> dict:
         "capacity_tokens": sizes.num_slots * sizes.cache_length,
         "live_tokens": live,
         "bytes_per_live_token": cache_bytes / live,
+    }
+
+
+def _paged_kv_figures(engine: RolloutEngine, worker: RolloutWorker) -> dict:
+    sizes, pool = engine.config, engine.pages
+    cache_bytes = sum(math.prod(c.shape) * c.dtype.itemsize for c in engine.abstract_decode_state().cache)
+    page_bytes = cache_bytes // sizes.pool_pages
+    live = sum(len(r.prompt_ids) + len(r.prefix_response_ids) for r in worker.progress().values())
+    held = pool.capacity_pages - pool.free_pages
+    mean_length = live / max(1, worker.num_active)
+    return {
+        "page_size": sizes.page_size,
+        "bytes_per_token": page_bytes // sizes.page_size,
+        "bytes_per_page": page_bytes,
+        "cache_bytes": cache_bytes,
+        "capacity_slots": sizes.num_slots,
+        "capacity_tokens": pool.capacity_pages * sizes.page_size,
+        "live_tokens": live,
+        "held_pages": held,
+        "bytes_per_live_token": held * page_bytes / live,
+        "mean_length": mean_length,
+        "capacity_sequences_at_mean_length": int(pool.capacity_pages * sizes.page_size // mean_length),
     }
 
 
@@ -251,7 +299,7 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     engine.warmup(params, migration=False)
     compiled = engine.compile_counts()
     decode = _measure_decode(config, engine, params, mesh, rng)
-    worker_loop, worker = _measure_worker_loop(config, engine, params, rng)
+    worker_loop, worker = _measure_worker_loop(config, mesh, params, rng)
     decode[-1]["worker_step_time_s"] = worker_loop["worker_step_time_s"]
     prefill = _measure_prefill(config, engine, params, rng)
     after = engine.compile_counts()
@@ -292,9 +340,20 @@ def format_table(results: dict) -> str:
         f"{1e3 * loop['worker_step_time_s']:.3f} ({loop['worker_overhead']:.2f}x), unpipelined "
         f"{1e3 * loop['unpipelined_worker_step_time_s']:.3f} ({loop['unpipelined_worker_overhead']:.2f}x)"
     )
+    if "paged_speedup_over_dense" in loop:
+        lines.append(
+            f"paged worker vs dense worker, side by side: dense {1e3 * loop['dense_worker_step_time_s']:.3f} ms "
+            f"per step, paged {loop['paged_speedup_over_dense']:.2f}x the dense tokens/s"
+        )
     lines.append(
         f"KV cache: {kv['cache_bytes']} bytes for {kv['capacity_slots']} slots, {kv['capacity_tokens']} tokens; "
         f"{kv['bytes_per_token']} bytes per token row, {kv['bytes_per_live_token']:.0f} per live token"
+        + (
+            f"; pages of {kv['page_size']}: {kv['capacity_sequences_at_mean_length']} sequences of the mean "
+            f"length {kv['mean_length']:.0f}"
+            if "page_size" in kv
+            else ""
+        )
     )
     lines.append(f"compiles after warm-up: {results['compiles_after_warmup']}")
     if "flat_ratio" in results:

@@ -321,6 +321,8 @@ def engine_bench_config(cfg_dict):
         cache_length=r.cache_length,
         max_prefill_length=r.max_prefill_length,
         tensor_parallel=int(dict(cfg_dict.mesh.rollout).get("tensor", 1)),
+        page_size=int(r.get("page_size", 0)),
+        kv_pages=int(r.get("kv_pages", 0)),
     )
 
 

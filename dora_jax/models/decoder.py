@@ -118,14 +118,15 @@ class Attention(nnx.Module):
         elif isinstance(cache, PagedKVCache):  # a decode step: write each slot's token into its page
             if x_BTE.shape[1] != 1:
                 raise ValueError(f"a paged KV cache takes one token per row (a decode step); got {x_BTE.shape[1]}")
-            kv_LPNCD = paged.write_token(
-                cache.kv_LPNCD, layer, k_BTKD[:, 0], v_BTKD[:, 0], cache.page_table_BM, positions_BT[:, 0]
+            kv = list(cache.kv)
+            kv[layer] = paged.write_token(
+                kv[layer], k_BTKD[:, 0], v_BTKD[:, 0], cache.page_table_BM, positions_BT[:, 0]
             )
             out_BHD = paged.attend(
-                q_BTHD[:, 0], kv_LPNCD[layer], cache.page_table_BM, positions_BT[:, 0], implementation=cfg.attention
+                q_BTHD[:, 0], kv[layer], cache.page_table_BM, positions_BT[:, 0], implementation=cfg.attention
             )
             out_BTHD = out_BHD[:, None].astype(dt)
-            new_cache = cache.replace(kv_LPNCD=kv_LPNCD)
+            new_cache = cache.replace(kv=tuple(kv))
         else:  # write the new rows at their positions, attend over the whole cache
             new_cache = (
                 _write_rows(cache[0], k_BTKD, positions_BT, layer),

@@ -1,10 +1,11 @@
 """The paged KV cache of the decode step: a pool of fixed-size pages shared by every slot, and the
 attention that reads a slot's pages through its page table.
 
-Shape letters: L layers, P pages in the pool, N rows (tokens) per page, K kv heads, C = 2K combined
-kv heads, D head_dim, B slots, M pages per slot in the page table, H query heads, R rows.
+Shape letters: L layers (the pool is a tuple of one array per layer), P pages in the pool, N rows
+(tokens) per page, K kv heads, C = 2K combined kv heads, D head_dim, B slots, M pages per slot in
+the page table, H query heads, R rows.
 
-Layout: `kv_LPNCD[l, p, n]` holds one token's keys and values interleaved by head (C index 2k =
+Layout: `kv[l][p, n]` holds one token's keys and values interleaved by head (C index 2k =
 key head k, 2k + 1 = value head k), the layout the ragged paged attention TPU kernel reads
 (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), so the kernel reads the pool as it is.
 Page 0 is the scratch page: no slot owns it; a page-table entry that points nowhere is 0, so a
@@ -15,9 +16,9 @@ read the page table they are given.
 Attention over pages, for a decode step (one query per slot at `positions_B`, keys 0..position):
   * "reference": gathers the slot's pages into [B, M * N] rows and masks by position (any backend;
     work grows with M, which the engine sizes to the live pages: `rollout.engine`).
-  * "pallas_tpu": the ragged paged attention kernel; it reads only the pages below each slot's
-    length. On a mesh it runs under `shard_map`, heads over the rule table's `kv_heads` axis,
-    slots over its `batch` axis.
+  * "pallas_tpu": the ragged paged attention kernel, for head widths that are multiples of 128
+    (`uses_kernel`); it reads only the pages below each slot's length. On a mesh it runs under
+    `shard_map`, heads over the rule table's `kv_heads` axis, slots over its `batch` axis.
 The kernel cannot run in the Pallas interpreter on jax 0.10.2 (both interpreters fail inside it),
 so on CPU its numbers are checked through the reference implementation it ships with
 (`ref_ragged_paged_attention`, tests/models/test_paged.py) and it is compiled for TPU by
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from dora_jax.models.attention import reference_attention, resolve_implementation
 
-PAGED_KV_AXES = ("layers", None, None, "kv_heads", "head_dim")
+PAGED_KV_AXES = (None, None, "kv_heads", "head_dim")  # each layer's pool [P, N, C, D]
 SCRATCH_PAGE = 0
 # Kernel blocks that compile for TPU ahead of time (the tuned defaults ask for more VMEM than the
 # compiler's scoped limit at 7B sizes): KV pages per block, queries per block, VMEM limit.
@@ -45,18 +46,21 @@ KERNEL_VMEM_LIMIT_BYTES = 64 * 1024 * 1024
 
 @flax.struct.dataclass
 class PagedKVCache:
-    """The pool (`kv_LPNCD`) and, for one program, the page table of every slot (`page_table_BM`)."""
+    """The pool, one [P, N, C, D] array per layer (`kv`), and, for one program, every slot's page
+    table (`page_table_BM`). One buffer per layer, not one [L, ...] array: the TPU compiler updates
+    a layer's buffer in place row by row, where a write into a stacked pool compiled into copies of
+    the whole pool (tpu_compile, measured while building this)."""
 
-    kv_LPNCD: jax.Array
+    kv: tuple
     page_table_BM: jax.Array
 
     @property
     def page_size(self) -> int:
-        return self.kv_LPNCD.shape[2]
+        return self.kv[0].shape[1]
 
 
-def pool_zeros(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype):
-    return jnp.zeros((num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim), dtype)
+def pool_zeros(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> tuple:
+    return tuple(jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype) for _ in range(num_layers))
 
 
 def interleave(k_XKD, v_XKD):
@@ -71,39 +75,68 @@ def split_kv(kv_XCD):
     return kv[..., 0, :], kv[..., 1, :]
 
 
-def write_token(kv_LPNCD, layer: int, k_BKD, v_BKD, page_table_BM, positions_B):
-    """The pool with each slot's new token written at its position in `layer`: row position % N of
+def write_token(kv_PNCD, k_BKD, v_BKD, page_table_BM, positions_B):
+    """One layer's pool with each slot's new token written at its position: row position % N of
     page page_table[b, position // N] (the last column for a position past the table: only a free
-    slot's, whose row is all scratch)."""
-    N, M = kv_LPNCD.shape[2], page_table_BM.shape[1]
+    slot's, whose row is all scratch). A loop of one-row in-place updates: a scatter of [B, C, D]
+    rows compiled for TPU into a copy of the layer's pool per step."""
+    N, M = kv_PNCD.shape[1], page_table_BM.shape[1]
     column_B = jnp.minimum(positions_B // N, M - 1)
     page_B = jnp.take_along_axis(page_table_BM, column_B[:, None], axis=1)[:, 0]
-    rows = interleave(k_BKD, v_BKD).astype(kv_LPNCD.dtype)
-    return kv_LPNCD.at[layer, page_B, positions_B % N].set(rows)
+    row_B = positions_B % N
+    rows_BCD = interleave(k_BKD, v_BKD).astype(kv_PNCD.dtype)
+
+    def put(b, kv):
+        row = jax.lax.dynamic_index_in_dim(rows_BCD, b, 0, keepdims=True)[None]  # [1, 1, C, D]
+        return jax.lax.dynamic_update_slice(kv, row, (page_B[b], row_B[b], 0, 0))
+
+    return jax.lax.fori_loop(0, rows_BCD.shape[0], put, kv_PNCD)
 
 
-def write_rows(kv_LPNCD, k_LRKD, v_LRKD, pages_Q):
+def write_rows(kv: tuple, k_LRKD, v_LRKD, pages_Q) -> tuple:
     """The pool with R rows of one sequence written into its pages: rows q*N..(q+1)*N-1 into page
-    pages_Q[q] (R = Q * N; a page of 0 takes padding rows into the scratch page)."""
-    L, R = k_LRKD.shape[:2]
-    N = kv_LPNCD.shape[2]
-    rows = interleave(k_LRKD, v_LRKD).astype(kv_LPNCD.dtype).reshape(L, R // N, N, *kv_LPNCD.shape[3:])
-    return kv_LPNCD.at[:, pages_Q].set(rows)
+    pages_Q[q] of every layer (R = Q * N; a page of 0 takes padding rows into the scratch page)."""
+    N = kv[0].shape[1]
+    rows_LQNCD = interleave(k_LRKD, v_LRKD).astype(kv[0].dtype)
+    rows_LQNCD = rows_LQNCD.reshape(rows_LQNCD.shape[0], -1, N, *rows_LQNCD.shape[2:])
+
+    def layer(kv_PNCD, rows_QNCD):
+        def put(q, pool):
+            page = jax.lax.dynamic_index_in_dim(rows_QNCD, q, 0, keepdims=True)
+            return jax.lax.dynamic_update_slice(pool, page, (pages_Q[q], 0, 0, 0))
+
+        return jax.lax.fori_loop(0, rows_QNCD.shape[0], put, kv_PNCD)
+
+    return tuple(layer(kv_PNCD, rows_LQNCD[i]) for i, kv_PNCD in enumerate(kv))
 
 
-def read_rows(kv_LPNCD, pages_Q):
-    """(k_LRKD, v_LRKD): the Q pages' rows in order (R = Q * N)."""
-    kv = kv_LPNCD[:, pages_Q]
-    kv = kv.reshape(kv.shape[0], -1, *kv.shape[3:])
-    return split_kv(kv)
+def read_rows(kv: tuple, pages_Q):
+    """(k_LRKD, v_LRKD): the Q pages' rows of every layer in order (R = Q * N)."""
+    Q = pages_Q.shape[0]
+
+    def layer(kv_PNCD):
+        def get(q, out):
+            page = jax.lax.dynamic_slice_in_dim(kv_PNCD, pages_Q[q], 1, axis=0)
+            return jax.lax.dynamic_update_slice_in_dim(out, page, q, axis=0)
+
+        out = jnp.zeros((Q,) + kv_PNCD.shape[1:], kv_PNCD.dtype)
+        return jax.lax.fori_loop(0, Q, get, out).reshape(Q * kv_PNCD.shape[1], *kv_PNCD.shape[2:])
+
+    return split_kv(jnp.stack([layer(kv_PNCD) for kv_PNCD in kv]))
 
 
 def attend(q_BHD, kv_PNCD, page_table_BM, positions_B, *, implementation: str = "auto"):
     """One query per slot (at `positions_B`) over the slot's keys 0..position; out_BHD."""
-    impl = resolve_implementation(implementation, q_BHD.dtype)
-    if impl == "pallas_tpu":
+    if uses_kernel(implementation, q_BHD.dtype, q_BHD.shape[-1]):
         return _kernel_on_mesh(q_BHD, kv_PNCD, page_table_BM, positions_B)
     return reference_attend(q_BHD, kv_PNCD, page_table_BM, positions_B)
+
+
+def uses_kernel(implementation: str, dtype, head_dim: int, backend: str | None = None) -> bool:
+    """Whether `attend` runs the TPU kernel: where `implementation` resolves to "pallas_tpu" and the
+    head width fills the kernel's 128-lane rows (its softmax statistics are 128 lanes wide: a
+    64-wide head, as Qwen2.5-0.5B's, fails inside it; those models attend with the reference)."""
+    return resolve_implementation(implementation, dtype, backend) == "pallas_tpu" and head_dim % 128 == 0
 
 
 def reference_attend(q_BHD, kv_PNCD, page_table_BM, positions_B):
@@ -122,7 +155,10 @@ def kernel_attend(q_BHD, kv_PNCD, page_table_BM, positions_B):
 
     B, M = page_table_BM.shape
     N = kv_PNCD.shape[1]
-    lengths_B = jnp.minimum(positions_B + 1, M * N).astype(jnp.int32)
+    # A free slot (its first page the scratch page: an occupied slot holds a real one) reads one
+    # row, not the positions its garbage steps have counted up to.
+    live_B = page_table_BM[:, 0] != SCRATCH_PAGE
+    lengths_B = jnp.where(live_B, jnp.minimum(positions_B + 1, M * N), 1).astype(jnp.int32)
     return rpa.ragged_paged_attention(
         q_BHD,
         kv_PNCD.astype(q_BHD.dtype),

@@ -47,7 +47,6 @@ from dora_jax.models import (
     served_abstract,
     split,
 )
-from dora_jax.models.attention import resolve_implementation
 from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.rollout import sampling
 from dora_jax.rollout.pages import OutOfPages, PagePool
@@ -73,10 +72,13 @@ class EngineConfig:
     # min_prefill_bucket dividing cache_length; 0 = the dense cache (every slot holds
     # cache_length rows whatever its length).
     page_size: int = 0
-    # Pages in the pool, the scratch page included; 0 = enough for every slot at cache_length
-    # (nothing is ever preempted). Fewer pages hold more slots at the same memory: a request is
-    # admitted when its pages are free, and the youngest is preempted when the pool runs dry.
+    # Pages in the pool, the scratch page included. Fewer pages than every slot at cache_length
+    # hold more slots at the same memory: a request is admitted when its pages are free, and the
+    # youngest is preempted when the pool runs dry. 0 = sized by the engine: `kv_memory_fraction`
+    # of the chip memory left after the served weights, capped at every slot full (which is also
+    # the size where the chip's memory is unknown, as on CPU).
     num_pages: int = 0
+    kv_memory_fraction: float = 0.8
 
     def __post_init__(self):
         for name in ("max_prefill_length", "min_prefill_bucket"):
@@ -106,6 +108,8 @@ class EngineConfig:
                 )
         elif self.num_pages:
             raise ValueError(f"engine.num_pages={self.num_pages} without engine.page_size; expected a page_size")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"engine.kv_memory_fraction={self.kv_memory_fraction}; expected 0 < fraction <= 1")
 
     @property
     def paged(self) -> bool:
@@ -187,7 +191,7 @@ class Prefix:
 class DecodeState:
     """Every slot's state; the only thing `generate` transforms."""
 
-    cache: KVCache | jax.Array  # k_LBSKD / v_LBSKD, or the paged pool kv_LPNCD
+    cache: KVCache | tuple  # k_LBSKD / v_LBSKD, or the paged pool (one [P, N, C, D] array per layer)
     position_B: jax.Array  # row where each slot's pending token goes
     token_B: jax.Array  # pending token (the last sampled one)
     generated_B: jax.Array
@@ -361,7 +365,7 @@ def _generate_step(
     generated_B = state.generated_B + 1
     # Free slots keep stepping on garbage; clamping keeps their writes inside the cache.
     state = state.replace(
-        cache=cache if table_BM is None else cache.kv_LPNCD,
+        cache=cache if table_BM is None else cache.kv,
         position_B=jnp.minimum(next_B, config.cache_length - 1),
         token_B=tokens_B,
         generated_B=generated_B,
@@ -459,15 +463,19 @@ class RolloutEngine:
         mesh: Mesh,
         rules: sharding_lib.Rules = sharding_lib.ROLLOUT_RULES,
         tokenizer: Any = None,
+        hbm_bytes: int | None = None,
     ):
+        """`hbm_bytes`: memory per chip that sizes a paged pool whose `num_pages` is 0 (default: the
+        device's own `bytes_limit`; ahead-of-time compiles pass the target chip's)."""
         # Params are served in the compute dtype (every block casts them so before use: no number
         # changes; bf16 serving holds half the bytes of fp32 master weights).
         model_config = model_config.replace(param_dtype=model_config.dtype)
-        self.model_config, self.config, self._mesh, self._rules = model_config, config, mesh, rules
+        self.model_config, self._mesh, self._rules = model_config, mesh, rules
         self.tokenizer = tokenizer
         abstract = abstract_model(model_config)
         self._graphdef, abstract_params = split(abstract)
         self._param_shardings = sharding_lib.tree_shardings(logical_axes(abstract), abstract_params, mesh, rules)
+        self.config = config = self._sized(config, hbm_bytes)
         self._param_structure = jax.tree.structure(abstract_params)
         self._param_shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract_params)]
         self._state_shardings = self._shardings_for(jax.eval_shape(lambda: _zero_state(config, model_config)))
@@ -483,15 +491,51 @@ class RolloutEngine:
         self._live_widths = (config.pages_per_slot,) if self.paged_kernel else config.live_page_buckets
         self._reset_pages()
 
+    def kv_bytes_per_page(self) -> int:
+        """Bytes one KV page takes on each chip of the slice (the pool's kv heads split over devices)."""
+        cfg, config = self.model_config, self.config
+        shape = (1, config.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        shard = self._spec(PAGED_KV_AXES, shape).shard_shape(shape)
+        return cfg.num_layers * int(np.prod(shard)) * jnp.dtype(cfg.dtype).itemsize
+
+    def served_bytes_per_chip(self) -> int:
+        """Bytes of one served version's params on each chip of the slice."""
+        total = 0
+        for leaf, sharding in zip(
+            jax.tree.leaves(self.served_abstract_params()), jax.tree.leaves(self._param_shardings), strict=True
+        ):
+            total += int(np.prod(sharding.shard_shape(leaf.shape))) * jnp.dtype(leaf.dtype).itemsize
+        return total
+
+    def _sized(self, config: EngineConfig, hbm_bytes: int | None) -> EngineConfig:
+        """`config` with a paged pool of `num_pages` 0 sized from the chip memory left after the weights."""
+        if not config.paged or config.num_pages:
+            return config
+        self.config = config
+        full = config.num_slots * config.pages_per_slot + 1
+        if hbm_bytes is None:
+            hbm_bytes = (self._mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+        if not hbm_bytes:
+            return dataclasses.replace(config, num_pages=full)
+        left = hbm_bytes - self.served_bytes_per_chip()
+        pages = int(left * config.kv_memory_fraction) // self.kv_bytes_per_page() + 1
+        if pages - 1 < config.pages_per_slot:
+            raise ValueError(
+                f"engine.kv_memory_fraction={config.kv_memory_fraction} of the {left / 2**30:.2f} GiB per chip left "
+                f"after the weights holds {pages - 1} KV pages of page_size={config.page_size}; one request at "
+                f"cache_length={config.cache_length} needs {config.pages_per_slot} (more chips per rollout slice, "
+                "a larger fraction, or a shorter cache_length)"
+            )
+        return dataclasses.replace(config, num_pages=min(pages, full))
+
     @property
     def paged_kernel(self) -> bool:
         """Whether a paged decode step attends with the ragged paged attention TPU kernel."""
         if not self.config.paged:
             return False
-        platform = self._mesh.devices.flat[0].platform
+        cfg, platform = self.model_config, self._mesh.devices.flat[0].platform
         with sharding_lib.activation_layout(self._mesh, self._rules):
-            impl = resolve_implementation(self.model_config.attention, self.model_config.dtype, backend=platform)
-        return impl == "pallas_tpu"
+            return paged.uses_kernel(cfg.attention, cfg.dtype, cfg.head_dim, backend=platform)
 
     def _reset_pages(self) -> None:
         cfg = self.config
@@ -509,7 +553,7 @@ class RolloutEngine:
             return self._spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
 
         if self.config.paged:
-            cache = self._spec(PAGED_KV_AXES, state.cache.shape)
+            cache = tuple(self._spec(PAGED_KV_AXES, layer.shape) for layer in state.cache)
         else:
             cache = KVCache(*(self._spec(KV_CACHE_AXES, c.shape) for c in (state.cache.k_LBSKD, state.cache.v_LBSKD)))
         return jax.tree.map(vector, state.replace(cache=None)).replace(cache=cache)
@@ -700,7 +744,28 @@ class RolloutEngine:
         object.__setattr__(prefix, "_host_length", start + true_length - (0 if sample_first else 1))
         return prefix, result
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    def shared_prefix(self, decode_state: DecodeState, source: int, tokens: int) -> Prefix | None:
+        """Paged: the first rows of a prompt of `tokens` tokens that slot `source` holds, as a Prefix
+        for `prefill(existing_prefix=...)` of the rest (less than a page) and then
+        `insert(..., shared_from=source)`: the new slot takes `source`'s whole pages below the prompt's
+        end by reference instead of prefilling and storing the prompt again (a GRPO group's G samples).
+        None when there is no whole page to share, or for a dense cache."""
+        if self._pages is None or not self._active[source] or tokens > self.config.max_prefill_length:
+            return None  # (a prompt past one prefill chunk is prefilled whole: its buckets are warm)
+        N = self.config.page_size
+        shared = min((tokens - 1) // N, int(self._pages.held[source]))
+        if shared < 1 or shared * N + self.config.min_prefill_bucket > self.config.cache_length:
+            return None
+        rows = self.config.rows_bucket(shared * N)
+        k, v, *_ = self._read_jit(decode_state, np.int32(source), self._page_row(source, rows // N), rows=rows)
+        k, v = jax.device_put((k, v), (self._prefix_shardings.k_LRKD, self._prefix_shardings.v_LRKD))
+        prefix = _empty_prefix(self.model_config, 1).replace(k_LRKD=k, v_LRKD=v, length=np.int32(shared * N))
+        object.__setattr__(prefix, "_host_length", shared * N)
+        return prefix
+
+    def insert(
+        self, prefix: Prefix, decode_state: DecodeState, slot: int, *, shared_from: int | None = None
+    ) -> DecodeState:
         """Puts `prefix` into `slot` (its previous occupant is overwritten); donates decode_state.
         Paged: the previous occupant's pages are freed and the slot takes pages for the prefix's
         rows and its pending token's (OutOfPages, nothing changed, when the pool lacks them:
@@ -713,15 +778,23 @@ class RolloutEngine:
             return self._insert_jit(prefix, decode_state, np.int32(slot))
         length = self._host_length(prefix)
         rows_held = min(length + 1, self.config.cache_length)  # its rows and its pending token's
-        if self._pages.pages_for(rows_held) > self._pages.free_pages + self._pages.releasable(slot):
+        shared = 0
+        if shared_from is not None:  # whole pages below the prompt's end, from the slot that holds them
+            if shared_from == slot or not self._active[shared_from]:
+                raise ValueError(f"shared_from={shared_from}: expected another occupied slot than {slot}")
+            shared = min((length - 1) // self.config.page_size, int(self._pages.held[shared_from]))
+        need = self._pages.pages_for(rows_held) - shared
+        if need > self._pages.free_pages + self._pages.releasable(slot):
             raise OutOfPages(
-                f"slot {slot}: a prefix of {length} tokens needs {self._pages.pages_for(rows_held)} pages; "
-                f"{self._pages.free_pages} are free"
+                f"slot {slot}: a prefix of {length} tokens needs {need} pages; {self._pages.free_pages} are free"
             )
         self._pages.release(slot)
+        if shared:
+            self._pages.share(slot, shared_from, shared)
         self._pages.grow(slot, rows_held)
         self._position[slot], self._active[slot] = length, True
         pages_Q = self._page_row(slot, rows // self.config.page_size)
+        pages_Q[:shared] = paged.SCRATCH_PAGE  # shared pages are never written: their rows go to scratch
         return self._insert_jit(prefix, decode_state, np.int32(slot), pages_Q)
 
     def generate(
@@ -860,6 +933,15 @@ class RolloutEngine:
                     true_length=bucket,
                 )
                 state = self.insert(prefix, state, 0)
+        for rows in sorted({self.config.rows_bucket(n) for n in range(1, self.config.max_prefill_length + 1)}):
+            if self.config.paged and rows + self.config.min_prefill_bucket <= self.config.cache_length:
+                shared = jax.device_put(_empty_prefix(self.model_config, rows), self._prefix_shardings)
+                prefix, _ = self.prefill(  # a group's later sample: the rest of its prompt after shared pages
+                    params=params,
+                    existing_prefix=shared,
+                    padded_tokens=np.zeros((1,), np.int32),
+                    true_length=1,
+                )
         state, result = self.generate(params, state)
         for width in self._live_widths if self.config.paged else ():
             table = self._put_table(np.zeros((self.config.num_slots, width), np.int32))

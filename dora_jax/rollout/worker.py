@@ -60,6 +60,7 @@ class WorkerCounters:
     idle_slot_steps: int = 0  # slot-steps spent on empty slots
     prefills: int = 0
     prefill_tokens: int = 0  # true (unpadded) tokens prefilled
+    shared_prompt_tokens: int = 0  # prompt tokens a group's later samples took from pages already held
     generated_tokens: int = 0  # tokens sampled by prefill and generate
     imports: int = 0
     exports: int = 0
@@ -316,8 +317,11 @@ class RolloutWorker:
             if self._engine.admit_shortfall(slot, len(ids) - (0 if sample_first else 1)):
                 return  # paged: not enough free KV pages for it and the next step; it waits, first in line
             self._queue.popleft()
-            prefix, begin = None, 0
-            for chunk in self._engine.config.prefill_chunks(len(ids)):  # one chunk unless a long prompt or prefix
+            # A group's later sample shares the whole pages of its prompt with a slot that holds it.
+            donor = self._prompt_holder(request.prompt_ids, slot) if sample_first else None
+            shared = None if donor is None else self._engine.shared_prefix(self._state, donor.slot, len(ids))
+            prefix, begin = shared, 0 if shared is None else int(shared.length)
+            for chunk in self._engine.config.prefill_chunks(len(ids) - begin):  # one chunk unless a long prompt
                 begin += chunk
                 prefix, first = self._engine.prefill(
                     params=self._params,
@@ -327,7 +331,8 @@ class RolloutWorker:
                     sampling=request.sampling,
                     sample_first=sample_first or begin < len(ids),
                 )
-            self._state = self._engine.insert(prefix, self._state, slot)
+            shared_from = None if shared is None else donor.slot
+            self._state = self._engine.insert(prefix, self._state, slot, shared_from=shared_from)
             admitted = _Active(
                 request,
                 list(request.prefix_response_ids),
@@ -339,7 +344,8 @@ class RolloutWorker:
                 seq=self._next_seq(),
             )
             self._slots[slot] = admitted
-            self._count(prefills=1, prefill_tokens=len(ids))
+            reused = 0 if shared is None else int(shared.length)
+            self._count(prefills=1, prefill_tokens=len(ids) - reused, shared_prompt_tokens=reused)
             if sample_first:
                 self._unread.append(self._in_flight(first, (admitted,), decode_step=False))
 
@@ -351,6 +357,15 @@ class RolloutWorker:
             return []
         self._state, result = self._engine.generate(self._params, self._state)
         return [self._in_flight(result, records, decode_step=True)]
+
+    def _prompt_holder(self, prompt_ids: tuple[int, ...], slot: int) -> _Active | None:
+        """The newest open record in another slot than `slot` whose prompt is `prompt_ids`."""
+        holders = [
+            r
+            for r in self._slots
+            if r is not None and not r.closed and r.slot != slot and r.request.prompt_ids == prompt_ids
+        ]
+        return max(holders, key=lambda r: r.seq, default=None)
 
     def _make_room(self) -> None:
         """Paged: preempts the youngest decoding requests until the next step's KV pages are free.

@@ -528,6 +528,7 @@ def compile_role(
         cfg = cfg.replace(attention="pallas_tpu")
     chips = int(target.mesh.devices.size)
     probes = {}
+    kv = {}
     if target.role == "trainer":
         trainer = _abstract_trainer(cfg, target.mesh, config.trainer)
         params = bytes_per_chip(trainer.state.params)
@@ -553,12 +554,15 @@ def compile_role(
             probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
     else:
         engine_config = config.rollout.engine_config()
-        engine = RolloutEngine(cfg, engine_config, target.mesh)
+        engine = RolloutEngine(
+            cfg, engine_config, target.mesh, hbm_bytes=target.chip.hbm_bytes if target.chip else None
+        )
         served = models.split(models.abstract_model(engine.model_config))[1]  # in the compute dtype
         resident = {
             "params": bytes_per_chip(_abstract(served, engine.param_shardings)),
             "decode_state": bytes_per_chip(engine.abstract_decode_state()),
         }
+        kv = kv_capacity(config, engine)
         programs = [Program(name, lambda lowered=lowered: lowered) for name, lowered in engine.lower_programs()]
     records = []
     for program in programs:
@@ -566,7 +570,45 @@ def compile_role(
         if scanned_only and _width(program.name) is not None:
             program = dataclasses.replace(program, cost=False)  # XLA would count one block only
         records.append(compile_program(program, target.chip, log, probes.get(program.name)))
-    return _role_record(target, resident, records)
+    return _role_record(target, resident, records) | kv
+
+
+def kv_capacity(config: RunConfig, engine: RolloutEngine) -> dict:
+    """The rollout slice's KV capacity: page size, pool tokens, cache length, and how many sequences
+    of the workload's mean prompt + response length it holds at once (the paper's response-length
+    shape scaled to `rollout.max_new_tokens`, prompts at `task.source.max_prompt_tokens`: the
+    config has no length distribution of its own), against a dense cache of the same bytes."""
+    from dora_jax.sim.projection import project_workload
+    from dora_jax.sim.workload import WorkloadSpec, mean_response
+
+    ec = engine.config
+    fields = {
+        "rollout": {"max_new_tokens": config.rollout.max_new_tokens, "cache_length": ec.cache_length},
+        "coordinator": {
+            "group_size": config.coordinator.group_size,
+            "train_batch_size": config.coordinator.train_batch_size,
+        },
+        "task": {"source": {"max_prompt_tokens": _max_prompt_tokens(config)}},
+    }
+    workload = project_workload(fields, WorkloadSpec(), 0, "the config")
+    mean_length = workload.prompt_tokens + mean_response(workload)
+    pool_tokens = (ec.pool_pages - 1) * ec.page_size if ec.paged else ec.num_slots * ec.cache_length
+    at_mean = int(pool_tokens // mean_length)
+    return {
+        "kv_page_size": ec.page_size,
+        "kv_pool_tokens": int(pool_tokens),
+        "cache_length": ec.cache_length,
+        "mean_sequence_length": round(float(mean_length), 1),
+        "pool_sequences_at_mean_length": at_mean,  # what the pool holds; slots (rollout.slots) may bind first
+        "max_concurrent_sequences": min(ec.num_slots, at_mean),
+        "dense_concurrent_sequences_same_bytes": int(min(ec.num_slots, pool_tokens // ec.cache_length)),
+    }
+
+
+def _max_prompt_tokens(config: RunConfig) -> int:
+    source = getattr(config.task, "source", None)
+    value = getattr(source, "max_prompt_tokens", 0) if source is not None else 0
+    return int(value or 0) or config.rollout.cache_length - config.rollout.max_new_tokens
 
 
 def _width(name: str) -> int | None:

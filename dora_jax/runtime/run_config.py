@@ -61,6 +61,9 @@ class RolloutSpec:
     heartbeat_timeout_s: float = 120.0  # a slice silent this long is declared dead
     max_rejoins: int = 2  # times a slice whose worker raised is restarted
     weights_transfer: bool = False  # role processes: versions device to device (dora_jax/transport/weights.py)
+    page_size: int = 0  # paged KV cache: rows per page (0 = dense, every slot holds cache_length rows)
+    kv_pages: int = 0  # pages in the pool (0 = kv_memory_fraction of the chip memory left after the weights)
+    kv_memory_fraction: float = 0.8
 
     def engine_config(self):
         """Every rollout slice's engine sizes (dora_jax.rollout.engine.EngineConfig, imported here:
@@ -73,6 +76,11 @@ class RolloutSpec:
             cache_length=self.cache_length,
             max_prefill_length=self.max_prefill_length,
             sampling_filters=s.top_k > 0 or s.top_p < 1,
+            # Prefixes are written page by page: the smallest bucket holds whole pages.
+            min_prefill_bucket=min(max(16, self.page_size), self.max_prefill_length),
+            page_size=self.page_size,
+            num_pages=self.kv_pages,
+            kv_memory_fraction=self.kv_memory_fraction,
         )
 
 
@@ -167,6 +175,9 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         float(r.get("heartbeat_timeout_s", 120.0)),
         int(r.get("max_rejoins", 2)),
         bool(r.get("weights_transfer", False)),
+        int(r.get("page_size", 0)),
+        int(r.get("kv_pages", 0)),
+        float(r.get("kv_memory_fraction", 0.8)),
     )
     if rollout.heartbeat_timeout_s <= 0:
         raise ValueError(f"rollout.heartbeat_timeout_s={rollout.heartbeat_timeout_s}; expected > 0")

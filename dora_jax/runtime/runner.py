@@ -347,11 +347,12 @@ class CoordinatorSource:
         _retire(self._store, self._coord, version)
 
     def counters(self) -> dict:
-        slot_steps, idle, generated = _slot_totals(self._threads)
+        slot_steps, idle, generated, preemptions = _slot_totals(self._threads)
         return {
             "slot_steps": slot_steps,
             "idle_slot_steps": idle,
             "generated_tokens": generated,
+            "kv_preemptions": preemptions,
             "trainer_wait_s": self._coord.stats.trainer_wait_s,
             "versions_in_flight": len(self._coord.versions_in_flight()),
             "migrations_kv": self._coord.stats.migrations_kv,
@@ -398,12 +399,13 @@ def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:
     store.retire_below(min(coord.versions_needed() | {latest}))
 
 
-def _slot_totals(threads) -> tuple[int, int, int]:
+def _slot_totals(threads) -> tuple[int, int, int, int]:
     counters = [t.worker.counters for t in threads]
     return (
         sum(c.slot_steps for c in counters),
         sum(c.idle_slot_steps for c in counters),
         sum(c.generated_tokens for c in counters),
+        sum(c.preemptions for c in counters),
     )
 
 

@@ -22,7 +22,12 @@ from dora_jax.runtime import faults
 from dora_jax.runtime.metrics import MetricsWriter
 from dora_jax.trainer import Trainer, make_train_batch
 
-COUNTERS = ("slot_steps", "idle_slot_steps", "generated_tokens")  # rollout totals; rows show the step's delta
+COUNTERS = (
+    "slot_steps",
+    "idle_slot_steps",
+    "generated_tokens",
+    "kv_preemptions",
+)  # rollout totals; rows show the step's delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +138,7 @@ def step_row(
         "take_batch_s": wait_s,
         "bubble_ratio": delta["idle_slot_steps"] / delta["slot_steps"] if delta["slot_steps"] else 0.0,
         "generated_tokens": delta["generated_tokens"],
+        "kv_preemptions": delta["kv_preemptions"],  # requests the paged KV pool sent back to re-prefill
         "wall_s": wall,
         "response_len_mean": float(batch.loss_mask_BT.sum(1).mean()),
         "migrations_kv": stats.get("migrations_kv", 0),

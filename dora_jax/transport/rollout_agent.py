@@ -135,6 +135,7 @@ class RolloutAgent:
                 slot_steps=counters.slot_steps,
                 idle_slot_steps=counters.idle_slot_steps,
                 generated_tokens=counters.generated_tokens,
+                preemptions=counters.preemptions,
                 busy_s=self.busy_s,
             )
             try:

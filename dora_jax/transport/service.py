@@ -302,6 +302,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "slot_steps": request.slot_steps,
                 "idle_slot_steps": request.idle_slot_steps,
                 "generated_tokens": request.generated_tokens,
+                "kv_preemptions": request.preemptions,
             }
         return pb.HeartbeatReply()
 

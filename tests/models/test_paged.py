@@ -41,12 +41,28 @@ def test_rows_written_into_pages_read_back_in_order_and_padding_goes_to_scratch(
     rng = np.random.default_rng(2)
     k, v = (jnp.asarray(rng.normal(size=(L, 12, K, D)), jnp.float32) for _ in range(2))
     pages = jnp.array([7, 3, 0], jnp.int32)  # two real pages, then the padding rows 8..11 to scratch
-    kv = paged.write_rows(kv, k, v, pages)
-    k_back, v_back = paged.read_rows(kv, jnp.array([7, 3], jnp.int32))
+    kv = jax.jit(paged.write_rows)(kv, k, v, pages)
+    k_back, v_back = jax.jit(paged.read_rows)(kv, jnp.array([7, 3], jnp.int32))
     np.testing.assert_array_equal(np.asarray(k_back), np.asarray(k[:, :8]))
     np.testing.assert_array_equal(np.asarray(v_back), np.asarray(v[:, :8]))
     untouched = [p for p in range(1, P) if p not in (7, 3)]
-    assert not np.asarray(kv[:, untouched]).any()
+    assert not any(np.asarray(layer)[untouched].any() for layer in kv)
+    # Page 7 holds rows 0..3 interleaved: keys at even combined heads, values at odd ones.
+    np.testing.assert_array_equal(np.asarray(kv[1][7, :, 0::2]), np.asarray(k[1, :4]))
+    np.testing.assert_array_equal(np.asarray(kv[1][7, :, 1::2]), np.asarray(v[1, :4]))
+
+
+def test_a_decode_write_lands_in_each_slots_page_and_row():
+    K, D, N, P = 1, 2, 4, 6
+    kv = paged.pool_zeros(1, P, N, K, D, jnp.float32)[0]
+    table = jnp.array([[2, 5], [4, 1], [0, 0]], jnp.int32)  # slot 2 is free: its row is all scratch
+    positions = jnp.array([1, 6, 30], jnp.int32)  # page 2 row 1; page 1 row 2; past the table
+    k = jnp.arange(3 * K * D, dtype=jnp.float32).reshape(3, K, D) + 1
+    kv = jax.jit(paged.write_token)(kv, k, -k, table, positions)
+    np.testing.assert_array_equal(np.asarray(kv[2, 1, 0]), np.asarray(k[0, 0]))
+    np.testing.assert_array_equal(np.asarray(kv[1, 2, 1]), -np.asarray(k[1, 0]))
+    np.testing.assert_array_equal(np.asarray(kv[0, 2, 0]), np.asarray(k[2, 0]))  # the free slot: scratch
+    assert int((np.asarray(kv) != 0).sum()) == 3 * 2 * D
 
 
 def test_a_paged_decode_step_equals_the_dense_cached_decode_step():
@@ -75,5 +91,6 @@ def test_a_paged_decode_step_equals_the_dense_cached_decode_step():
     # The new token's keys landed at the same row in the slot's page.
     for b, position in enumerate(prompt_lengths):
         page, row = table[b, position // N], position % N
-        k_new, _ = paged.split_kv(pages.kv_LPNCD[:, page, row])
-        np.testing.assert_allclose(np.asarray(k_new), np.asarray(dense.k_LBSKD[:, b, position]), atol=1e-6)
+        for layer in range(cfg.num_layers):
+            k_new, _ = paged.split_kv(pages.kv[layer][page, row])
+            np.testing.assert_allclose(np.asarray(k_new), np.asarray(dense.k_LBSKD[layer, b, position]), atol=1e-6)

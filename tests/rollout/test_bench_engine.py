@@ -64,3 +64,30 @@ def test_engine_bench_of_a_moe_config_builds_the_moe_model():
     # per layer: 8 SwiGLU experts of width 128 and a router instead of the dense MLP, and Qwen3's q/k norms
     H, F, M, E, D = config.hidden_size, config.intermediate_size, 128, 8, config.head_dim
     assert count(moe) == count(dense) + config.num_layers * (E * 3 * H * M + H * E - 3 * H * F + 2 * D)
+
+
+@pytest.mark.slow
+def test_engine_bench_of_a_paged_engine_times_it_beside_the_dense_one(tmp_path):
+    config = EngineBenchConfig(
+        slots=2,
+        cache_length=32,
+        max_prefill_length=16,
+        prompt_length=4,
+        decode_steps=3,
+        prefill_repeats=2,
+        vocab_size=64,
+        page_size=8,
+    )
+    results = run_engine_bench(config, str(tmp_path))
+    assert results["compiles_after_warmup"] == 0
+    loop, kv = results["worker_loop"], results["kv"]
+    assert loop["dense_worker_step_time_s"] > 0 and loop["paged_speedup_over_dense"] > 0
+    # pages of 8 rows: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes per row; a pool of every slot full
+    assert kv["bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and kv["bytes_per_page"] == 8 * kv["bytes_per_token"]
+    assert kv["capacity_tokens"] == 2 * 32 and kv["cache_bytes"] == (2 * 4 + 1) * kv["bytes_per_page"]
+    live = kv["live_tokens"]  # a slot holds the pages of its tokens so far: fewer bytes than cache_length rows
+    assert 2 <= kv["held_pages"] < 2 * 4
+    assert kv["bytes_per_live_token"] == kv["held_pages"] * kv["bytes_per_page"] / live
+    assert kv["bytes_per_live_token"] < kv["capacity_tokens"] * kv["bytes_per_token"] / live
+    assert kv["capacity_sequences_at_mean_length"] == int(64 // kv["mean_length"])
+    assert "paged worker vs dense worker" in format_table(results)

@@ -128,3 +128,51 @@ def test_bad_page_sizes_name_the_fields():
         EngineConfig(**base, num_pages=20)
     assert EngineConfig(**base, page_size=8).pool_pages == 4 * 8 + 1
     assert EngineConfig(**base, page_size=8).live_page_buckets == (1, 2, 4, 8)
+
+
+def _group(prompt, n=4, max_new=16):
+    return [
+        Request(f"s{i}", "g", "p", tuple(prompt), 0, max_new, SamplingParams(temperature=1.0, seed=100 + i))
+        for i in range(n)
+    ]
+
+
+def test_a_groups_samples_share_the_prompts_pages_and_equal_unshared_ones(paged_engine, warm_engine, tiny_params):
+    prompt = [(7 * j + 1) % TINY.vocab_size for j in range(30)]  # 3 whole pages of 8 and 6 rows more
+    reference, _ = _run(warm_engine, tiny_params, requests=_group(prompt))  # dense: every sample prefilled whole
+    counts = paged_engine.compile_counts()
+    worker = RolloutWorker(paged_engine, eos_ids=())
+    worker.load_version(0, tiny_params)
+    for request in _group(prompt):
+        worker.submit(request)
+    worker.step()  # all four admitted in one step: the first prefills 30 tokens, the others 6 each
+    pool = paged_engine.pages
+    slots = [r.slot for r in worker._slots if r is not None]
+    tables = [list(pool.pages(s)) for s in slots]
+    assert all(table[:3] == tables[0][:3] for table in tables)  # the prompt's whole pages, held once
+    assert len({table[3] for table in tables}) == 4  # the page they diverge in: each its own
+    assert pool.capacity_pages - pool.free_pages == 3 + 4  # 3 shared + each its tail page (rows 24..31), not 4 x 4
+    assert worker.counters.shared_prompt_tokens == 3 * 24 and worker.counters.prefill_tokens == 30 + 3 * 6
+    done = run_to_end(worker)
+    _assert_same(done, reference)
+    assert pool.free_pages == pool.capacity_pages
+    assert paged_engine.compile_counts() == counts  # the short prefills after shared pages were warm
+
+
+def test_migrating_a_sample_that_shares_pages_keeps_its_tokens(paged_engine, paged_engine_b, tiny_params):
+    prompt = [(5 * j + 2) % TINY.vocab_size for j in range(20)]
+    reference, _ = _run(paged_engine, tiny_params, requests=_group(prompt, max_new=24))
+    source = RolloutWorker(paged_engine, eos_ids=())
+    source.load_version(0, tiny_params)
+    for request in _group(prompt, max_new=24):
+        source.submit(request)
+    for _ in range(5):
+        source.step()
+    states = source.export_requests(["s1", "s3"])  # two of the sharers leave; the pages stay for the others
+    destination = RolloutWorker(paged_engine_b, eos_ids=())
+    destination.load_version(0, tiny_params)
+    destination.import_requests(states)
+    done = run_to_end(source) | run_to_end(destination)
+    _assert_same(done, reference)
+    for engine in (paged_engine, paged_engine_b):
+        assert engine.pages.free_pages == engine.pages.capacity_pages
