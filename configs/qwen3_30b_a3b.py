@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B (MoE: 128 experts, 8 per token, 3B active) on DAPO-Math-17k, DORA, on 32 v5p chips.
 
 Layout `slices` (launch/pod.py): a trainer slice `v5p-32` (16 chips on 4 hosts: FSDP 4 x expert
-parallel 4) and 4 rollout slices `v5p-8` (4 chips on 1 host each: tensor 2 x expert 2), each its
+parallel 4) and 4 rollout slices `v5p-8` (4 chips on 1 host each: tensor 4), each its
 own TPU VM and JAX job; the coordinator (gRPC) on worker 0 of the trainer slice; versions through
 the ParamStore's tensorstore tier under `pod.workdir` (gs://). The MoE fields (experts, top-k,
 expert width, routing normalisation) come from the checkpoint's config.json.
@@ -21,7 +21,11 @@ You provide (set the `YOUR_...` fields, here or with `--config.FIELD=VALUE`):
 
 Sizes: G 16, TBS 256 = 16 prompts x 16, RBS 512 = 4 slices x 128 slots, K 2. Rollout: bf16
 weights 61 GB / 4 chips = 15 GB per chip; KV 48 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes =
-98 KB/token, halved per chip by tensor 2: 128 slots x 9216 tokens = 58 GB per chip, of 95 GB.
+98 KB/token, a quarter per chip (tensor 4); a paged pool (64-row pages) sized at 0.8 of the memory
+left after the weights, capped at 128 slots x 9216 tokens = 29 GB per chip. Tensor 4, not tensor 2 x
+expert 2: with the experts split over an `expert` axis every decode step all-gathered them (XLA's
+count for one layer's step: 1.74 GB per chip, against 0.94 GB with each expert's width split over
+4 chips; tpu_compile of a 1- and a 2-layer model, this session).
 Trainer: 30.5B params x 12 bytes (fp32 params, AdamW moments) + a bf16 version = 28.65 GiB per
 chip over 16; token-budget micro-batches of 32K positions (2K per chip), the experts' weight
 gradients in the megablox kernel. `python -m dora_jax.tpu_compile` (README, "Compiling for the
@@ -52,7 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # micro-batch: 3,941 TFLOP per chip, 8.6 s)
         c.model.moe_dispatch = "megablox"
         c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 4, "expert": 4})  # the 16 chips of the v5p-32
-        c.mesh.rollout = ml_collections.ConfigDict({"tensor": 2, "expert": 2})  # the 4 chips of a v5p-8
+        c.mesh.rollout = ml_collections.ConfigDict({"tensor": 4})  # the 4 chips of a v5p-8 (experts' width split)
         c.rollout.slots = 128  # concurrent decodes per slice
         c.coordinator.train_batch_size = 256  # TBS samples per training step (16 prompts)
         c.coordinator.rollout_batch_size = 512  # RBS samples in flight (= 4 x 128 slots)

@@ -53,6 +53,7 @@ class PagedKVCache:
 
     kv: tuple
     page_table_BM: jax.Array
+    row_loop: bool = flax.struct.field(pytree_node=False, default=True)  # write_token's (True on TPU)
 
     @property
     def page_size(self) -> int:
@@ -75,16 +76,19 @@ def split_kv(kv_XCD):
     return kv[..., 0, :], kv[..., 1, :]
 
 
-def write_token(kv_PNCD, k_BKD, v_BKD, page_table_BM, positions_B):
+def write_token(kv_PNCD, k_BKD, v_BKD, page_table_BM, positions_B, *, row_loop: bool = True):
     """One layer's pool with each slot's new token written at its position: row position % N of
     page page_table[b, position // N] (the last column for a position past the table: only a free
-    slot's, whose row is all scratch). A loop of one-row in-place updates: a scatter of [B, C, D]
-    rows compiled for TPU into a copy of the layer's pool per step."""
+    slot's, whose row is all scratch). `row_loop`: a loop of one-row in-place updates (for TPU: a
+    scatter of [B, C, D] rows compiled there into a copy of the layer's pool per step); else one
+    scatter (cheaper on CPU, where a loop iteration costs more than the copy it avoids)."""
     N, M = kv_PNCD.shape[1], page_table_BM.shape[1]
     column_B = jnp.minimum(positions_B // N, M - 1)
     page_B = jnp.take_along_axis(page_table_BM, column_B[:, None], axis=1)[:, 0]
     row_B = positions_B % N
     rows_BCD = interleave(k_BKD, v_BKD).astype(kv_PNCD.dtype)
+    if not row_loop:
+        return kv_PNCD.at[page_B, row_B].set(rows_BCD, mode="promise_in_bounds")
 
     def put(b, kv):
         row = jax.lax.dynamic_index_in_dim(rows_BCD, b, 0, keepdims=True)[None]  # [1, 1, C, D]

@@ -347,7 +347,8 @@ def _generate_step(
         logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
     else:  # the paged kernel places its operands by the rules in context
         with sharding_lib.activation_layout(mesh, rules):
-            cache = PagedKVCache(state.cache, table_BM)
+            on_tpu = mesh.devices.flat[0].platform == "tpu"
+            cache = PagedKVCache(state.cache, table_BM, row_loop=on_tpu)
             logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=cache)
     next_B = state.position_B + 1
     tokens_B, logp_B, sample_logp_B = _pick(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -50,14 +52,15 @@ ENGINE = EngineConfig(num_slots=1, cache_length=32, max_prefill_length=16)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("page_size", [0, 8])  # the dense cache, and pages of 8 rows
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_transformers(kind, tmp_path, llama_checkpoint):
+def test_greedy_matches_transformers(kind, page_size, tmp_path, llama_checkpoint):
     if kind == "llama":
         path, torch_model = llama_checkpoint
     else:
         path, torch_model = str(tmp_path), make_checkpoint(kind, tmp_path)
     mesh = sharding.make_mesh(jax.devices()[:2], {"tensor": 2})
-    engine = RolloutEngine(read_config(path), ENGINE, mesh)
+    engine = RolloutEngine(read_config(path), dataclasses.replace(ENGINE, page_size=page_size), mesh)
     worker = RolloutWorker(engine)
     worker.load_version(0, engine.load_params(hf_path=path))
     for i, prompt in enumerate(PROMPTS):
