@@ -54,6 +54,10 @@ from dora_jax.rollout.pages import OutOfPages, PagePool
 _PREFIX_KV_AXES = ("layers", "length", "kv_heads", "head_dim")
 
 
+class KVPoolTooSmall(ValueError):
+    """The chip memory left after the weights holds too few KV pages for one request."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static engine sizes; every field is a compile-time shape."""
@@ -521,7 +525,7 @@ class RolloutEngine:
         left = hbm_bytes - self.served_bytes_per_chip()
         pages = int(left * config.kv_memory_fraction) // self.kv_bytes_per_page() + 1
         if pages - 1 < config.pages_per_slot:
-            raise ValueError(
+            raise KVPoolTooSmall(
                 f"engine.kv_memory_fraction={config.kv_memory_fraction} of the {left / 2**30:.2f} GiB per chip left "
                 f"after the weights holds {pages - 1} KV pages of page_size={config.page_size}; one request at "
                 f"cache_length={config.cache_length} needs {config.pages_per_slot} (more chips per rollout slice, "

@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 
 from dora_jax import models
 from dora_jax.parallel import sharding as sharding_lib
-from dora_jax.rollout.engine import RolloutEngine
+from dora_jax.rollout.engine import KVPoolTooSmall, RolloutEngine
 from dora_jax.runtime import build
 from dora_jax.runtime.run_config import RunConfig
 from dora_jax.trainer import Trainer
@@ -554,9 +554,13 @@ def compile_role(
             probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
     else:
         engine_config = config.rollout.engine_config()
-        engine = RolloutEngine(
-            cfg, engine_config, target.mesh, hbm_bytes=target.chip.hbm_bytes if target.chip else None
-        )
+        hbm = target.chip.hbm_bytes if target.chip else None  # sizes a paged pool of rollout.kv_pages 0
+        try:
+            engine = RolloutEngine(cfg, engine_config, target.mesh, hbm_bytes=hbm)
+        except KVPoolTooSmall as err:  # compile with the smallest pool: the record says it does not fit
+            log(f"  {err}; compiling with a pool of one request")
+            smallest = dataclasses.replace(engine_config, num_pages=engine_config.pages_per_slot + 1)
+            engine = RolloutEngine(cfg, smallest, target.mesh)
         served = models.split(models.abstract_model(engine.model_config))[1]  # in the compute dtype
         resident = {
             "params": bytes_per_chip(_abstract(served, engine.param_shardings)),
@@ -570,7 +574,24 @@ def compile_role(
         if scanned_only and _width(program.name) is not None:
             program = dataclasses.replace(program, cost=False)  # XLA would count one block only
         records.append(compile_program(program, target.chip, log, probes.get(program.name)))
+    if kv and target.role == "rollout":
+        kv |= _kernel_reads(engine, kv, records, target.chip)
     return _role_record(target, resident, records) | kv
+
+
+def _kernel_reads(engine: RolloutEngine, kv: dict, records: list[dict], chip: Chip | None) -> dict:
+    """What XLA cannot see in the paged decode step: the ragged paged attention kernel's KV reads
+    per chip with every slot at the workload's mean length, and the step's estimate with them."""
+    if not engine.paged_kernel:
+        return {}
+    per_token = engine.kv_bytes_per_page() / engine.config.page_size
+    reads = per_token * kv["mean_sequence_length"] * kv["max_concurrent_sequences"]
+    out = {"kernel_kv_bytes_per_step": int(reads)}
+    step = next((r for r in records if r["name"] == "generate" and "error" not in r), None)
+    if step is not None and step["estimated_s"] is not None and chip is not None:
+        out["decode_step_estimate_s"] = step["estimated_s"] + reads / chip.hbm_bytes_per_s
+        out["decode_tokens_per_s_estimate"] = kv["max_concurrent_sequences"] / out["decode_step_estimate_s"]
+    return out
 
 
 def kv_capacity(config: RunConfig, engine: RolloutEngine) -> dict:
