@@ -254,7 +254,8 @@ def _kv_figures(engine: RolloutEngine, worker: RolloutWorker) -> dict:
 
 def _paged_kv_figures(engine: RolloutEngine, worker: RolloutWorker) -> dict:
     sizes, pool = engine.config, engine.pages
-    cache_bytes = sum(math.prod(c.shape) * c.dtype.itemsize for c in engine.abstract_decode_state().cache)
+    arrays = jax.tree.leaves(engine.abstract_decode_state().cache)  # per layer: combined, or keys and values
+    cache_bytes = sum(math.prod(c.shape) * c.dtype.itemsize for c in arrays)
     page_bytes = cache_bytes // sizes.pool_pages
     live = sum(len(r.prompt_ids) + len(r.prefix_response_ids) for r in worker.progress().values())
     held = pool.capacity_pages - pool.free_pages

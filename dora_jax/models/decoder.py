@@ -120,7 +120,7 @@ class Attention(nnx.Module):
                 raise ValueError(f"a paged KV cache takes one token per row (a decode step); got {x_BTE.shape[1]}")
             kv = list(cache.kv)
             kv[layer] = paged.write_token(
-                kv[layer], k_BTKD[:, 0], v_BTKD[:, 0], cache.page_table_BM, positions_BT[:, 0], row_loop=cache.row_loop
+                kv[layer], k_BTKD[:, 0], v_BTKD[:, 0], cache.page_table_BM, positions_BT[:, 0]
             )
             out_BHD = paged.attend(
                 q_BTHD[:, 0], kv[layer], cache.page_table_BM, positions_BT[:, 0], implementation=cfg.attention

@@ -1,13 +1,15 @@
 """The paged KV cache of the decode step: a pool of fixed-size pages shared by every slot, and the
 attention that reads a slot's pages through its page table.
 
-Shape letters: L layers (the pool is a tuple of one array per layer), P pages in the pool, N rows
+Shape letters: L layers (the pool is a tuple of one entry per layer), P pages in the pool, N rows
 (tokens) per page, K kv heads, C = 2K combined kv heads, D head_dim, B slots, M pages per slot in
 the page table, H query heads, R rows.
 
-Layout: `kv[l][p, n]` holds one token's keys and values interleaved by head (C index 2k =
-key head k, 2k + 1 = value head k), the layout the ragged paged attention TPU kernel reads
-(`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), so the kernel reads the pool as it is.
+Layouts (`PagedKVCache`): "combined", for TPU: a layer is one [P, N, 2K, D] array holding each
+token's keys and values interleaved by head (C index 2k = key head k, 2k + 1 = value head k),
+the layout the ragged paged attention TPU kernel reads
+(`jax.experimental.pallas.ops.tpu.ragged_paged_attention`); "split", elsewhere: a layer is a
+(keys, values) pair of [P, N, K, D] arrays. The engine picks by its mesh's platform.
 Page 0 is the scratch page: no slot owns it; a page-table entry that points nowhere is 0, so a
 free slot's garbage decode step and the padding rows of an insert write there and nowhere else.
 Which page a slot holds is the host's business (`dora_jax.rollout.pages.PagePool`); programs only
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from flax.core import spmd
 from jax.sharding import PartitionSpec
 
-from dora_jax.models.attention import reference_attention, resolve_implementation
+from dora_jax.models.attention import resolve_implementation
 
 PAGED_KV_AXES = (None, None, "kv_heads", "head_dim")  # each layer's pool [P, N, C, D]
 SCRATCH_PAGE = 0
@@ -46,22 +48,33 @@ KERNEL_VMEM_LIMIT_BYTES = 64 * 1024 * 1024
 
 @flax.struct.dataclass
 class PagedKVCache:
-    """The pool, one [P, N, C, D] array per layer (`kv`), and, for one program, every slot's page
-    table (`page_table_BM`). One buffer per layer, not one [L, ...] array: the TPU compiler updates
-    a layer's buffer in place row by row, where a write into a stacked pool compiled into copies of
-    the whole pool (tpu_compile, measured while building this)."""
+    """The pool, one entry per layer (`kv`), and, for one program, every slot's page table
+    (`page_table_BM`). A layer's entry is one [P, N, 2K, D] array in the kernel's layout
+    ("combined", for TPU) or a pair of [P, N, K, D] arrays, keys and values ("split", elsewhere:
+    on a CPU, gathering a slot's pages and slicing keys from values out of the combined layout
+    cost 1.6 ms against 0.7 ms split, at 32 slots x 80 rows x 4 heads of 64). One buffer per
+    layer, not one [L, ...] array: the TPU compiler updates a layer's buffer in place row by row,
+    where a write into a stacked pool compiled into copies of the whole pool."""
 
     kv: tuple
     page_table_BM: jax.Array
-    row_loop: bool = flax.struct.field(pytree_node=False, default=True)  # write_token's (True on TPU)
 
     @property
     def page_size(self) -> int:
-        return self.kv[0].shape[1]
+        return jax.tree.leaves(self.kv[0])[0].shape[1]
 
 
-def pool_zeros(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> tuple:
-    return tuple(jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype) for _ in range(num_layers))
+def pool_zeros(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, *, combined: bool = True
+) -> tuple:
+    """The empty pool: per layer one combined [P, N, 2K, D] array, or a (keys, values) pair."""
+
+    def layer():
+        if combined:
+            return jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype)
+        return tuple(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype) for _ in range(2))
+
+    return tuple(layer() for _ in range(num_layers))
 
 
 def interleave(k_XKD, v_XKD):
@@ -76,47 +89,62 @@ def split_kv(kv_XCD):
     return kv[..., 0, :], kv[..., 1, :]
 
 
-def write_token(kv_PNCD, k_BKD, v_BKD, page_table_BM, positions_B, *, row_loop: bool = True):
+def write_token(layer_kv, k_BKD, v_BKD, page_table_BM, positions_B):
     """One layer's pool with each slot's new token written at its position: row position % N of
     page page_table[b, position // N] (the last column for a position past the table: only a free
-    slot's, whose row is all scratch). `row_loop`: a loop of one-row in-place updates (for TPU: a
-    scatter of [B, C, D] rows compiled there into a copy of the layer's pool per step); else one
-    scatter (cheaper on CPU, where a loop iteration costs more than the copy it avoids)."""
-    N, M = kv_PNCD.shape[1], page_table_BM.shape[1]
+    slot's, whose row is all scratch). Combined (TPU): a loop of one-row in-place updates (a
+    scatter of [B, C, D] rows compiled there into a copy of the layer's pool per step). Split: one
+    scatter each for keys and values (on a CPU a loop iteration costs more than that copy)."""
+    N = jax.tree.leaves(layer_kv)[0].shape[1]
+    M = page_table_BM.shape[1]
     column_B = jnp.minimum(positions_B // N, M - 1)
     page_B = jnp.take_along_axis(page_table_BM, column_B[:, None], axis=1)[:, 0]
     row_B = positions_B % N
-    rows_BCD = interleave(k_BKD, v_BKD).astype(kv_PNCD.dtype)
-    if not row_loop:
-        return kv_PNCD.at[page_B, row_B].set(rows_BCD, mode="promise_in_bounds")
+    if isinstance(layer_kv, tuple):
+        return tuple(
+            pool.at[page_B, row_B].set(new.astype(pool.dtype), mode="promise_in_bounds")
+            for pool, new in zip(layer_kv, (k_BKD, v_BKD))
+        )
+    rows_BCD = interleave(k_BKD, v_BKD).astype(layer_kv.dtype)
 
     def put(b, kv):
         row = jax.lax.dynamic_index_in_dim(rows_BCD, b, 0, keepdims=True)[None]  # [1, 1, C, D]
         return jax.lax.dynamic_update_slice(kv, row, (page_B[b], row_B[b], 0, 0))
 
-    return jax.lax.fori_loop(0, rows_BCD.shape[0], put, kv_PNCD)
+    return jax.lax.fori_loop(0, rows_BCD.shape[0], put, layer_kv)
 
 
 def write_rows(kv: tuple, k_LRKD, v_LRKD, pages_Q) -> tuple:
     """The pool with R rows of one sequence written into its pages: rows q*N..(q+1)*N-1 into page
     pages_Q[q] of every layer (R = Q * N; a page of 0 takes padding rows into the scratch page)."""
-    N = kv[0].shape[1]
-    rows_LQNCD = interleave(k_LRKD, v_LRKD).astype(kv[0].dtype)
-    rows_LQNCD = rows_LQNCD.reshape(rows_LQNCD.shape[0], -1, N, *rows_LQNCD.shape[2:])
+    N = jax.tree.leaves(kv[0])[0].shape[1]
 
-    def layer(kv_PNCD, rows_QNCD):
+    def pages(rows_LRXD):  # [L, R, X, D] -> [L, Q, N, X, D]
+        return rows_LRXD.reshape(rows_LRXD.shape[0], -1, N, *rows_LRXD.shape[2:])
+
+    def combined(kv_PNCD, rows_QNCD):
         def put(q, pool):
             page = jax.lax.dynamic_index_in_dim(rows_QNCD, q, 0, keepdims=True)
             return jax.lax.dynamic_update_slice(pool, page, (pages_Q[q], 0, 0, 0))
 
-        return jax.lax.fori_loop(0, rows_QNCD.shape[0], put, kv_PNCD)
+        return jax.lax.fori_loop(0, rows_QNCD.shape[0], put, kv_PNCD.astype(kv_PNCD.dtype))
 
-    return tuple(layer(kv_PNCD, rows_LQNCD[i]) for i, kv_PNCD in enumerate(kv))
+    if isinstance(kv[0], tuple):
+        k_LQNKD, v_LQNKD = pages(k_LRKD), pages(v_LRKD)
+        return tuple(
+            (k.at[pages_Q].set(k_LQNKD[i].astype(k.dtype)), v.at[pages_Q].set(v_LQNKD[i].astype(v.dtype)))
+            for i, (k, v) in enumerate(kv)
+        )
+    rows_LQNCD = pages(interleave(k_LRKD, v_LRKD).astype(kv[0].dtype))
+    return tuple(combined(kv_PNCD, rows_LQNCD[i]) for i, kv_PNCD in enumerate(kv))
 
 
 def read_rows(kv: tuple, pages_Q):
     """(k_LRKD, v_LRKD): the Q pages' rows of every layer in order (R = Q * N)."""
     Q = pages_Q.shape[0]
+    if isinstance(kv[0], tuple):
+        k, v = (jnp.stack([layer[i][pages_Q] for layer in kv]) for i in range(2))
+        return k.reshape(k.shape[0], -1, *k.shape[3:]), v.reshape(v.shape[0], -1, *v.shape[3:])
 
     def layer(kv_PNCD):
         def get(q, out):
@@ -129,28 +157,39 @@ def read_rows(kv: tuple, pages_Q):
     return split_kv(jnp.stack([layer(kv_PNCD) for kv_PNCD in kv]))
 
 
-def attend(q_BHD, kv_PNCD, page_table_BM, positions_B, *, implementation: str = "auto"):
+def attend(q_BHD, layer_kv, page_table_BM, positions_B, *, implementation: str = "auto"):
     """One query per slot (at `positions_B`) over the slot's keys 0..position; out_BHD."""
-    if uses_kernel(implementation, q_BHD.dtype, q_BHD.shape[-1]):
-        return _kernel_on_mesh(q_BHD, kv_PNCD, page_table_BM, positions_B)
-    return reference_attend(q_BHD, kv_PNCD, page_table_BM, positions_B)
+    combined = not isinstance(layer_kv, tuple)
+    if combined and uses_kernel(implementation, q_BHD.dtype, q_BHD.shape[-1]):
+        return _kernel_on_mesh(q_BHD, layer_kv, page_table_BM, positions_B)
+    return reference_attend(q_BHD, layer_kv, page_table_BM, positions_B)
 
 
 def uses_kernel(implementation: str, dtype, head_dim: int, backend: str | None = None) -> bool:
-    """Whether `attend` runs the TPU kernel: where `implementation` resolves to "pallas_tpu" and the
-    head width fills the kernel's 128-lane rows (its softmax statistics are 128 lanes wide: a
-    64-wide head, as Qwen2.5-0.5B's, fails inside it; those models attend with the reference)."""
+    """Whether `attend` runs the TPU kernel (on a combined pool): where `implementation` resolves to
+    "pallas_tpu" and the head width fills the kernel's 128-lane rows (its softmax statistics are
+    128 lanes wide: a 64-wide head, as Qwen2.5-0.5B's, fails inside it; those attend with the
+    reference)."""
     return resolve_implementation(implementation, dtype, backend) == "pallas_tpu" and head_dim % 128 == 0
 
 
-def reference_attend(q_BHD, kv_PNCD, page_table_BM, positions_B):
-    """Gathers every slot's M pages and attends with the dense reference, masked by position."""
+def reference_attend(q_BHD, layer_kv, page_table_BM, positions_B):
+    """Gathers every slot's M pages and attends over them, masked by position: softmax(q k^T /
+    sqrt(D)) v with float32 scores, probabilities in the value dtype (as `reference_attention`)."""
     B, M = page_table_BM.shape
-    N = kv_PNCD.shape[1]
-    k_BSKD, v_BSKD = split_kv(kv_PNCD[page_table_BM].reshape(B, M * N, *kv_PNCD.shape[2:]))
-    mask_B1S = (jnp.arange(M * N, dtype=positions_B.dtype)[None, :] <= positions_B[:, None])[:, None]
+    H, D = q_BHD.shape[1:]
+    if isinstance(layer_kv, tuple):
+        k_BSKD, v_BSKD = (pool[page_table_BM].reshape(B, -1, *pool.shape[2:]) for pool in layer_kv)
+    else:
+        k_BSKD, v_BSKD = split_kv(layer_kv[page_table_BM].reshape(B, -1, *layer_kv.shape[2:]))
+    S, K = k_BSKD.shape[1:3]
     dt = q_BHD.dtype
-    return reference_attention(q_BHD[:, None], k_BSKD.astype(dt), v_BSKD.astype(dt), mask_B1S)[:, 0]
+    q_BKGD = q_BHD.reshape(B, K, H // K, D)
+    scores_BKGS = jnp.einsum("bkgd,bskd->bkgs", q_BKGD, k_BSKD.astype(dt), preferred_element_type=jnp.float32)
+    mask_B11S = (jnp.arange(S, dtype=positions_B.dtype)[None, :] <= positions_B[:, None])[:, None, None]
+    scores_BKGS = jnp.where(mask_B11S, scores_BKGS * (D**-0.5), jnp.finfo(jnp.float32).min)
+    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(dt)
+    return jnp.einsum("bkgs,bskd->bkgd", probs_BKGS, v_BSKD.astype(dt)).reshape(B, H, D)
 
 
 def kernel_attend(q_BHD, kv_PNCD, page_table_BM, positions_B):

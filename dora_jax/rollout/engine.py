@@ -351,8 +351,7 @@ def _generate_step(
         logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
     else:  # the paged kernel places its operands by the rules in context
         with sharding_lib.activation_layout(mesh, rules):
-            on_tpu = mesh.devices.flat[0].platform == "tpu"
-            cache = PagedKVCache(state.cache, table_BM, row_loop=on_tpu)
+            cache = PagedKVCache(state.cache, table_BM)
             logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=cache)
     next_B = state.position_B + 1
     tokens_B, logp_B, sample_logp_B = _pick(
@@ -402,7 +401,7 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
     replicated = sharding_lib.replicated(mesh)
     result_shardings = ResultTokens(data=replicated, log_prob=replicated, sample_log_prob=replicated)
     return (
-        jax.jit(functools.partial(_zero_state, config, model_config), out_shardings=state_shardings),
+        jax.jit(functools.partial(_zero_state, config, model_config, _combined(mesh)), out_shardings=state_shardings),
         jax.jit(
             functools.partial(_prefill_step, graphdef, config, mesh, rules),
             static_argnames=("sampler",),
@@ -438,11 +437,17 @@ def _empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
     )
 
 
-def _zero_state(config: EngineConfig, model_config: ModelConfig) -> DecodeState:
+def _combined(mesh: Mesh) -> bool:
+    """A paged pool in the TPU kernel's combined layout on TPU, split into keys and values elsewhere."""
+    return mesh.devices.flat[0].platform == "tpu"
+
+
+def _zero_state(config: EngineConfig, model_config: ModelConfig, combined: bool = True) -> DecodeState:
+    """Every slot empty; a paged pool in the TPU kernel's combined layout, or split (keys, values)."""
     B, cfg = config.num_slots, model_config
     if config.paged:
         shape = (cfg.num_layers, config.pool_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = paged.pool_zeros(*shape, cfg.dtype)
+        cache = paged.pool_zeros(*shape, cfg.dtype, combined=combined)
     else:
         cache = KVCache.zeros(model_config, batch=B, length=config.cache_length)
     return DecodeState(
@@ -483,7 +488,9 @@ class RolloutEngine:
         self.config = config = self._sized(config, hbm_bytes)
         self._param_structure = jax.tree.structure(abstract_params)
         self._param_shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract_params)]
-        self._state_shardings = self._shardings_for(jax.eval_shape(lambda: _zero_state(config, model_config)))
+        self._state_shardings = self._shardings_for(
+            jax.eval_shape(lambda: _zero_state(config, model_config, _combined(mesh)))
+        )
         self._prefix_shardings = self._prefix_sharding_tree()
         # Engines with the same model, sizes and mesh share compiled programs (a worker per
         # time-shared slice, a re-created engine) instead of compiling them again.
@@ -558,7 +565,7 @@ class RolloutEngine:
             return self._spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
 
         if self.config.paged:
-            cache = tuple(self._spec(PAGED_KV_AXES, layer.shape) for layer in state.cache)
+            cache = tuple(jax.tree.map(lambda x: self._spec(PAGED_KV_AXES, x.shape), layer) for layer in state.cache)
         else:
             cache = KVCache(*(self._spec(KV_CACHE_AXES, c.shape) for c in (state.cache.k_LBSKD, state.cache.v_LBSKD)))
         return jax.tree.map(vector, state.replace(cache=None)).replace(cache=cache)
@@ -962,7 +969,7 @@ class RolloutEngine:
 
     def abstract_decode_state(self) -> DecodeState:
         """`init_decode_state()` as ShapeDtypeStructs carrying the slice's shardings (no memory)."""
-        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config))
+        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config, _combined(self._mesh)))
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), zero_state, self._state_shardings
         )

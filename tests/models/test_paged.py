@@ -5,6 +5,7 @@ step over pages equals the dense cached decode step."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
 from dora_jax.models import KVCache, ModelConfig, PagedKVCache, init_model, paged
@@ -15,14 +16,16 @@ def _pool(P, N, K, D, seed=0):
     return jnp.asarray(rng.normal(size=(P, N, 2 * K, D)), jnp.float32)
 
 
-def test_reference_attention_over_pages_equals_the_kernels_own_reference():
+@pytest.mark.parametrize("combined", [True, False])
+def test_reference_attention_over_pages_equals_the_kernels_own_reference(combined):
     B, H, K, D, N, P, M = 4, 6, 2, 16, 8, 40, 5
     rng = np.random.default_rng(1)
     q_BHD = jnp.asarray(rng.normal(size=(B, H, D)), jnp.float32)
     kv_PNCD = _pool(P, N, K, D)
     table_BM = jnp.asarray(rng.permutation(np.arange(1, P))[: B * M].reshape(B, M), jnp.int32)
     positions_B = jnp.array([0, 7, 8, 39], jnp.int32)  # a first token, a page's last row, a new page, the end
-    ours = paged.reference_attend(q_BHD, kv_PNCD, table_BM, positions_B)
+    layer = kv_PNCD if combined else paged.split_kv(kv_PNCD)  # the same pool as (keys, values)
+    ours = paged.reference_attend(q_BHD, layer, table_BM, positions_B)
     theirs = rpa.ref_ragged_paged_attention(
         q_BHD,
         kv_PNCD,
@@ -35,9 +38,10 @@ def test_reference_attention_over_pages_equals_the_kernels_own_reference():
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5, rtol=1e-5)
 
 
-def test_rows_written_into_pages_read_back_in_order_and_padding_goes_to_scratch():
+@pytest.mark.parametrize("combined", [True, False])
+def test_rows_written_into_pages_read_back_in_order_and_padding_goes_to_scratch(combined):
     L, K, D, N, P = 2, 2, 4, 4, 10
-    kv = paged.pool_zeros(L, P, N, K, D, jnp.float32)
+    kv = paged.pool_zeros(L, P, N, K, D, jnp.float32, combined=combined)
     rng = np.random.default_rng(2)
     k, v = (jnp.asarray(rng.normal(size=(L, 12, K, D)), jnp.float32) for _ in range(2))
     pages = jnp.array([7, 3, 0], jnp.int32)  # two real pages, then the padding rows 8..11 to scratch
@@ -46,26 +50,30 @@ def test_rows_written_into_pages_read_back_in_order_and_padding_goes_to_scratch(
     np.testing.assert_array_equal(np.asarray(k_back), np.asarray(k[:, :8]))
     np.testing.assert_array_equal(np.asarray(v_back), np.asarray(v[:, :8]))
     untouched = [p for p in range(1, P) if p not in (7, 3)]
-    assert not any(np.asarray(layer)[untouched].any() for layer in kv)
-    # Page 7 holds rows 0..3 interleaved: keys at even combined heads, values at odd ones.
-    np.testing.assert_array_equal(np.asarray(kv[1][7, :, 0::2]), np.asarray(k[1, :4]))
-    np.testing.assert_array_equal(np.asarray(kv[1][7, :, 1::2]), np.asarray(v[1, :4]))
+    assert not any(np.asarray(array)[untouched].any() for array in jax.tree.leaves(kv))
+    # Page 7 holds rows 0..3: combined, keys at even heads and values at odd ones.
+    keys, values = (kv[1][7, :, 0::2], kv[1][7, :, 1::2]) if combined else (kv[1][0][7], kv[1][1][7])
+    np.testing.assert_array_equal(np.asarray(keys), np.asarray(k[1, :4]))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(v[1, :4]))
 
 
-def test_a_decode_write_lands_in_each_slots_page_and_row():
+@pytest.mark.parametrize("combined", [True, False])
+def test_a_decode_write_lands_in_each_slots_page_and_row(combined):
     K, D, N, P = 1, 2, 4, 6
-    kv = paged.pool_zeros(1, P, N, K, D, jnp.float32)[0]
+    kv = paged.pool_zeros(1, P, N, K, D, jnp.float32, combined=combined)[0]
     table = jnp.array([[2, 5], [4, 1], [0, 0]], jnp.int32)  # slot 2 is free: its row is all scratch
     positions = jnp.array([1, 6, 30], jnp.int32)  # page 2 row 1; page 1 row 2; past the table
     k = jnp.arange(3 * K * D, dtype=jnp.float32).reshape(3, K, D) + 1
     kv = jax.jit(paged.write_token)(kv, k, -k, table, positions)
-    np.testing.assert_array_equal(np.asarray(kv[2, 1, 0]), np.asarray(k[0, 0]))
-    np.testing.assert_array_equal(np.asarray(kv[1, 2, 1]), -np.asarray(k[1, 0]))
-    np.testing.assert_array_equal(np.asarray(kv[0, 2, 0]), np.asarray(k[2, 0]))  # the free slot: scratch
-    assert int((np.asarray(kv) != 0).sum()) == 3 * 2 * D
+    keys, values = (kv[..., 0::2, :], kv[..., 1::2, :]) if combined else kv
+    np.testing.assert_array_equal(np.asarray(keys[2, 1]), np.asarray(k[0]))
+    np.testing.assert_array_equal(np.asarray(values[1, 2]), -np.asarray(k[1]))
+    np.testing.assert_array_equal(np.asarray(keys[0, 2]), np.asarray(k[2]))  # the free slot: scratch
+    assert sum(int((np.asarray(a) != 0).sum()) for a in jax.tree.leaves(kv)) == 3 * 2 * D
 
 
-def test_a_paged_decode_step_equals_the_dense_cached_decode_step():
+@pytest.mark.parametrize("combined", [True, False])
+def test_a_paged_decode_step_equals_the_dense_cached_decode_step(combined):
     cfg = ModelConfig(
         vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128
     )
@@ -79,7 +87,7 @@ def test_a_paged_decode_step_equals_the_dense_cached_decode_step():
     _, dense = model(jnp.asarray(ids), positions, cache=dense)  # every row's keys 0..S-1
     # The same rows in pages, each slot's pages scattered through the pool (page 0: scratch).
     table = np.array([[5, 2, 9, 1], [3, 8, 4, 6], [7, 11, 10, 12]], np.int32)
-    kv = paged.pool_zeros(cfg.num_layers, 13, N, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    kv = paged.pool_zeros(cfg.num_layers, 13, N, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, combined=combined)
     for b in range(B):
         kv = paged.write_rows(kv, dense.k_LBSKD[:, b], dense.v_LBSKD[:, b], jnp.asarray(table[b]))
     pages = PagedKVCache(kv, jnp.asarray(table))
@@ -92,5 +100,6 @@ def test_a_paged_decode_step_equals_the_dense_cached_decode_step():
     for b, position in enumerate(prompt_lengths):
         page, row = table[b, position // N], position % N
         for layer in range(cfg.num_layers):
-            k_new, _ = paged.split_kv(pages.kv[layer][page, row])
+            pool = pages.kv[layer]
+            k_new = paged.split_kv(pool[page, row])[0] if combined else pool[0][page, row]
             np.testing.assert_allclose(np.asarray(k_new), np.asarray(dense.k_LBSKD[layer, b, position]), atol=1e-6)

