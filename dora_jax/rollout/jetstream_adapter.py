@@ -101,6 +101,15 @@ class JetStreamEngine(engine_api.Engine):
         sampling: SamplingParams | None = None,
         eos_ids: Sequence[int] | None = None,
     ):
+        full = engine.config.num_slots * engine.config.pages_per_slot + 1
+        if engine.config.paged and engine.config.pool_pages < full:
+            # JetStream's Driver decodes every slot it filled and cannot preempt: a pool that runs
+            # dry mid-decode would end the process from the Driver's thread.
+            raise ValueError(
+                f"engine.num_pages={engine.config.pool_pages} holds fewer pages than every slot at "
+                f"cache_length ({full}); JetStream's Driver cannot preempt a request: expected a pool of "
+                f"{full} pages (rollout.kv_pages=0 sized to it, or a dense cache)"
+            )
         self.engine = engine
         self._params = params
         self._sampling = sampling or engine.config.default_sampling

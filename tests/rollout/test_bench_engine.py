@@ -14,18 +14,14 @@ from dora_jax.bench.modes import engine_bench_config
 from dora_jax.models import init_model
 from tests.launch.configs import load
 
+SMALL = EngineBenchConfig(
+    slots=2, cache_length=32, max_prefill_length=16, prompt_length=4, decode_steps=3, prefill_repeats=2, vocab_size=64
+)
+
 
 @pytest.mark.slow
 def test_engine_bench_writes_the_documented_json(tmp_path):
-    config = EngineBenchConfig(
-        slots=2,
-        cache_length=32,
-        max_prefill_length=16,
-        prompt_length=4,
-        decode_steps=3,
-        prefill_repeats=2,
-        vocab_size=64,
-    )
+    config = SMALL
     results = run_engine_bench(config, str(tmp_path))
     on_disk = json.loads((tmp_path / "engine.json").read_text())
     assert on_disk["slots"] == 2 and on_disk["compiles_after_warmup"] == 0
@@ -68,16 +64,7 @@ def test_engine_bench_of_a_moe_config_builds_the_moe_model():
 
 @pytest.mark.slow
 def test_engine_bench_of_a_paged_engine_times_it_beside_the_dense_one(tmp_path):
-    config = EngineBenchConfig(
-        slots=2,
-        cache_length=32,
-        max_prefill_length=16,
-        prompt_length=4,
-        decode_steps=3,
-        prefill_repeats=2,
-        vocab_size=64,
-        page_size=8,
-    )
+    config = dataclasses.replace(SMALL, page_size=8)
     results = run_engine_bench(config, str(tmp_path))
     assert results["compiles_after_warmup"] == 0
     loop, kv = results["worker_loop"], results["kv"]

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import portpicker
+import pytest
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout import jetstream_adapter  # the jetstream extra is part of the test install
+from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
-from tests.rollout.conftest import TINY, run_to_end
+from tests.rollout.conftest import PAGED, TINY, run_to_end
 
 PROMPTS = [(1, 4, 9, 16, 25), (7, 3), (40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56)]
 MAX_TOKENS = 9
@@ -58,3 +62,10 @@ def test_grpc_round_trip_equals_our_greedy_generation(warm_engine, tiny_params):
             ] == []
     finally:
         server.stop()
+
+
+def test_a_paged_pool_smaller_than_every_slot_is_refused_by_name(slices):
+    small = RolloutEngine(TINY, dataclasses.replace(PAGED, num_pages=13), slices.rollout[0])
+    with pytest.raises(ValueError, match=r"engine.num_pages=13 holds fewer pages .* \(33\); JetStream's Driver"):
+        jetstream_adapter.JetStreamEngine(small)
+    jetstream_adapter.JetStreamEngine(RolloutEngine(TINY, PAGED, slices.rollout[0]))  # every slot full: served
