@@ -83,6 +83,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.page_size = 16  # paged KV cache: rows per page (0 = dense: every slot holds cache_length rows)
     c.rollout.kv_pages = 0  # pages in the pool (0 = sized by kv_memory_fraction; CPU: every slot full)
     c.rollout.kv_memory_fraction = 0.8  # the pool's share of chip memory left after the weights
+    c.rollout.migration = "auto"  # a migrated request moves its KV or is re-prefilled, whichever costs less
+    c.rollout.kv_link_bytes_per_s = 0.0  # link between slices, bytes/s (0: unknown until the first KV move is measured)
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

@@ -146,6 +146,7 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
         "audit_ok": report.ok,
         "c1_violations": len(report.c1_violations),
         "migrations_kv": report.migrations_kv,
+        "migrations_reprefill": report.migrations_reprefill,
         "legacy_groups": result.coordinator_stats["legacy_groups"],
         "max_versions_in_flight": report.max_versions_in_flight,
         "generated_tokens": generated,

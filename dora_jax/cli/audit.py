@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
     print(
         f"audit {'OK' if report.ok else 'FAILED'}: mode={report.mode} k_max={report.k_max} "
         f"violations={violations} max_staleness={report.max_staleness} "
-        f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv}"
+        f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv} "
+        f"migrations_reprefill={report.migrations_reprefill}"
     )
     if report.eval_dispatched:
         greedy = [

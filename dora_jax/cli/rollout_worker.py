@@ -81,7 +81,7 @@ def _build_worker(config, slice_id: int):
         tokenizer=tokenizer,
     )
     eos = tuple(model_config.eos_ids) or tuple(tokenizer.eos_ids)
-    return RolloutWorker(engine, slice_id=slice_id, eos_ids=eos)
+    return RolloutWorker(engine, slice_id=slice_id, eos_ids=eos, migration=config.rollout.migration_costs())
 
 
 def _host_channel(slice_id: int):
@@ -100,6 +100,17 @@ def _host_channel(slice_id: int):
         }
     )
     return HostChannel()
+
+
+def _kv_transfer(engine, slice_id: int):
+    """Migrated KV rows device to device (a single-process slice), or None: through the coordinator."""
+    from dora_jax.transport.kv_transfer import KVTransfer
+
+    try:
+        return KVTransfer(engine)
+    except Exception as err:  # noqa: BLE001 - the rows still move, through the coordinator
+        _log(slice_id, f"no transfer server for KV migration ({type(err).__name__}: {err}); sending KV inline")
+        return None
 
 
 def serve(config, workdir: str, client, slice_id: int) -> str:
@@ -136,6 +147,7 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
         mirror.fetch if mirror else fetch,
         roles.identity_hash(),
         silence_s=roles.CONNECT_TIMEOUT_S.value,
+        kv_transfer=None if mirror else _kv_transfer(engine, slice_id),
         log=lambda m: _log(slice_id, m),
     )
     try:

@@ -42,6 +42,7 @@ class AuditReport:
     unconsumed_finished_at_end: int = 0
     redispatched: int = 0
     migrations_kv: int = 0
+    migrations_reprefill: int = 0  # of migrations_no_kv: admitted requests re-prefilled at the destination
     migrations_no_kv: int = 0
     publishes: int = 0
     resumes: int = 0
@@ -207,6 +208,7 @@ class _Walk:
     def on_migrate(self, event: dict) -> None:
         self.report.migrations_kv += bool(event["kv"])
         self.report.migrations_no_kv += not event["kv"]
+        self.report.migrations_reprefill += event.get("how") == "reprefill"
         self._lands(event["traj"], event["version"], event["to"], "migrated")
 
     def on_finish(self, event: dict) -> None:

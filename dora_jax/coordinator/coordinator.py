@@ -36,7 +36,7 @@ from dora_jax.coordinator.rewards import Rewards, RewardScorer
 from dora_jax.coordinator.stats import CoordinatorStats
 from dora_jax.coordinator.transfer_queue import TransferQueue
 from dora_jax.core.modes import Supply, Switch, policy_for
-from dora_jax.core.records import Group, Request, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.records import Group, Reprefill, Request, ScoredTrajectory, SlotState, Trajectory
 from dora_jax.core.window import takes_for_newest, window_allows
 
 
@@ -531,8 +531,8 @@ class Coordinator:
             items = self._port_call(src, "export", traj_ids, default=[])
             self._absorb()  # ids missing from `items` finished before the export
             for item in items:
-                traj_id = item.request.traj_id if isinstance(item, SlotState) else item.traj_id
-                version = item.request.version if isinstance(item, SlotState) else item.version
+                request = item if isinstance(item, Request) else item.request
+                traj_id, version = request.traj_id, request.version
                 if self.slice_version[dst] != version:
                     raise RuntimeError(
                         f"{traj_id} (v{version}) routed to slice {dst} serving v{self.slice_version[dst]}"
@@ -540,10 +540,13 @@ class Coordinator:
                 del self.slice_trajs[src][traj_id]
                 self.slice_trajs[dst][traj_id] = None
                 self.slice_of[traj_id] = dst
-                kv = isinstance(item, SlotState)
-                self.stats.migrations_kv += kv
-                self.stats.migrations_queued += not kv
-                self.ledger.write("migrate", traj=traj_id, **{"from": src, "to": dst}, version=version, kv=kv)
+                how = "kv" if isinstance(item, SlotState) else "reprefill" if isinstance(item, Reprefill) else "queued"
+                self.stats.migrations_kv += how == "kv"
+                self.stats.migrations_reprefill += how == "reprefill"
+                self.stats.migrations_queued += how == "queued"
+                self.ledger.write(
+                    "migrate", traj=traj_id, **{"from": src, "to": dst}, version=version, kv=how == "kv", how=how
+                )
             if items:
                 self._port_call(dst, "import_", items)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from dora_jax.core.records import Request, SlotState
+from dora_jax.core.records import Reprefill, Request, SlotState
 
-Migratable = SlotState | Request  # an admitted request moves with its KV; a queued one as is
+# An admitted request moves with its KV rows (SlotState) or to be re-prefilled (Reprefill); a
+# queued one as is.
+Migratable = SlotState | Reprefill | Request
 
 
 class PortError(RuntimeError):
@@ -32,11 +34,13 @@ class RolloutPort(Protocol):
         it. Returns the loaded params' digest (dora_jax.store.digest), written to the ledger."""
 
     def export(self, traj_ids: Sequence[str]) -> list[Migratable]:
-        """Remove these requests from the slice: admitted ones as SlotState (KV rows included),
-        queued ones as Request. Ids that already finished are absent from the result."""
+        """Remove these requests from the slice: admitted ones as SlotState (KV rows included) or,
+        where re-prefilling costs less than moving their rows, as Reprefill; queued ones as
+        Request. Ids that already finished are absent from the result."""
 
     def import_(self, items: Sequence[Migratable]) -> None:
-        """Continue exported requests here: SlotStates with no prefill, Requests via the queue."""
+        """Continue exported requests here: SlotStates with no prefill, Reprefills and Requests
+        via the queue."""
 
     def progress(self) -> dict[str, Request]:
         """Every request on the slice as a Request carrying its tokens so far as a prefix, the

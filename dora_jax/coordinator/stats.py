@@ -12,6 +12,7 @@ class CoordinatorStats:
     finished: int = 0
     consumed: int = 0
     migrations_kv: int = 0
+    migrations_reprefill: int = 0  # admitted requests moved without their KV (re-prefill was cheaper)
     migrations_queued: int = 0
     interrupts: int = 0
     rebalances: int = 0

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 
 from dora_jax.coordinator.ports import Migratable
-from dora_jax.core.records import Request
+from dora_jax.core.records import Reprefill, Request
 
 
 def least_loaded(slices: Iterable[int], trajs: Mapping[int, Collection[str]], slots: Mapping[int, int]) -> int:
@@ -56,6 +56,8 @@ def continuation(item: Migratable) -> Request:
     slice serves: its tokens so far (none for a request that was still queued) as a prefix."""
     if isinstance(item, Request):
         return item
+    if isinstance(item, Reprefill):
+        return item.request
     return dataclasses.replace(
         item.request,
         prefix_response_ids=tuple(item.response_ids),

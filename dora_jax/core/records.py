@@ -57,15 +57,27 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVTicket:
+    """Where a slot's KV rows wait to be pulled device to device: a transfer server's address and
+    the id they are offered under (dora_jax.transport.kv_transfer)."""
+
+    address: str
+    uuid: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SlotState:
     """Everything needed to continue one in-flight request on another engine with no prefill.
 
     `k_LSKD`/`v_LSKD` hold the cache rows 0..position-1 (prompt and generated tokens whose keys
-    are already written); `last_token` is the sampled token not yet fed to the model.
+    are already written), as numpy on host or as arrays on the source slice's devices padded to
+    their rows bucket (then `kv_ticket`, when set, says where the destination pulls them from and
+    the arrays themselves may be only their shapes); `last_token` is the sampled token not yet fed
+    to the model.
     """
 
     request: Request
-    k_LSKD: np.ndarray
+    k_LSKD: np.ndarray  # or a jax.Array / jax.ShapeDtypeStruct (see the docstring)
     v_LSKD: np.ndarray
     position: int
     last_token: int
@@ -74,10 +86,21 @@ class SlotState:
     token_versions: tuple[int, ...]  # the version that sampled each response token
     rng_key: np.ndarray  # raw uint32 key data of the slot's sampling stream
     version: int
+    kv_ticket: KVTicket | None = None
 
     @property
     def num_bytes(self) -> int:
-        return int(self.k_LSKD.nbytes + self.v_LSKD.nbytes)
+        rows = lambda x: int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize  # noqa: E731
+        return rows(self.k_LSKD) + rows(self.v_LSKD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reprefill:
+    """An admitted request that leaves its slice without its KV rows, to be re-prefilled at the
+    destination under its own version (the migration rule found that cheaper than moving them):
+    `request` carries its tokens so far as its prefix."""
+
+    request: Request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -419,6 +420,12 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
     )
 
 
+def _seconds(fn: Callable) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
 def _empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
     kv = np.zeros(
         (model_config.num_layers, rows, model_config.num_kv_heads, model_config.head_dim), jnp.dtype(model_config.dtype)
@@ -502,6 +509,8 @@ class RolloutEngine:
         # generate runs at (one: the TPU kernel reads only live pages whatever the width).
         self._live_widths = (config.pages_per_slot,) if self.paged_kernel else config.live_page_buckets
         self._reset_pages()
+        # Seconds one prefill of each bucket took, measured by `warmup` (the migration rule's cost).
+        self.prefill_seconds: dict[int, float] = {}
 
     def kv_bytes_per_page(self) -> int:
         """Bytes one KV page takes on each chip of the slice (the pool's kv heads split over devices)."""
@@ -840,9 +849,12 @@ class RolloutEngine:
         token_versions: Sequence[int],
         version: int,
         in_flight: int = 0,
+        to_host: bool = True,
     ) -> SlotState:
         """The slot's device state (KV rows 0..position-1 on host, position, pending token, RNG key)
         joined with the host-side record the caller keeps; checked against each other.
+        `to_host=False` leaves the KV rows on the slice's devices, laid out as a Prefix's and padded
+        to their rows bucket (for a copy device to device: no host round trip).
 
         `in_flight`: decode steps the device has taken past the record (a pipelined worker's unread
         step). The slot is exported as the record stands: those steps only wrote rows at and past
@@ -854,9 +866,12 @@ class RolloutEngine:
         expected = len(request.prompt_ids) + len(response_ids) - 1
         rows = self.config.rows_bucket(max(expected, 1))
         pages_Q = None if self._pages is None else self._page_row(slot, rows // self.config.page_size)
-        k, v, position, token, key_data = jax.device_get(
-            self._read_jit(decode_state, np.int32(slot), pages_Q, rows=rows)
-        )
+        k, v, *vectors = self._read_jit(decode_state, np.int32(slot), pages_Q, rows=rows)
+        position, token, key_data = jax.device_get(vectors)
+        if to_host:
+            k, v = (np.asarray(x)[:, :expected] for x in jax.device_get((k, v)))
+        else:
+            k, v = jax.device_put((k, v), (self._prefix_shardings.k_LRKD, self._prefix_shardings.v_LRKD))
         position = int(position)
         pending = response_ids[-1] if response_ids else None
         if pending is None or position != expected + in_flight or (not in_flight and int(token) != pending):
@@ -866,8 +881,8 @@ class RolloutEngine:
             )
         return SlotState(
             request=request,
-            k_LSKD=np.asarray(k[:, :expected]),
-            v_LSKD=np.asarray(v[:, :expected]),
+            k_LSKD=k,
+            v_LSKD=v,
             position=expected,
             last_token=int(pending),
             response_ids=tuple(int(t) for t in response_ids),
@@ -878,21 +893,27 @@ class RolloutEngine:
         )
 
     def import_slot(self, decode_state: DecodeState, slot: int, state: SlotState) -> DecodeState:
-        """Writes an exported slot into `slot`; decoding continues with no prefill (donates decode_state)."""
+        """Writes an exported slot into `slot`; decoding continues with no prefill (donates decode_state).
+        Its KV rows are numpy (rows 0..position-1) or arrays on any devices (those rows or their rows
+        bucket, as `export_slot(to_host=False)` leaves them: copied here device to device)."""
         cfg = self.model_config
-        expected = (cfg.num_layers, state.position, cfg.num_kv_heads, cfg.head_dim)
-        if state.k_LSKD.shape != expected or state.v_LSKD.shape != expected:
-            raise ValueError(f"slot state KV has shape {state.k_LSKD.shape}, expected {expected} for this model")
+        rows = self.config.rows_bucket(max(state.position, 1))
+        shapes = [(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim) for n in (state.position, rows)]
+        if state.k_LSKD.shape not in shapes or state.v_LSKD.shape != state.k_LSKD.shape:
+            raise ValueError(
+                f"slot state KV has shapes {state.k_LSKD.shape} / {state.v_LSKD.shape}, expected {shapes[0]} "
+                f"(or its rows bucket, {shapes[1]}) for this model"
+            )
         if state.position + 1 > self.config.cache_length:
             raise ValueError(
                 f"slot state position {state.position} does not fit cache_length={self.config.cache_length}"
             )
         params = self._check_sampling(state.request.sampling)
-        rows = self.config.rows_bucket(max(state.position, 1))
-        pad = ((0, 0), (0, rows - state.position), (0, 0), (0, 0))
+        pad = ((0, 0), (0, rows - state.k_LSKD.shape[1]), (0, 0), (0, 0))
+        padded = lambda x: x if x.shape[1] == rows else np.pad(np.asarray(x), pad)  # noqa: E731
         prefix = Prefix(
-            k_LRKD=np.pad(state.k_LSKD, pad),
-            v_LRKD=np.pad(state.v_LSKD, pad),
+            k_LRKD=padded(state.k_LSKD),
+            v_LRKD=padded(state.v_LSKD),
             length=np.int32(state.position),
             token=np.int32(state.last_token),
             logp=np.float32(0.0),
@@ -933,7 +954,9 @@ class RolloutEngine:
     def _warm(self, params, migration: bool) -> None:
         state = self.init_decode_state()
         for bucket in self.config.prefill_buckets:
-            prefix, _ = self.prefill(params=params, padded_tokens=np.zeros((bucket,), np.int32), true_length=bucket)
+            run = lambda b=bucket: self.prefill(params=params, padded_tokens=np.zeros((b,), np.int32), true_length=b)
+            prefix, _ = jax.block_until_ready(run())  # compiled; then timed (the migration rule's prefill cost)
+            self.prefill_seconds[bucket] = min(_seconds(run) for _ in range(2))
             state = self.insert(prefix, state, 0)
         first = prefix  # the largest bucket's: a full first chunk
         for bucket in self.config.prefill_buckets:

@@ -46,8 +46,10 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, Trajectory
+from dora_jax.rollout import migration as migration_rule
 from dora_jax.rollout.engine import ResultTokens, RolloutEngine, check_sampling
+from dora_jax.rollout.migration import MigrationCosts
 from dora_jax.store.digest import params_digest
 
 
@@ -135,11 +137,16 @@ class RolloutWorker:
         eos_ids: Sequence[int] | None = None,
         clock: Callable[[], float] = time.time,
         pipelined: bool = True,
+        migration: MigrationCosts | None = None,
     ):
         """`pipelined`: dispatch each decode step before reading the previous one's tokens (see the
-        module docstring); False reads every step's tokens before `step()` returns."""
+        module docstring); False reads every step's tokens before `step()` returns. `migration`:
+        the costs that decide whether an exported request leaves with its KV or to be re-prefilled
+        (`migration_choice`); it takes the engine's measured prefill times."""
         self._engine = engine
         self.pipelined = pipelined
+        self.migration = migration or MigrationCosts()
+        self.migration.prefill_seconds = engine.prefill_seconds
         self.slice_id = slice_id
         self._eos = frozenset(engine.model_config.eos_ids if eos_ids is None else eos_ids)
         self._clock = clock
@@ -473,8 +480,24 @@ class RolloutWorker:
         )
 
     # ------------------------------------------------------------------ migration
-    def export_requests(self, traj_ids: Iterable[str] | None = None) -> list[SlotState]:
-        """Removes in-flight requests (all, or `traj_ids`) from this worker, with their KV cache."""
+    def migration_choice(self, traj_id: str, *, to_host: bool = True) -> str:
+        """How in-flight `traj_id` should leave: "kv" (its KV rows, as `export_requests`, on host
+        or left on the devices) or "reprefill" (at the destination), by `self.migration`'s costs."""
+        (record,) = [r for r in self._slots if r is not None and r.request.traj_id == traj_id]
+        resumption = self._resumption(record)
+        if self._validate(resumption) is not None:
+            return migration_rule.KV  # its prefix is too long to re-prefill
+        cfg, model = self._engine.config, self._engine.model_config
+        position = len(record.request.prompt_ids) + len(record.response_ids) - 1
+        rows = position if to_host else cfg.rows_bucket(max(position, 1))
+        row_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * np.dtype(model.dtype).itemsize
+        chunks = cfg.prefill_chunks(position + 1)  # prompt + tokens so far, the last one's input included
+        buckets = [next(b for b in cfg.prefill_buckets if b >= n) for n in chunks]
+        return self.migration.choose(rows * row_bytes, buckets)
+
+    def export_requests(self, traj_ids: Iterable[str] | None = None, *, to_host: bool = True) -> list[SlotState]:
+        """Removes in-flight requests (all, or `traj_ids`) from this worker, with their KV cache
+        (on host, or with `to_host=False` left on the slice's devices: see `export_slot`)."""
         wanted = None if traj_ids is None else set(traj_ids)
         if wanted is not None:
             unknown = wanted - set(self.active_traj_ids)
@@ -497,11 +520,23 @@ class RolloutWorker:
                     token_versions=record.versions,
                     version=self._version,
                     in_flight=record.in_flight,  # the step in flight: its token is recomputed there
+                    to_host=to_host,
                 )
             )
             self._close(record)
             self._count(exports=1)
         return exported
+
+    def _placed(self, state: SlotState) -> SlotState:
+        """`state` with KV rows that sit on other devices copied onto this slice's, timed: the
+        copy's rate is a measurement of the link for the migration rule."""
+        target = self._engine.get_prefix_destination_sharding()
+        if not isinstance(state.k_LSKD, jax.Array) or state.k_LSKD.sharding == target.k_LRKD:
+            return state
+        start = time.perf_counter()
+        k, v = jax.block_until_ready(jax.device_put((state.k_LSKD, state.v_LSKD), (target.k_LRKD, target.v_LRKD)))
+        self.migration.observe_link(state.num_bytes, time.perf_counter() - start)
+        return dataclasses.replace(state, k_LSKD=k, v_LSKD=v)
 
     def progress(self) -> dict[str, Request]:
         """Every request on this worker as a Request that resumes it by re-prefill (tokens so far
@@ -539,7 +574,7 @@ class RolloutWorker:
                 raise ValueError(f"cannot import {state.request.traj_id!r}: {problem}")
         for state in states:
             slot = self._slots.index(None)
-            self._state = self._engine.import_slot(self._state, slot, state)
+            self._state = self._engine.import_slot(self._state, slot, self._placed(state))
             self._slots[slot] = _Active(
                 state.request,
                 list(state.response_ids),
@@ -553,21 +588,29 @@ class RolloutWorker:
             self._count(imports=1)
 
 
-def export_from(worker, traj_ids: Sequence[str]) -> list:
+def export_from(worker, traj_ids: Sequence[str], *, to_host: bool = True) -> list:
     """The RolloutPort's `export` on a worker (a RolloutWorker, or a multi-host MirroredWorker):
-    admitted requests leave as SlotStates with their KV rows, queued ones as Requests; ids that
-    already finished are absent."""
+    admitted requests leave as SlotStates with their KV rows (`to_host`: on host, else on the
+    slice's devices) or, where `worker.migration_choice` finds re-prefilling them cheaper, as
+    Requests that resume them by re-prefill; queued ones as Requests; ids that already finished
+    are absent."""
     wanted = set(traj_ids)
     active = [t for t in worker.active_traj_ids if t in wanted]
     queued = [t for t in worker.queued_traj_ids if t in wanted]
-    out = worker.export_requests(active) if active else []
+    reprefill = {t for t in active if worker.migration_choice(t, to_host=to_host) == migration_rule.REPREFILL}
+    kv = [t for t in active if t not in reprefill]
+    out = worker.export_requests(kv, to_host=to_host) if kv else []
+    if reprefill:  # their KV rows are read on the devices and dropped
+        out += [Reprefill(as_redispatch(s)) for s in worker.export_requests(sorted(reprefill), to_host=False)]
     return out + (worker.take_queued(queued) if queued else [])
 
 
 def import_into(worker, items: Sequence) -> None:
-    """The RolloutPort's `import_`: SlotStates continue with no prefill, Requests are queued."""
+    """The RolloutPort's `import_`: SlotStates continue with no prefill, Reprefills and Requests
+    are queued."""
     states = [i for i in items if isinstance(i, SlotState)]
     if states:
         worker.import_requests(states)
-    for request in (i for i in items if isinstance(i, Request)):
-        worker.submit(request)
+    for item in items:
+        if isinstance(item, Reprefill | Request):
+            worker.submit(item.request if isinstance(item, Reprefill) else item)

@@ -64,6 +64,15 @@ class RolloutSpec:
     page_size: int = 0  # paged KV cache: rows per page (0 = dense, every slot holds cache_length rows)
     kv_pages: int = 0  # pages in the pool (0 = kv_memory_fraction of the chip memory left after the weights)
     kv_memory_fraction: float = 0.8
+    migration: str = "auto"  # how a migrated in-flight request moves: "auto" (the cheaper), "kv", "reprefill"
+    kv_link_bytes_per_s: float = 0.0  # the slices' link before a KV move is measured (0: unknown)
+
+    def migration_costs(self):
+        """A slice's migration rule (dora_jax.rollout.migration.MigrationCosts), fresh per worker:
+        it learns the link's rate from its own imports."""
+        from dora_jax.rollout.migration import MigrationCosts
+
+        return MigrationCosts(policy=self.migration, link_bytes_per_s=self.kv_link_bytes_per_s)
 
     def engine_config(self):
         """Every rollout slice's engine sizes (dora_jax.rollout.engine.EngineConfig, imported here:
@@ -178,7 +187,10 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         int(r.get("page_size", 0)),
         int(r.get("kv_pages", 0)),
         float(r.get("kv_memory_fraction", 0.8)),
+        str(r.get("migration", "auto")),
+        float(r.get("kv_link_bytes_per_s", 0.0)),
     )
+    rollout.migration_costs()  # a bad policy or rate fails here, naming the field
     if rollout.heartbeat_timeout_s <= 0:
         raise ValueError(f"rollout.heartbeat_timeout_s={rollout.heartbeat_timeout_s}; expected > 0")
     if int(c.checkpoint.get("keep", 3)) < 1:

@@ -153,7 +153,9 @@ def run(
         engine.warmup(store.get(trainer.version, shardings))
         slice_parts.append(
             (
-                lambda e=engine, sid=slice_id: RolloutWorker(e, slice_id=sid, eos_ids=setup.eos_ids),
+                lambda e=engine, sid=slice_id: RolloutWorker(
+                    e, slice_id=sid, eos_ids=setup.eos_ids, migration=config.rollout.migration_costs()
+                ),
                 lambda v, sh=shardings, sid=slice_id: _fetch(store, v, sh, sid, load_faults),
             )
         )
@@ -356,6 +358,7 @@ class CoordinatorSource:
             "trainer_wait_s": self._coord.stats.trainer_wait_s,
             "versions_in_flight": len(self._coord.versions_in_flight()),
             "migrations_kv": self._coord.stats.migrations_kv,
+            "migrations_reprefill": self._coord.stats.migrations_reprefill,
         }
 
 

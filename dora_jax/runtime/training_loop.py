@@ -142,6 +142,7 @@ def step_row(
         "wall_s": wall,
         "response_len_mean": float(batch.loss_mask_BT.sum(1).mean()),
         "migrations_kv": stats.get("migrations_kv", 0),
+        "migrations_reprefill": stats.get("migrations_reprefill", 0),
     }
     row.update({k: v for k, v in metrics.as_dict().items() if not k.startswith("staleness/")})
     row["train_tokens_per_s"] = row.pop("tokens_per_s")

@@ -14,7 +14,17 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from dora_jax.coordinator.ports import Migratable
-from dora_jax.core.records import FinishReason, Group, Request, SamplingParams, ScoredTrajectory, SlotState, Trajectory
+from dora_jax.core.records import (
+    FinishReason,
+    Group,
+    KVTicket,
+    Reprefill,
+    Request,
+    SamplingParams,
+    ScoredTrajectory,
+    SlotState,
+    Trajectory,
+)
 from dora_jax.transport import dora_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
@@ -121,33 +131,42 @@ def group_from_proto(m: pb.Group) -> Group:
 
 
 # ---------------------------------------------------------------- slot states (arrays out of band)
-def _array_header(a: np.ndarray) -> pb.Array:
-    return pb.Array(dtype=a.dtype.str, shape=a.shape)
+def _array_header(a) -> pb.Array:
+    return pb.Array(dtype=np.dtype(a.dtype).str, shape=a.shape)
 
 
 def slot_state_to_proto(state: SlotState) -> tuple[pb.SlotState, list[np.ndarray]]:
-    arrays = [
-        np.ascontiguousarray(state.k_LSKD),
-        np.ascontiguousarray(state.v_LSKD),
-        np.ascontiguousarray(state.rng_key),
-    ]
+    """The message and the arrays whose bytes follow it: k, v and rng_key, or with a `kv_ticket`
+    only rng_key (k and v are pulled from the ticket's server; the message gives their shapes)."""
+    ticket = state.kv_ticket
+    kv = () if ticket else (np.ascontiguousarray(state.k_LSKD), np.ascontiguousarray(state.v_LSKD))
+    arrays = [*kv, np.ascontiguousarray(state.rng_key)]
     m = pb.SlotState(
         request=request_to_proto(state.request),
-        k=_array_header(arrays[0]),
-        v=_array_header(arrays[1]),
+        k=_array_header(state.k_LSKD),
+        v=_array_header(state.v_LSKD),
         position=state.position,
         last_token=state.last_token,
         response_ids=state.response_ids,
         logprobs=state.logprobs,
         token_versions=state.token_versions,
-        rng_key=_array_header(arrays[2]),
+        rng_key=_array_header(arrays[-1]),
         version=state.version,
+        kv_ticket=pb.KVTicket(address=ticket.address, uuid=ticket.uuid) if ticket else None,
     )
     return m, arrays
 
 
 def slot_state_from_proto(m: pb.SlotState, arrays: Iterator[np.ndarray]) -> SlotState:
-    k, v, rng = next(arrays), next(arrays), next(arrays)
+    """A SlotState; with a kv_ticket its k and v are ShapeDtypeStructs until pulled."""
+    ticket = KVTicket(m.kv_ticket.address, int(m.kv_ticket.uuid)) if m.HasField("kv_ticket") else None
+    if ticket:
+        import jax  # only a ticket's receiver needs it
+
+        k, v = (jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(a.dtype)) for a in (m.k, m.v))
+    else:
+        k, v = next(arrays), next(arrays)
+    rng = next(arrays)
     return SlotState(
         request=request_from_proto(m.request),
         k_LSKD=k,
@@ -159,6 +178,7 @@ def slot_state_from_proto(m: pb.SlotState, arrays: Iterator[np.ndarray]) -> Slot
         token_versions=tuple(int(x) for x in m.token_versions),
         rng_key=rng,
         version=int(m.version),
+        kv_ticket=ticket,
     )
 
 
@@ -169,18 +189,23 @@ def migratables_to_proto(items: Sequence[Migratable]) -> tuple[list[pb.Migratabl
             m, a = slot_state_to_proto(item)
             out.append(pb.Migratable(slot_state=m))
             arrays += a
+        elif isinstance(item, Reprefill):
+            out.append(pb.Migratable(reprefill=request_to_proto(item.request)))
         elif isinstance(item, Request):
             out.append(pb.Migratable(request=request_to_proto(item)))
         else:
-            raise TypeError(f"cannot migrate a {type(item).__name__}; expected SlotState or Request")
+            raise TypeError(f"cannot migrate a {type(item).__name__}; expected SlotState, Reprefill or Request")
     return out, arrays
 
 
 def migratables_from_proto(items: Iterable[pb.Migratable], arrays: Iterator[np.ndarray]) -> list[Migratable]:
-    return [
-        slot_state_from_proto(m.slot_state, arrays) if m.HasField("slot_state") else request_from_proto(m.request)
-        for m in items
-    ]
+    def one(m: pb.Migratable) -> Migratable:
+        kind = m.WhichOneof("item")
+        if kind == "slot_state":
+            return slot_state_from_proto(m.slot_state, arrays)
+        return Reprefill(request_from_proto(m.reprefill)) if kind == "reprefill" else request_from_proto(m.request)
+
+    return [one(m) for m in items]
 
 
 def announced_arrays(message) -> list[pb.Array]:
@@ -193,7 +218,9 @@ def announced_arrays(message) -> list[pb.Array]:
     headers = []
     for item in items:
         if item.HasField("slot_state"):
-            headers += [item.slot_state.k, item.slot_state.v, item.slot_state.rng_key]
+            state = item.slot_state
+            kv = [] if state.HasField("kv_ticket") else [state.k, state.v]
+            headers += [*kv, state.rng_key]
     return headers
 
 

@@ -197,10 +197,13 @@ class MirroredWorker:
         self._send(Op.TAKE_QUEUED, traj_ids)
         return self._worker.take_queued(traj_ids)
 
-    def export_requests(self, traj_ids: Iterable[str] | None = None) -> list[SlotState]:
+    def migration_choice(self, traj_id: str, *, to_host: bool = True) -> str:
+        return self._worker.migration_choice(traj_id, to_host=to_host)
+
+    def export_requests(self, traj_ids: Iterable[str] | None = None, *, to_host: bool = True) -> list[SlotState]:
         traj_ids = None if traj_ids is None else tuple(traj_ids)
-        self._send(Op.EXPORT, traj_ids)
-        return self._worker.export_requests(traj_ids)
+        self._send(Op.EXPORT, traj_ids, to_host)
+        return self._worker.export_requests(traj_ids, to_host=to_host)
 
     def import_requests(self, states: Sequence[SlotState]) -> None:
         self._send(Op.IMPORT, tuple(states))
@@ -255,7 +258,7 @@ def _apply(worker: RolloutWorker, command: Command, fetched: dict, fetch_params)
     elif op is Op.TAKE_QUEUED:
         worker.take_queued(args[0])
     elif op is Op.EXPORT:
-        worker.export_requests(args[0])
+        worker.export_requests(args[0], to_host=args[1])
     elif op is Op.IMPORT:
         worker.import_requests(args[0])
     elif op is Op.STEP:

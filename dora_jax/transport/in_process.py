@@ -64,7 +64,8 @@ class WorkerThread:
         return self._call(lambda: self.worker.load_version(version, params))
 
     def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
-        return self._call(lambda: export_from(self.worker, traj_ids))
+        # KV rows stay on the devices: the importing slice copies them device to device.
+        return self._call(lambda: export_from(self.worker, traj_ids, to_host=False))
 
     def progress(self) -> dict[str, Request]:
         return self._call(self.worker.progress)

@@ -18,6 +18,7 @@ the slice rejoins with nothing loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -26,8 +27,9 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from dora_jax.core.records import SlotState
 from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
-from dora_jax.transport import codec
+from dora_jax.transport import codec, kv_transfer
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import Client, CoordinatorUnreachable, SessionLost
 
@@ -44,10 +46,14 @@ class RolloutAgent:
         *,
         silence_s: float = 60.0,
         chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+        kv_transfer=None,
         log=print,
     ):
+        """`kv_transfer` (a KVTransfer): migrated KV rows go device to device between slices, the
+        coordinator carrying only their tickets; None sends them through the coordinator."""
         self.client = client
         self.worker = worker
+        self.kv_transfer = kv_transfer
         self._fetch_params = fetch_params
         self._config_hash = config_hash
         self._silence_s = silence_s
@@ -207,11 +213,10 @@ class RolloutAgent:
                 version = int(command.load_version.version)
                 digest = self.worker.load_version(version, self._fetch_params(version))
             elif kind == "export":
-                exported, out_arrays = codec.migratables_to_proto(
-                    export_from(self.worker, list(command.export.traj_ids))
-                )
+                exported, out_arrays = codec.migratables_to_proto(self._export(list(command.export.traj_ids)))
             elif kind == "import_items":
-                import_into(self.worker, codec.migratables_from_proto(command.import_items.items, iter(arrays)))
+                items = codec.migratables_from_proto(command.import_items.items, iter(arrays))
+                import_into(self.worker, self._resolve(items))
             elif kind == "progress":
                 progress = [codec.request_to_proto(r) for r in self.worker.progress().values()]
             else:
@@ -227,6 +232,32 @@ class RolloutAgent:
             ),
             out_arrays,
         )
+
+    def _export(self, traj_ids: list[str]) -> list:
+        """Exported requests; with a KV transfer, admitted ones' rows stay on the devices, offered
+        (through the coordinator otherwise, or where an offer fails)."""
+        if self.kv_transfer is None:
+            return export_from(self.worker, traj_ids)
+        out = []
+        for item in export_from(self.worker, traj_ids, to_host=False):
+            if isinstance(item, SlotState):
+                try:
+                    item = self.kv_transfer.offer(item)
+                except Exception as err:  # noqa: BLE001 - its rows go through the coordinator instead
+                    self._log(f"offering the KV of {item.request.traj_id} failed ({err}); sending it inline")
+                    item = dataclasses.replace(item, k_LSKD=np.asarray(item.k_LSKD), v_LSKD=np.asarray(item.v_LSKD))
+            out.append(item)
+        return out
+
+    def _resolve(self, items: list) -> list:
+        """Imported items with ticketed KV rows pulled from their source slice (re-prefilled where
+        that fails, or where this agent has no transfer server to pull with)."""
+        if self.kv_transfer is not None:
+            return self.kv_transfer.resolve(items, self.worker.migration, self._log)
+        ticketed = lambda i: isinstance(i, SlotState) and i.kv_ticket is not None  # noqa: E731
+        if any(map(ticketed, items)):
+            self._log("migrated slots came with KV tickets but this slice has no transfer server: re-prefilled")
+        return [kv_transfer.fallback(i) if ticketed(i) else i for i in items]
 
     def _ack(self, result: pb.Result, arrays: list[np.ndarray]) -> None:
         # The frames are rebuilt on every try: a stream iterator is consumed by the failed attempt.

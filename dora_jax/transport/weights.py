@@ -51,6 +51,22 @@ def host_address() -> str:
         return "127.0.0.1"
 
 
+_SERVERS: dict[tuple[int, str], object] = {}
+
+
+def transfer_server(devices: Sequence[jax.Device], host: str | None = None):
+    """This process's transfer server for `devices`' client on `host` (started on first use, then
+    shared: the weights' pull and the KV migration of a rollout slice use one)."""
+    from jax.experimental import transfer
+
+    host = host or host_address()
+    client = devices[0].client
+    key = (id(client), host)
+    if key not in _SERVERS:
+        _SERVERS[key] = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+    return _SERVERS[key]
+
+
 class WeightOffer:
     """Trainer side: a transfer server and, per published version, its copy in the rollout layout."""
 
@@ -117,10 +133,7 @@ class WeightPull:
     as `shardings` (the engine's param shardings) in `dtype`."""
 
     def __init__(self, devices: Sequence[jax.Device], workdir: str, slice_id: int, *, host: str | None = None):
-        from jax.experimental import transfer
-
-        host = host or host_address()
-        self._server = transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
+        self._server = transfer_server(devices, host)
         self._path, self._slice_id = fs.join(workdir, ADDRESS_FILE), slice_id
         self._connection, self._address = None, None
         self._pulled: set[tuple[str, int]] = set()

@@ -19,6 +19,7 @@ from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.store import ParamStore, TensorStoreTier
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import Client, ClientTiming, CoordinatorUnreachable, Refused
+from dora_jax.transport.kv_transfer import KVTransfer
 from dora_jax.transport.rollout_agent import RolloutAgent, fetch_from_store
 from dora_jax.transport.service import PROTOCOL, CoordinatorService, Identity, Timing, make_server
 from tests.rollout.conftest import run_to_end
@@ -68,7 +69,10 @@ def _slowed(worker, seconds):
 
 
 @pytest.mark.slow
-def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["kv_inline", "kv_transfer_server"])
+def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, direct):
+    """The KV rows through the coordinator's stream, or (`direct`) pulled by the destination from
+    the source's transfer server, the coordinator carrying a ticket: the same tokens either way."""
     reference = RolloutWorker(two_engines[0], slice_id=0, eos_ids=())
     reference.load_version(0, tiny_params)
     for request in _requests():
@@ -84,7 +88,12 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
     for sid, engine in enumerate(two_engines):
         worker = _slowed(RolloutWorker(engine, slice_id=sid, eos_ids=()), 0.02 if sid == 0 else 0.0)
         agent = RolloutAgent(
-            Client(address), worker, fetch_from_store(reader, engine.param_shardings), HASH, log=lambda m: None
+            Client(address),
+            worker,
+            fetch_from_store(reader, engine.param_shardings),
+            HASH,
+            kv_transfer=KVTransfer(engine, host="127.0.0.1") if direct else None,
+            log=lambda m: None,
         )
         agent.register()
         agents.append(agent)
@@ -108,7 +117,11 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
         assert len(items) == 4 and all(isinstance(i, SlotState) for i in items), items
         assert all(1 <= len(i.response_ids) < 40 for i in items)  # mid-generation
         assert all(len(i.response_ids) >= len(progress[i.request.traj_id].prefix_response_ids) for i in items)
-        assert all(i.k_LSKD.shape[1] == i.position for i in items)
+        if direct:  # the rows' shapes (padded to their bucket) and where to pull them from
+            assert all(i.kv_ticket.address == agents[0].kv_transfer.address for i in items)
+            assert all(i.k_LSKD.shape[1] == two_engines[0].config.rows_bucket(i.position) for i in items)
+        else:
+            assert all(i.kv_ticket is None and i.k_LSKD.shape[1] == i.position for i in items)
         destination.import_(items[::-1])
         _until(lambda: len(sink.finished) == 4, what="the migrated requests to finish")
     finally:
@@ -123,6 +136,8 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path):
         assert moved.response_ids == ref.response_ids, traj_id
         assert moved.logprobs == ref.logprobs, traj_id  # bit-exact across processes' wire format
     assert agents[1].worker.counters.prefills == 0 and agents[1].worker.counters.imports == 4
+    if direct:
+        assert agents[1].kv_transfer.failures == 0 and agents[1].kv_transfer.pulled_bytes > 0
     assert sink.failed == []  # stopped ports are not failures
 
 

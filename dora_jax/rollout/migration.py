@@ -1,0 +1,72 @@
+"""How an in-flight request moves between slices: its KV rows, or a re-prefill at the destination.
+
+A migrated request continues under its own version either way (C1); sampling is counter-based
+per position, so both ways give the same tokens. What differs is the cost:
+- moving the KV: the rows' bytes over the link between the slices, plus a fixed latency per move
+  (a connection's round trip and the source's read);
+- re-prefilling: the destination prefills prompt + tokens so far in chunks of at most
+  `max_prefill_length`, each padded to its bucket, with its slot's decoding interrupted as long.
+
+`MigrationCosts.choose` takes the cheaper. Prefill times are measured per bucket by the engine's
+warmup (`RolloutEngine.prefill_seconds`); the link's bandwidth starts from the config
+(`rollout.kv_link_bytes_per_s`) and becomes the measured rate of this slice's own KV imports
+(an exponential average over each import's bytes / seconds). Without a measured prefill time
+the rule moves the KV (it cannot show that re-prefill is cheaper). `policy` "kv" / "reprefill"
+force one way (a request whose prefix is too long to re-prefill always moves its KV).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+KV = "kv"
+REPREFILL = "reprefill"
+AUTO = "auto"
+POLICIES = (AUTO, KV, REPREFILL)
+
+
+@dataclasses.dataclass
+class MigrationCosts:
+    """The measured costs behind `choose` (mutable: `observe_link` updates the link's rate)."""
+
+    policy: str = AUTO
+    link_bytes_per_s: float = 0.0  # 0: unknown until an import is measured (then KV always)
+    link_latency_s: float = 0.0
+    prefill_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # bucket -> s
+    smoothing: float = 0.5  # weight of the newest measurement in the link's average
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"rollout.migration={self.policy!r}; expected one of {POLICIES}")
+        if self.link_bytes_per_s < 0:
+            raise ValueError(f"rollout.kv_link_bytes_per_s={self.link_bytes_per_s}; expected >= 0")
+
+    def kv_s(self, num_bytes: int) -> float | None:
+        """Seconds to move `num_bytes` of KV, or None while the link's rate is unknown."""
+        if not self.link_bytes_per_s:
+            return None
+        return self.link_latency_s + num_bytes / self.link_bytes_per_s
+
+    def reprefill_s(self, buckets: Sequence[int]) -> float | None:
+        """Seconds to prefill chunks padded to `buckets` (one measured prefill each: a later chunk's
+        attention over the earlier ones is not counted), or None when one was not measured."""
+        if any(b not in self.prefill_seconds for b in buckets):
+            return None
+        return sum(self.prefill_seconds[b] for b in buckets)
+
+    def choose(self, num_bytes: int, buckets: Sequence[int]) -> str:
+        """KV or REPREFILL for a request whose KV rows are `num_bytes` and whose re-prefill runs
+        chunks padded to `buckets`."""
+        if self.policy != AUTO:
+            return self.policy
+        kv, prefill = self.kv_s(num_bytes), self.reprefill_s(buckets)
+        return REPREFILL if kv is not None and prefill is not None and prefill < kv else KV
+
+    def observe_link(self, num_bytes: int, seconds: float) -> None:
+        """One measured KV move: the link's rate becomes a running average of the measurements."""
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        rate = num_bytes / seconds
+        old = self.link_bytes_per_s
+        self.link_bytes_per_s = rate if not old else (1 - self.smoothing) * old + self.smoothing * rate
