@@ -8,6 +8,8 @@ matters is a separate question, answered by `batch_step_time_s`: the step of an 
 for exactly that many slots. `flat_ratio` = full batch / one-slot batch; <= 1.5 means a decode
 step costs about the same for 1 and for `slots` requests (DESIGN.md, "Regime").
 
+`migration`: moving a request between two slices by KV and by re-prefill (dora_jax/bench/migration.py).
+
 `worker_loop`: seconds per decode step at full occupancy of the bare decode loop and of
 `RolloutWorker.step()` pipelined (the default) and not, timed side by side; `worker_overhead` =
 pipelined step / bare step (issue target: <= 1.1). `kv`: the dense cache's bytes and capacity.
@@ -61,6 +63,8 @@ class EngineBenchConfig:
     page_size: int = 0  # paged KV cache: rows per page (0 = the dense cache)
     kv_pages: int = 0  # pages in the pool (0 = every slot full)
     compare_dense: bool = True  # paged: also time a dense engine's worker loop, side by side
+    migration: bool = True  # time moving a request between two slices, by KV and by re-prefill
+    migration_repeats: int = 5  # timed moves per prefix length and way
     seed: int = 0
 
 
@@ -290,6 +294,22 @@ def _measure_prefill(config: EngineBenchConfig, engine, params, rng) -> list[dic
     return rows
 
 
+def _measure_migration(config: EngineBenchConfig, params) -> list[dict] | None:
+    """`dora_jax.bench.migration` on two slices of the engine under test (None without the devices)."""
+    from dora_jax.bench.migration import measure_migration
+
+    tp = config.tensor_parallel
+    if len(jax.devices()) < 2 * tp:
+        return None
+    engines = [
+        _engine(config, config.slots, sharding.make_mesh(jax.devices()[i * tp : (i + 1) * tp], {"tensor": tp}))
+        for i in (0, 1)
+    ]
+    for engine in engines:
+        engine.warmup(engine.load_params(params))
+    return measure_migration(engines, params, repeats=config.migration_repeats, vocab_size=config.vocab_size)
+
+
 def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     """Runs every measurement; writes `out_dir/engine.json` (when given) and returns the same dict."""
     devices = jax.devices()[: config.tensor_parallel]
@@ -304,6 +324,7 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     decode[-1]["worker_step_time_s"] = worker_loop["worker_step_time_s"]
     prefill = _measure_prefill(config, engine, params, rng)
     after = engine.compile_counts()
+    moves = _measure_migration(config, params) if config.migration else None
     results = {
         "decode": decode,
         "prefill": prefill,
@@ -314,6 +335,8 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
         "slots": config.slots,
         "devices": [str(d) for d in devices],
     }
+    if moves is not None:
+        results["migration"] = moves
     if config.batch_curve:
         by_slots = {p["active_slots"]: p["batch_step_time_s"] for p in decode}
         results["flat_ratio"] = by_slots[config.slots] / by_slots[1]
@@ -357,6 +380,15 @@ def format_table(results: dict) -> str:
         )
     )
     lines.append(f"compiles after warm-up: {results['compiles_after_warmup']}")
+    if results.get("migration"):
+        lines.append(
+            f"{'migrate':>7} {'KV bytes':>9} {'transfer ms':>11} {'host ms':>8} {'re-prefill ms':>13} {'rule':>9}"
+        )
+        lines += [
+            f"{m['prefix_tokens']:7d} {m['kv_bytes_moved']:9d} {1e3 * m['kv_transfer_s']:11.3f} "
+            f"{1e3 * m['kv_host_s']:8.3f} {1e3 * m['reprefill_s']:13.3f} {m['rule']:>9}"
+            for m in results["migration"]
+        ]
     if "flat_ratio" in results:
         lines.append(f"full-batch step / one-slot step: {results['flat_ratio']:.2f}x (flat regime: <= 1.5x)")
     return "\n".join(lines)

@@ -12,12 +12,15 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, Trajectory
 
 
 class FakeWorker:
-    def __init__(self, slice_id, num_slots, coordinator_ref, length_of):
+    def __init__(self, slice_id, num_slots, coordinator_ref, length_of, *, reprefill_every=0):
+        """`reprefill_every` = n: every n-th admitted request exported leaves as a Reprefill (the
+        migration rule's other way), with its tokens so far as its prefix."""
         self.slice_id, self.num_slots = slice_id, num_slots
+        self._reprefill_every, self._exported = reprefill_every, 0
         self._coord = coordinator_ref  # a one-element list, filled once the coordinator exists
         self._length_of = length_of
         self.version = None
@@ -43,6 +46,10 @@ class FakeWorker:
         for traj_id in traj_ids:
             if traj_id in self.active:
                 st = self.active.pop(traj_id)
+                self._exported += 1
+                if self._reprefill_every and self._exported % self._reprefill_every == 0:
+                    out.append(Reprefill(_resumption(st)))
+                    continue
                 out.append(
                     SlotState(
                         st["req"],
@@ -75,17 +82,12 @@ class FakeWorker:
                 )
                 self.imports_kv += 1
             else:
-                self.queued.append(item)
+                self.queued.append(item.request if isinstance(item, Reprefill) else item)
 
     def progress(self):
         out = {r.traj_id: r for r in self.queued}
         for traj_id, st in self.active.items():
-            out[traj_id] = dataclasses.replace(
-                st["req"],
-                prefix_response_ids=tuple(st["tokens"]),
-                prefix_logprobs=tuple(st["logps"]),
-                prefix_versions=tuple(st["versions"]),
-            )
+            out[traj_id] = _resumption(st)
         return out
 
     # -- the scripted decode loop
@@ -126,6 +128,15 @@ class FakeWorker:
                 )
         if done:
             self._coord[0].post_finished(self.slice_id, done)
+
+
+def _resumption(st: dict) -> Request:
+    return dataclasses.replace(
+        st["req"],
+        prefix_response_ids=tuple(st["tokens"]),
+        prefix_logprobs=tuple(st["logps"]),
+        prefix_versions=tuple(st["versions"]),
+    )
 
 
 class DyingWorker(FakeWorker):

@@ -12,11 +12,25 @@ from dora_jax.coordinator.ledger import Ledger
 from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts, tick_some
 
 
-def run(mode, *, steps=6, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, fail_every=0, observe=None):
+def run(
+    mode,
+    *,
+    steps=6,
+    slices=3,
+    slots=4,
+    k_max=2,
+    tbs=8,
+    rbs=16,
+    g=4,
+    seed=0,
+    fail_every=0,
+    observe=None,
+    reprefill_every=0,
+):
     """Drives the coordinator to `steps` takes; `observe(phase, coord)` runs after each take and publish."""
     ref = [None]
     length_of = longtail(seed)
-    workers = {i: FakeWorker(i, slots, ref, length_of) for i in range(slices)}
+    workers = {i: FakeWorker(i, slots, ref, length_of, reprefill_every=reprefill_every) for i in range(slices)}
     cfg = config(mode, k_max=k_max, tbs=tbs, rbs=rbs, g=g)
     ledger = Ledger(None)
     coord = Coordinator(cfg, workers, prompts(), InstantScorer(fail_every), ledger)
@@ -92,6 +106,18 @@ def test_dora_runs_versions_concurrently_and_migrates_with_kv():
     assert report.max_versions_in_flight >= 2
     assert report.migrations_kv > 0
     assert coord.stats.migrations_kv == sum(w.imports_kv for w in workers.values())
+
+
+def test_migrations_by_reprefill_keep_every_invariant_and_say_so_in_the_ledger():
+    """Slices whose migration rule re-prefills every other admitted request they export: the
+    ledger's migrate lines say how each moved, and C1-C3 and exactly-once hold."""
+    coord, workers, report, _ = run("dora", steps=10, reprefill_every=2)
+    assert report.ok, report.summary()
+    assert report.migrations_reprefill > 0 and report.migrations_kv > 0
+    assert coord.stats.migrations_reprefill == report.migrations_reprefill
+    assert coord.stats.migrations_kv == sum(w.imports_kv for w in workers.values()) == report.migrations_kv
+    assert report.migrations_no_kv == coord.stats.migrations_reprefill + coord.stats.migrations_queued
+    assert report.max_staleness <= 2
 
 
 def test_partial_rollout_shows_c1_violations():

@@ -42,6 +42,17 @@ def test_engine_bench_writes_the_documented_json(tmp_path):
     assert (on_disk["kv"]["capacity_slots"], on_disk["kv"]["capacity_tokens"]) == (2, 64)
     assert 2 * 4 < on_disk["kv"]["live_tokens"] <= 64  # two prompts of 4 and their responses so far
     assert "compiles after warm-up: 0" in format_table(results)
+    # One request moved between two slices: prompts of 4, 16 and 23 tokens (the longest that fits
+    # with its 8-token budget) and the 2 tokens it holds after one step.
+    moves = on_disk["migration"]
+    assert [m["prefix_tokens"] for m in moves] == [5, 17, 24]
+    for m in moves:
+        assert m["kv_bytes"] == m["prefix_tokens"] * on_disk["kv"]["bytes_per_token"]
+        assert m["kv_bytes_moved"] >= m["kv_bytes"] and m["measured_link_bytes_per_s"] > 0
+        assert min(m["kv_transfer_s"], m["kv_pull_s"], m["kv_host_s"], m["reprefill_s"]) > 0
+        assert m["kv_pull_s"] < m["kv_transfer_s"]
+        assert m["rule"] in ("kv", "reprefill") and m["cheaper_measured"] in ("kv", "reprefill")
+    assert "re-prefill ms" in format_table(results)
 
 
 def test_engine_bench_of_a_moe_config_builds_the_moe_model():
