@@ -85,6 +85,14 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
     assert names == expected
     assert rollout["kv_page_size"] == 16 and rollout["cache_length"] == 32
     assert rollout["kv_pool_tokens"] == 4 * 32  # 16 GiB sizes more, capped at every slot full (4 slots)
+    # The migration rule on the compiled prefill estimates: 4 tokens re-prefill in one 16-token
+    # chunk, 16 and 30 (the longest) in two; the smoke config knows no link rate, so KV moves.
+    prefill = next(p for p in rollout["programs"] if p["name"] == "prefill[T=16]")["estimated_s"]
+    rule = rollout["migration_rule"]
+    assert [r["prefix_tokens"] for r in rule] == [4, 16, 30]
+    assert [r["reprefill_s_estimate"] for r in rule] == pytest.approx([prefill, 2 * prefill, 2 * prefill])
+    assert [r["kv_bytes_moved"] for r in rule] == [16 * 512, 16 * 512, 32 * 512]  # 2 layers x k, v x 2 x 16 x 4 B
+    assert all(r["kv_s_at_link"] is None and r["rule"] == "kv" for r in rule)
     assert aot.does_not_fit(result) == []
     json.dumps(result)  # compile.json's content
 

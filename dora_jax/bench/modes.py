@@ -359,7 +359,7 @@ def main(cfg_dict, out_dir: str) -> dict:
     measured = run_modes(cfg_dict, out_dir, rounds=int(cfg_dict.bench.get("rounds", 1)))
     from dora_jax.bench.engine import run_engine_bench
 
-    engine = run_engine_bench(engine_bench_config(cfg_dict), None)
+    engine = run_engine_bench(dataclasses.replace(engine_bench_config(cfg_dict), migration=False), None)
     full = max(engine["decode"], key=lambda d: d["active_slots"])
     slot_rate = full["tokens_per_s"]  # one slice alone at full occupancy: what the shared cores decode
     rounds = []

@@ -576,7 +576,40 @@ def compile_role(
         records.append(compile_program(program, target.chip, log, probes.get(program.name)))
     if kv and target.role == "rollout":
         kv |= _kernel_reads(engine, kv, records, target.chip)
+        kv["migration_rule"] = migration_rule(config, engine, records)
     return _role_record(target, resident, records) | kv
+
+
+def migration_rule(config: RunConfig, engine: RolloutEngine, records: list[dict]) -> list[dict]:
+    """The migration rule (dora_jax.rollout.migration) on compiled costs: per prefix length (a
+    quarter of a prefill chunk, one chunk, the longest a re-prefill takes), moving the slot's KV
+    rows at `rollout.kv_link_bytes_per_s` against re-prefilling with the prefill programs'
+    estimated times; what the rule picks. A slice measures both at run time and decides on those."""
+    from dora_jax.rollout.migration import MigrationCosts
+
+    ec, cfg = engine.config, engine.model_config
+    estimates = {}
+    for record in records:
+        found = re.fullmatch(r"prefill\[T=(\d+)\]", record["name"])
+        if found and record.get("estimated_s") is not None:
+            estimates[int(found.group(1))] = record["estimated_s"]
+    costs = MigrationCosts(link_bytes_per_s=config.rollout.kv_link_bytes_per_s, prefill_seconds=estimates)
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    rows = []
+    longest = min(2 * ec.max_prefill_length, ec.cache_length - 1) - 1
+    for tokens in sorted({ec.max_prefill_length // 4, ec.max_prefill_length, longest}):
+        buckets = [next(b for b in ec.prefill_buckets if b >= n) for n in ec.prefill_chunks(tokens + 1)]
+        moved = ec.rows_bucket(tokens) * row_bytes
+        rows.append(
+            {
+                "prefix_tokens": tokens,
+                "kv_bytes_moved": moved,
+                "kv_s_at_link": costs.kv_s(moved),
+                "reprefill_s_estimate": costs.reprefill_s(buckets),
+                "rule": costs.choose(moved, buckets),
+            }
+        )
+    return rows
 
 
 def _kernel_reads(engine: RolloutEngine, kv: dict, records: list[dict], chip: Chip | None) -> dict:

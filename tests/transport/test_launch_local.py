@@ -84,6 +84,10 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
     # KV path itself is checked bit-exactly between remote workers in test_port.py.
     assert report.migrations_kv + report.migrations_no_kv > 0, report.summary()
     assert all(e["from"] != e["to"] for e in events if e["ev"] == "migrate")
+    # Each says how it moved: KV rows pulled from the source's transfer server (none failed, or the
+    # log would say so), re-prefilled where the rule found that cheaper, or still queued.
+    assert {e["how"] for e in events if e["ev"] == "migrate"} <= {"kv", "reprefill", "queued"}
+    assert report.migrations_kv == sum(e["how"] == "kv" for e in events if e["ev"] == "migrate")
     assert {e["slice"] for e in events if e["ev"] == "finish"} == {0, 1}
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -91,6 +95,7 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
     logs = tmp_path / "run" / "logs"  # the roles ended by themselves: trainer -> Finish -> Stop
     assert "the trainer is done: stopping the rollout workers" in (logs / "coordinator.log").read_text()
     assert all("stopped: the run is over" in (logs / f"rollout_{i}.log").read_text() for i in (0, 1))
+    assert not any("KV pull of" in (logs / f"rollout_{i}.log").read_text() for i in (0, 1))
     # Versions came device to device from the trainer's transfer server; the tensorstore tier only
     # served what was not on offer yet (at most the first version, read while the trainer offers it).
     tier_reads = [
