@@ -35,6 +35,11 @@ their requests and rejoin, engines warm); a restarted coordinator listens on the
 trainer goes back to its checkpoint and the workers rejoin; a restarted rollout worker rejoins.
 `--kill_role=trainer|coordinator --kill_after_step=S` SIGKILLs that role once the checkpoint of step
 S exists (fault injection).
+
+`--trainer_cores=N` disaggregates the cores as a pod disaggregates chips: the trainer's processes
+run on the first N cores the launcher may use, the rollout workers' on the others (CPU affinity,
+set in each child before it starts, so every thread XLA creates inherits it); the coordinator runs
+anywhere. Without it every process competes for every core.
 """
 
 from __future__ import annotations
@@ -87,6 +92,13 @@ MAX_RESTARTS = flags.DEFINE_integer(
     "the run back to its newest checkpoint while the other processes wait and rejoin; a role of several "
     "processes relaunches the whole job, which resumes the same way",
 )
+TRAINER_CORES = flags.DEFINE_integer(
+    "trainer_cores",
+    0,
+    "disaggregated cores, as a pod gives the trainer and the rollout slices their own chips: the trainer's "
+    "processes run on the first N cores this launcher may use, the rollout workers' on the rest (CPU "
+    "affinity, inherited by every thread XLA starts); the coordinator on all. 0: every process on every core",
+)
 
 
 def main(argv):
@@ -102,6 +114,8 @@ def main(argv):
         _print(f"{workdir} holds a run (ledger.jsonl): resuming it from its newest checkpoint")
     if config.mesh.time_shared:
         raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
+    global _CORES
+    _CORES = role_cores(TRAINER_CORES.value, sorted(os.sched_getaffinity(0)))
     trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
     rollout = _per_host("hosts_per_slice", HOSTS_PER_SLICE.value, "mesh.rollout", dict(config.mesh.rollout))
     start = time.perf_counter()
@@ -137,6 +151,21 @@ def _config_flags(argv: list[str]) -> list[str]:
             out.append(arg)
             take_next = "=" not in arg
     return out
+
+
+_CORES: dict[str, list[int]] = {}  # role ("trainer", "rollout") -> the cores its processes may run on
+
+
+def role_cores(trainer_cores: int, available: list[int]) -> dict[str, list[int]]:
+    """{"trainer": the first `trainer_cores` of `available`, "rollout": the rest}; {} for 0."""
+    if trainer_cores == 0:
+        return {}
+    if not 0 < trainer_cores < len(available):
+        raise app.UsageError(
+            f"--trainer_cores={trainer_cores}; this launcher may use {len(available)} cores {available}: "
+            f"expected 1..{len(available) - 1}, leaving the rollout workers at least one"
+        )
+    return {"trainer": available[:trainer_cores], "rollout": available[trainer_cores:]}
 
 
 def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]:
@@ -348,8 +377,10 @@ def _spawn(name: str, module: str, args: list[str], devices: int, logs: str) -> 
     env["JAX_PLATFORMS"] = "cpu"
     flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"])
+    cores = _CORES.get(name.split("_")[0])
     log = open(os.path.join(logs, f"{name}.log"), "a")  # a resumed run's logs follow the lost run's
-    log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} python -m dora_jax.{module}\n")
+    pinned = f" on cores {cores}" if cores else ""
+    log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} python -m dora_jax.{module}{pinned}\n")
     log.flush()
     return subprocess.Popen(
         [sys.executable, "-m", f"dora_jax.{module}", *args],
@@ -357,14 +388,17 @@ def _spawn(name: str, module: str, args: list[str], devices: int, logs: str) -> 
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=lambda: _in_child(cores),
     )
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the launcher dies, however it dies (Linux prctl PDEATHSIG)."""
+def _in_child(cores: list[int] | None) -> None:
+    """In the child, before exec: SIGKILL when the launcher dies, however it dies (Linux prctl
+    PDEATHSIG), and its cores (every thread it starts inherits them)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def _teardown(children: dict) -> None:

@@ -4,6 +4,7 @@ rollout process killed mid-run is survived, and nothing is left running afterwar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -146,6 +147,45 @@ def test_ctrl_c_tears_every_process_down(tmp_path):
     out, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 1 and "interrupted by signal" in err, err[-2000:]
     assert _left_running(workdir) == []
+
+
+def test_trainer_cores_pin_every_thread_of_each_role(tmp_path):
+    """--trainer_cores=1: once the run is underway (XLA's threads started), every thread of the
+    trainer runs on the first core only, every thread of each rollout worker on the others, the
+    coordinator anywhere; the run finishes and audits clean."""
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, f"this test splits cores between roles; this machine allows {cores}"
+    workdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dora_jax.launch_local", *TINY, "--trainer_cores=1", f"--workdir={workdir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline, metrics = time.monotonic() + 300, workdir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):  # a step trained, rollout under way
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.5)
+    seen = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        role = next((r for r in ("trainer_worker", "rollout_worker", "serve_coordinator") if r in cmdline), None)
+        if role is None or str(workdir) not in cmdline:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            threads = [t.id for t in p.threads()]
+            seen.setdefault(role, []).append({frozenset(os.sched_getaffinity(tid)) for tid in threads})
+            assert len(threads) > 2, (role, threads)  # XLA's and gRPC's threads, not the main one alone
+    assert seen["trainer_worker"] == [{frozenset(cores[:1])}], seen
+    assert seen["rollout_worker"] == [{frozenset(cores[1:])}] * 2, seen
+    assert seen["serve_coordinator"] == [{frozenset(cores)}], seen
+    out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    assert json.loads(out[out.index("{") :])["audit_ok"]
+    assert f"on cores {cores[:1]}" in (workdir / "logs" / "trainer.log").read_text()
 
 
 def test_every_role_works_on_a_gs_workdir(gcs_root):
