@@ -112,6 +112,7 @@ def measure_migration(engines, params, *, repeats: int = 5, vocab_size: int) -> 
                 "kv_bytes_moved": moved,  # padded to the rows bucket, device to device
                 **medians,
                 "measured_link_bytes_per_s": rule.link_bytes_per_s,
+                "measured_link_latency_s": rule.link_latency_s,
                 "rule_reprefill_estimate_s": rule.reprefill_s(buckets),
                 "rule": rule.choose(moved, buckets),
                 # What the rule weighs, measured: the pull against the prefills (both then insert).

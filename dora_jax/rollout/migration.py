@@ -8,17 +8,22 @@ per position, so both ways give the same tokens. What differs is the cost:
   `max_prefill_length`, each padded to its bucket, with its slot's decoding interrupted as long.
 
 `MigrationCosts.choose` takes the cheaper. Prefill times are measured per bucket by the engine's
-warmup (`RolloutEngine.prefill_seconds`); the link's bandwidth starts from the config
-(`rollout.kv_link_bytes_per_s`) and becomes the measured rate of this slice's own KV imports
-(an exponential average over each import's bytes / seconds). Without a measured prefill time
-the rule moves the KV (it cannot show that re-prefill is cheaper). `policy` "kv" / "reprefill"
+warmup (`RolloutEngine.prefill_seconds`); the link starts from the config
+(`rollout.kv_link_bytes_per_s`, no latency) and, once this slice has imported KV rows, is fitted
+to its own last moves: seconds = latency + bytes / rate by least squares over moves of different
+sizes (small moves are latency-bound: their bytes / seconds alone would understate the rate a
+large slot moves at), bytes / seconds while every move had one size. Without a measured prefill
+time the rule moves the KV (it cannot show that re-prefill is cheaper). `policy` "kv" / "reprefill"
 force one way (a request whose prefix is too long to re-prefill always moves its KV).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
+
+import numpy as np
 
 KV = "kv"
 REPREFILL = "reprefill"
@@ -34,7 +39,7 @@ class MigrationCosts:
     link_bytes_per_s: float = 0.0  # 0: unknown until an import is measured (then KV always)
     link_latency_s: float = 0.0
     prefill_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # bucket -> s
-    smoothing: float = 0.5  # weight of the newest measurement in the link's average
+    moves: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=32))
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -64,9 +69,15 @@ class MigrationCosts:
         return REPREFILL if kv is not None and prefill is not None and prefill < kv else KV
 
     def observe_link(self, num_bytes: int, seconds: float) -> None:
-        """One measured KV move: the link's rate becomes a running average of the measurements."""
+        """One measured KV move (`moves` keeps the last 32): the link's latency and rate are fitted
+        to them (see the module docstring)."""
         if num_bytes <= 0 or seconds <= 0:
             return
-        rate = num_bytes / seconds
-        old = self.link_bytes_per_s
-        self.link_bytes_per_s = rate if not old else (1 - self.smoothing) * old + self.smoothing * rate
+        self.moves.append((float(num_bytes), float(seconds)))
+        sizes, times = np.array(self.moves).T
+        if np.ptp(sizes) > 0:
+            slope, intercept = np.polyfit(sizes, times, 1)
+            if slope > 0:
+                self.link_bytes_per_s, self.link_latency_s = 1.0 / slope, max(float(intercept), 0.0)
+                return
+        self.link_bytes_per_s, self.link_latency_s = sizes.sum() / times.sum(), 0.0

@@ -37,14 +37,19 @@ def test_rule_takes_the_cheaper_way():
     assert MigrationCosts(policy="kv", link_bytes_per_s=1.0, prefill_seconds={32: 0.0}).choose(9, [32]) == "kv"
 
 
-def test_link_rate_is_a_running_average_of_measured_moves():
-    costs = MigrationCosts(link_bytes_per_s=0.0)
-    costs.observe_link(2_000, 1.0)
-    assert costs.link_bytes_per_s == 2_000  # the first measurement replaces "unknown"
-    costs.observe_link(4_000, 1.0)
-    assert costs.link_bytes_per_s == 3_000
+def test_link_latency_and_rate_are_fitted_to_measured_moves():
+    costs = MigrationCosts(link_bytes_per_s=5e9)  # the config's figure, until a move is measured
+    costs.observe_link(1_000, 1.1)
+    assert costs.link_bytes_per_s == pytest.approx(1_000 / 1.1) and costs.link_latency_s == 0  # one size
+    costs.observe_link(3_000, 3.1)  # 0.1 s of latency + 1,000 bytes/s
+    assert costs.link_bytes_per_s == pytest.approx(1_000) and costs.link_latency_s == pytest.approx(0.1)
+    assert costs.kv_s(10_000) == pytest.approx(10.1)
     costs.observe_link(0, 1.0)  # nothing moved: no measurement
-    assert costs.link_bytes_per_s == 3_000
+    assert len(costs.moves) == 2
+    for _ in range(40):  # the last 32 moves count: a faster link now
+        costs.observe_link(2_000, 0.2)
+        costs.observe_link(4_000, 0.3)
+    assert costs.link_bytes_per_s == pytest.approx(20_000) and costs.link_latency_s == pytest.approx(0.1)
 
 
 def test_bad_config_names_the_field():
