@@ -37,7 +37,19 @@ def _lengths(engine) -> list[int]:
     """Prompt lengths to measure: up to the longest a re-dispatched request can re-prefill."""
     cfg = engine.config
     longest = min(2 * cfg.max_prefill_length - 1, cfg.cache_length - _NEW_TOKENS - 1)
-    return sorted({n for n in (cfg.max_prefill_length // 4, cfg.max_prefill_length, longest) if 1 < n <= longest})
+    return sorted(
+        n
+        for n in {cfg.max_prefill_length // 4, cfg.max_prefill_length, longest}
+        if 1 < n <= longest and _prefillable(cfg, n) and _prefillable(cfg, n + 2)  # the prompt; its re-prefill
+    )
+
+
+def _prefillable(cfg, tokens: int) -> bool:
+    try:
+        cfg.prefill_chunks(tokens)
+    except ValueError:
+        return False
+    return True
 
 
 def _wire(state: SlotState) -> SlotState:
@@ -55,6 +67,8 @@ def _move(workers, transfers, rule: MigrationCosts, where: int, traj_id: str, ho
         (state,) = export_from(src, [traj_id], to_host=False)
         offered = _wire(transfers[where].offer(state))  # the ticket, through the frames
         items = transfers[1 - where].resolve([offered], rule)
+        if not isinstance(items[0], SlotState):
+            raise RuntimeError(f"the KV pull of {traj_id} failed (see the log above): nothing to time")
     else:
         items = [_wire(s) for s in export_from(src, [traj_id])]
     import_into(dst, items)

@@ -115,7 +115,8 @@ def main(argv):
     if config.mesh.time_shared:
         raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
     global _CORES
-    _CORES = role_cores(TRAINER_CORES.value, sorted(os.sched_getaffinity(0)))
+    if TRAINER_CORES.value:  # (os.sched_getaffinity is Linux's)
+        _CORES = role_cores(TRAINER_CORES.value, sorted(os.sched_getaffinity(0)))
     trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
     rollout = _per_host("hosts_per_slice", HOSTS_PER_SLICE.value, "mesh.rollout", dict(config.mesh.rollout))
     start = time.perf_counter()

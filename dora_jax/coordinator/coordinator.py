@@ -560,7 +560,7 @@ class Coordinator:
     def _interrupt_all(self) -> None:
         """At a publish, every in-flight request continues on the new version after re-prefill."""
         for sid in list(self.ports):
-            items = self._port_call(sid, "export", list(self.slice_trajs[sid]), default=[])
+            items = self._port_call(sid, "export", list(self.slice_trajs[sid]), False, default=[])  # no KV
             self._absorb()
             if sid in self._failing:
                 continue  # dropped at the end of the cycle: what it holds is re-dispatched

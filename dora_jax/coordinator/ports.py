@@ -33,10 +33,10 @@ class RolloutPort(Protocol):
         """Switch the slice's params to `version` (fetched from the ParamStore); no request may be on
         it. Returns the loaded params' digest (dora_jax.store.digest), written to the ledger."""
 
-    def export(self, traj_ids: Sequence[str]) -> list[Migratable]:
+    def export(self, traj_ids: Sequence[str], kv: bool = True) -> list[Migratable]:
         """Remove these requests from the slice: admitted ones as SlotState (KV rows included) or,
-        where re-prefilling costs less than moving their rows, as Reprefill; queued ones as
-        Request. Ids that already finished are absent from the result."""
+        where re-prefilling costs less than moving their rows (or, with `kv=False`, always), as
+        Reprefill; queued ones as Request. Ids that already finished are absent from the result."""
 
     def import_(self, items: Sequence[Migratable]) -> None:
         """Continue exported requests here: SlotStates with no prefill, Reprefills and Requests

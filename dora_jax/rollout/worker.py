@@ -527,6 +527,19 @@ class RolloutWorker:
             self._count(exports=1)
         return exported
 
+    def release_requests(self, traj_ids: Iterable[str]) -> list[Request]:
+        """Removes in-flight requests without reading their KV rows: each as the Request that
+        resumes it by re-prefill (tokens so far as its prefix; its tokens in flight are dropped
+        and recomputed there)."""
+        wanted = set(traj_ids)
+        released = []
+        for record in self._slots:
+            if record is not None and record.request.traj_id in wanted:
+                released.append(self._resumption(record))
+                self._close(record)
+                self._count(exports=1)
+        return released
+
     def _placed(self, state: SlotState) -> SlotState:
         """`state` with KV rows that sit on other devices copied onto this slice's, timed: the
         copy's rate is a measurement of the link for the migration rule."""
@@ -564,6 +577,11 @@ class RolloutWorker:
             )
         for state in states:
             self._check_new_id(state.request.traj_id)
+            if state.kv_ticket is not None:
+                raise ValueError(
+                    f"slot state of {state.request.traj_id!r} still has its KV rows at {state.kv_ticket.address} "
+                    "(pull them first: dora_jax.transport.kv_transfer)"
+                )
             if state.version != self._version:
                 raise ValueError(
                     f"slot state of {state.request.traj_id!r} is version {state.version}; worker "
@@ -588,20 +606,20 @@ class RolloutWorker:
             self._count(imports=1)
 
 
-def export_from(worker, traj_ids: Sequence[str], *, to_host: bool = True) -> list:
+def export_from(worker, traj_ids: Sequence[str], *, to_host: bool = True, kv: bool = True) -> list:
     """The RolloutPort's `export` on a worker (a RolloutWorker, or a multi-host MirroredWorker):
     admitted requests leave as SlotStates with their KV rows (`to_host`: on host, else on the
-    slice's devices) or, where `worker.migration_choice` finds re-prefilling them cheaper, as
-    Requests that resume them by re-prefill; queued ones as Requests; ids that already finished
-    are absent."""
+    slice's devices) or, where `worker.migration_choice` finds re-prefilling them cheaper (all of
+    them with `kv=False`: the caller re-prefills them, e.g. a partial rollout's interrupt), as
+    Reprefills, their rows never read; queued ones as Requests; ids that already finished are
+    absent."""
     wanted = set(traj_ids)
     active = [t for t in worker.active_traj_ids if t in wanted]
     queued = [t for t in worker.queued_traj_ids if t in wanted]
-    reprefill = {t for t in active if worker.migration_choice(t, to_host=to_host) == migration_rule.REPREFILL}
-    kv = [t for t in active if t not in reprefill]
-    out = worker.export_requests(kv, to_host=to_host) if kv else []
-    if reprefill:  # their KV rows are read on the devices and dropped
-        out += [Reprefill(as_redispatch(s)) for s in worker.export_requests(sorted(reprefill), to_host=False)]
+    reprefill = [t for t in active if not kv or worker.migration_choice(t, to_host=to_host) == migration_rule.REPREFILL]
+    moving = [t for t in active if t not in reprefill]
+    out = worker.export_requests(moving, to_host=to_host) if moving else []
+    out += [Reprefill(r) for r in worker.release_requests(reprefill)] if reprefill else []
     return out + (worker.take_queued(queued) if queued else [])
 
 

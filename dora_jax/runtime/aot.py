@@ -598,7 +598,11 @@ def migration_rule(config: RunConfig, engine: RolloutEngine, records: list[dict]
     rows = []
     longest = min(2 * ec.max_prefill_length, ec.cache_length - 1) - 1
     for tokens in sorted({ec.max_prefill_length // 4, ec.max_prefill_length, longest}):
-        buckets = [next(b for b in ec.prefill_buckets if b >= n) for n in ec.prefill_chunks(tokens + 1)]
+        try:
+            chunks = ec.prefill_chunks(tokens + 1)
+        except ValueError:  # a re-prefill this long would overflow the cache: no choice to make
+            continue
+        buckets = [next(b for b in ec.prefill_buckets if b >= n) for n in chunks]
         moved = ec.rows_bucket(tokens) * row_bytes
         rows.append(
             {

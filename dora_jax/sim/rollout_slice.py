@@ -34,7 +34,7 @@ from collections.abc import Sequence as SequenceABC
 import numpy as np
 
 from dora_jax.coordinator.ports import Migratable
-from dora_jax.core.records import FinishReason, Request, SlotState, Trajectory
+from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, Trajectory
 from dora_jax.sim.cluster import ClusterSpec
 
 _NO_ARRAY = np.zeros((0, 0, 0, 0), np.float32)  # KV rows and RNG key are not simulated, only their cost
@@ -142,7 +142,8 @@ class SimSlice:
         self._stall_end = max(self._stall_end, now) + self._cluster.weight_load_s
         self.costs.weight_loads += 1
 
-    def export(self, traj_ids: Sequence[str]) -> list[Migratable]:
+    def export(self, traj_ids: Sequence[str], kv: bool = True) -> list[Migratable]:
+        """(`kv` is not modelled: what an import costs is decided at the import.)"""
         now = self._clock()
         self._settle(now)
         wanted = set(traj_ids)
@@ -166,8 +167,8 @@ class SimSlice:
         self._settle(now)
         resumed = []  # they were decoding already: first in line
         for item in items:
-            if isinstance(item, Request):
-                self._queued.append(self._run_of(item))
+            if isinstance(item, Request | Reprefill):
+                self._queued.append(self._run_of(item if isinstance(item, Request) else item.request))
                 continue
             generated = len(item.response_ids)
             run = self._run_of(item.request, generated, collections.Counter(item.token_versions))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from dora_jax.coordinator.ports import Migratable
@@ -132,7 +133,19 @@ def group_from_proto(m: pb.Group) -> Group:
 
 # ---------------------------------------------------------------- slot states (arrays out of band)
 def _array_header(a) -> pb.Array:
-    return pb.Array(dtype=np.dtype(a.dtype).str, shape=a.shape)
+    return pb.Array(dtype=dtype_name(a.dtype), shape=a.shape)
+
+
+def dtype_name(dtype) -> str:
+    """A dtype as the wire names it: numpy's string ("<f4"), or for the ml_dtypes numpy knows only
+    as raw bytes (bfloat16, float8s: kind "V") their name."""
+    d = np.dtype(dtype)
+    return d.name if d.kind == "V" else d.str
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The dtype `dtype_name` wrote."""
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 def slot_state_to_proto(state: SlotState) -> tuple[pb.SlotState, list[np.ndarray]]:
@@ -163,7 +176,7 @@ def slot_state_from_proto(m: pb.SlotState, arrays: Iterator[np.ndarray]) -> Slot
     if ticket:
         import jax  # only a ticket's receiver needs it
 
-        k, v = (jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(a.dtype)) for a in (m.k, m.v))
+        k, v = (jax.ShapeDtypeStruct(tuple(a.shape), dtype_of(a.dtype)) for a in (m.k, m.v))
     else:
         k, v = next(arrays), next(arrays)
     rng = next(arrays)
@@ -257,7 +270,7 @@ class FrameReader:
         return message, [self._read_array(h) for h in announced_arrays(message)]
 
     def _read_array(self, header: pb.Array) -> np.ndarray:
-        out = np.empty(tuple(header.shape), np.dtype(header.dtype))
+        out = np.empty(tuple(header.shape), dtype_of(header.dtype))
         buffer = memoryview(out).cast("B") if out.nbytes else memoryview(b"")
         filled = 0
         while filled < out.nbytes:

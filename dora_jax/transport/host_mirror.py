@@ -43,6 +43,7 @@ class Op(enum.Enum):
     SUBMIT = "submit"
     TAKE_QUEUED = "take_queued"
     EXPORT = "export"
+    RELEASE = "release"
     IMPORT = "import"
     STEP = "step"
     STOP = "stop"
@@ -205,6 +206,11 @@ class MirroredWorker:
         self._send(Op.EXPORT, traj_ids, to_host)
         return self._worker.export_requests(traj_ids, to_host=to_host)
 
+    def release_requests(self, traj_ids: Iterable[str]) -> list[Request]:
+        traj_ids = tuple(traj_ids)
+        self._send(Op.RELEASE, traj_ids)
+        return self._worker.release_requests(traj_ids)
+
     def import_requests(self, states: Sequence[SlotState]) -> None:
         self._send(Op.IMPORT, tuple(states))
         self._worker.import_requests(states)
@@ -259,6 +265,8 @@ def _apply(worker: RolloutWorker, command: Command, fetched: dict, fetch_params)
         worker.take_queued(args[0])
     elif op is Op.EXPORT:
         worker.export_requests(args[0], to_host=args[1])
+    elif op is Op.RELEASE:
+        worker.release_requests(args[0])
     elif op is Op.IMPORT:
         worker.import_requests(args[0])
     elif op is Op.STEP:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from dora_jax.coordinator.ports import PortError
-from dora_jax.core.records import Request, SlotState
+from dora_jax.core.records import Reprefill, Request, SlotState
 from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
 
 
@@ -63,9 +63,9 @@ class WorkerThread:
         params = self._fetch_params(version)  # outside the worker thread: decoding goes on meanwhile
         return self._call(lambda: self.worker.load_version(version, params))
 
-    def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
+    def export(self, traj_ids: Sequence[str], kv: bool = True) -> list[SlotState | Reprefill | Request]:
         # KV rows stay on the devices: the importing slice copies them device to device.
-        return self._call(lambda: export_from(self.worker, traj_ids, to_host=False))
+        return self._call(lambda: export_from(self.worker, traj_ids, to_host=False, kv=kv))
 
     def progress(self) -> dict[str, Request]:
         return self._call(self.worker.progress)

@@ -11,7 +11,9 @@ died, the offer expired) costs nothing sampled: the destination re-prefills the 
 tokens so far, under its own version (`fallback`). The pull's bytes and seconds feed the
 migration rule's link rate (dora_jax.rollout.migration).
 
-Offers are held for `keep_s` (the coordinator imports right after it exports). Single-process
+Offers are held on the source's devices for `keep_s` (the coordinator imports right after it
+exports; the source is not told when a pull is done), dropped at the next offer, import or agent
+command after that. Single-process
 slices only (a multi-host slice's shards live in several processes): those send the rows through
 the coordinator.
 """
@@ -38,7 +40,7 @@ _IDS = itertools.count(1 << 62)
 class KVTransfer:
     """One rollout slice process's KV offers and pulls, on its engine's devices and layout."""
 
-    def __init__(self, engine, *, host: str | None = None, keep_s: float = 30.0, pull_timeout_s: float = 20.0):
+    def __init__(self, engine, *, host: str | None = None, keep_s: float = 10.0, pull_timeout_s: float = 20.0):
         self._server = weights.transfer_server(list(engine.mesh.devices.flat), host)
         self.address = self._server.address()
         self._prefix = engine.get_prefix_destination_sharding()
@@ -49,9 +51,8 @@ class KVTransfer:
 
     def offer(self, state: SlotState) -> SlotState:
         """`state` (its rows on this slice's devices) offered for one pull; returns it with a ticket."""
+        self.prune()
         now = time.monotonic()
-        while self._held and self._held[0][0] < now:
-            self._held.popleft()
         uuid = next(_IDS)
         arrays = (state.k_LSKD, state.v_LSKD)
         expires = datetime.datetime.now() + datetime.timedelta(seconds=self._keep_s)
@@ -59,8 +60,15 @@ class KVTransfer:
         self._held.append((now + self._keep_s, arrays))  # the server does not keep them alive
         return dataclasses.replace(state, kv_ticket=KVTicket(self.address, uuid))
 
-    def pull(self, state: SlotState) -> SlotState:
-        """The ticketed `state` with its rows on this slice's devices (raises if the pull fails)."""
+    def prune(self) -> None:
+        """Drops the offers past `keep_s` (pulled long ago, or never)."""
+        now = time.monotonic()
+        while self._held and self._held[0][0] < now:
+            self._held.popleft()
+
+    def pull(self, state: SlotState) -> tuple[SlotState, float]:
+        """The ticketed `state` with its rows on this slice's devices, and the seconds the pull took
+        (not counting a first connection to its server); raises if the pull fails."""
         ticket = state.kv_ticket
         connection = self._connections.get(ticket.address)
         if connection is None:
@@ -81,28 +89,36 @@ class KVTransfer:
                 )
             time.sleep(0.001)
         k, v = jax.block_until_ready((k, v))  # raises if the transfer failed
-        self.pull_s += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.pull_s += seconds
         self.pulled_bytes += state.num_bytes
-        return dataclasses.replace(state, k_LSKD=k, v_LSKD=v, kv_ticket=None)
+        return dataclasses.replace(state, k_LSKD=k, v_LSKD=v, kv_ticket=None), seconds
 
     def resolve(self, items: list, migration=None, log=print) -> list:
-        """`items` of an import with every ticketed SlotState pulled (each pull's rate observed by
-        `migration`, a MigrationCosts) or, where its pull fails, turned into a Reprefill."""
-        out = []
+        """`items` of an import with every ticketed SlotState pulled (each pull's bytes and seconds
+        observed by `migration`, a MigrationCosts) or, where its pull fails, turned into a
+        Reprefill; after one failure the other rows from that server are not tried (its process is
+        likely gone) and the connection to it is dropped."""
+        out, failed = [], set()
+        self.prune()
         for item in items:
             if not isinstance(item, SlotState) or item.kv_ticket is None:
                 out.append(item)
                 continue
-            start = time.perf_counter()
+            address = item.kv_ticket.address
             try:
-                pulled = self.pull(item)
+                if address in failed:
+                    raise ConnectionError("an earlier pull from it failed")
+                pulled, seconds = self.pull(item)
             except Exception as err:  # noqa: BLE001 - the request is re-prefilled: nothing lost
                 self.failures += 1
-                log(f"KV pull of {item.request.traj_id} from {item.kv_ticket.address} failed ({err}); re-prefilling")
+                failed.add(address)
+                self._connections.pop(address, None)
+                log(f"KV pull of {item.request.traj_id} from {address} failed ({err}); re-prefilling")
                 out.append(fallback(item))
                 continue
             if migration is not None:
-                migration.observe_link(item.num_bytes, time.perf_counter() - start)
+                migration.observe_link(item.num_bytes, seconds)
             out.append(pulled)
         return out
 

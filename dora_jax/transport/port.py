@@ -59,8 +59,9 @@ class GrpcRolloutPort:
         result, _ = self._call(pb.Command(load_version=pb.LoadVersion(version=int(version))), [])
         return result.digest or None
 
-    def export(self, traj_ids: Sequence[str]) -> list[SlotState | Request]:
-        result, arrays = self._call(pb.Command(export=pb.Export(traj_ids=list(traj_ids))), [])
+    def export(self, traj_ids: Sequence[str], kv: bool = True) -> list:
+        export = pb.Export(traj_ids=list(traj_ids), without_kv=not kv)
+        result, arrays = self._call(pb.Command(export=export), [])
         return codec.migratables_from_proto(result.exported, iter(arrays))
 
     def import_(self, items: Sequence[SlotState | Request]) -> None:

@@ -204,6 +204,8 @@ class RolloutAgent:
 
     def _execute(self, command: pb.Command, arrays: list[np.ndarray]) -> None:
         kind = command.WhichOneof("kind")
+        if self.kv_transfer is not None:
+            self.kv_transfer.prune()  # offers past their time leave the devices
         exported, out_arrays, progress, digest = [], [], [], ""
         try:
             if kind == "submit":
@@ -213,7 +215,9 @@ class RolloutAgent:
                 version = int(command.load_version.version)
                 digest = self.worker.load_version(version, self._fetch_params(version))
             elif kind == "export":
-                exported, out_arrays = codec.migratables_to_proto(self._export(list(command.export.traj_ids)))
+                exported, out_arrays = codec.migratables_to_proto(
+                    self._export(list(command.export.traj_ids), kv=not command.export.without_kv)
+                )
             elif kind == "import_items":
                 items = codec.migratables_from_proto(command.import_items.items, iter(arrays))
                 import_into(self.worker, self._resolve(items))
@@ -233,13 +237,13 @@ class RolloutAgent:
             out_arrays,
         )
 
-    def _export(self, traj_ids: list[str]) -> list:
+    def _export(self, traj_ids: list[str], kv: bool) -> list:
         """Exported requests; with a KV transfer, admitted ones' rows stay on the devices, offered
         (through the coordinator otherwise, or where an offer fails)."""
         if self.kv_transfer is None:
-            return export_from(self.worker, traj_ids)
+            return export_from(self.worker, traj_ids, kv=kv)
         out = []
-        for item in export_from(self.worker, traj_ids, to_host=False):
+        for item in export_from(self.worker, traj_ids, to_host=False, kv=kv):
             if isinstance(item, SlotState):
                 try:
                     item = self.kv_transfer.offer(item)

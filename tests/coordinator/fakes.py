@@ -41,7 +41,7 @@ class FakeWorker:
         self.version = version
         return f"fake-params-v{version}"  # the digest of what was loaded
 
-    def export(self, traj_ids):
+    def export(self, traj_ids, kv=True):
         out = []
         for traj_id in traj_ids:
             if traj_id in self.active:

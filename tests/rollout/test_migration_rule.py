@@ -172,3 +172,58 @@ def test_failed_pull_falls_back_to_reprefill(paged_engine, paged_engine_b, tiny_
     migrated, destination = _continue(paged_engine_b, tiny_params, resolved)
     assert destination.counters.prefills == len(REQUESTS)
     _assert_same(migrated, reference, exact=False)
+
+
+def test_bfloat16_rows_cross_the_wire_and_the_transfer_servers(paged_engine, paged_engine_b):
+    """The served dtype of the TPU configs: numpy knows bfloat16 only as raw bytes ('<V2'), so the
+    wire names it; rows through the frames and through a pull come back bit for bit."""
+    import jax
+    import jax.numpy as jnp
+
+    prefix = paged_engine.get_prefix_destination_sharding()
+    shape = (2, 16, 2, 16)  # TINY's layers, a 16-row bucket, kv heads, head_dim
+    k = jax.device_put(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape).astype(jnp.bfloat16), prefix.k_LRKD)
+    v = jax.device_put(-k, prefix.v_LRKD)
+    state = SlotState(REQUESTS[0], k, v, 15, 1, (1,), (-0.5,), (0,), np.zeros(2, np.uint32), 0)
+
+    messages, arrays = codec.migratables_to_proto(
+        [dataclasses.replace(state, k_LSKD=np.asarray(k), v_LSKD=np.asarray(v))]
+    )
+    assert messages[0].slot_state.k.dtype == "bfloat16"
+    (inline,) = codec.migratables_from_proto(messages, iter(arrays))
+    assert inline.k_LSKD.dtype == jnp.bfloat16 and np.array_equal(inline.k_LSKD, np.asarray(k))
+
+    sender, receiver = KVTransfer(paged_engine, host="127.0.0.1"), KVTransfer(paged_engine_b, host="127.0.0.1")
+    messages, arrays = codec.migratables_to_proto([sender.offer(state)])
+    (carried,) = codec.migratables_from_proto(messages, iter(arrays))
+    assert carried.k_LSKD.dtype == jnp.bfloat16
+    (pulled,) = receiver.resolve([carried])
+    assert receiver.failures == 0 and pulled.k_LSKD.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(pulled.k_LSKD), np.asarray(k)) and np.array_equal(
+        np.asarray(pulled.v_LSKD), -np.asarray(k)
+    )
+
+
+def test_export_without_kv_releases_the_requests_unread(paged_engine, paged_engine_b, tiny_params):
+    """A partial rollout's interrupt re-prefills every request anyway: `kv=False` releases them as
+    Reprefills without reading a row, and they continue as they would have."""
+    source, reference = _midway(paged_engine, tiny_params, MigrationCosts(policy="kv"))
+    exports = source.counters.exports
+    items = export_from(source, [r.traj_id for r in REQUESTS], kv=False)
+    assert all(isinstance(i, Reprefill) for i in items) and source.num_active == 0
+    assert source.counters.exports == exports + len(REQUESTS)
+    migrated, destination = _continue(paged_engine_b, tiny_params, items)
+    assert destination.counters.prefills == len(REQUESTS)
+    _assert_same(migrated, reference, exact=False)
+
+
+def test_a_slot_whose_rows_were_not_pulled_is_refused_by_name(paged_engine, paged_engine_b, tiny_params):
+    source, _ = _midway(paged_engine, tiny_params, MigrationCosts(policy="kv"))
+    (state,) = export_from(source, [REQUESTS[0].traj_id], to_host=False)
+    destination = RolloutWorker(paged_engine_b, slice_id=1, eos_ids=())
+    destination.load_version(0, tiny_params)
+    ticketed = dataclasses.replace(state, kv_ticket=KVTicket("10.0.0.9:1234", 5))
+    with pytest.raises(ValueError, match=r"still has its KV rows at 10.0.0.9:1234"):
+        destination.import_requests([ticketed])
+    for request in REQUESTS[1:]:  # leave the source empty for the next test
+        source.release_requests([request.traj_id])
