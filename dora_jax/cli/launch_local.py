@@ -60,6 +60,7 @@ from absl import app, flags
 
 from dora_jax import cli
 from dora_jax.core import fs
+from dora_jax.runtime.cores import role_cores
 
 PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
@@ -116,7 +117,10 @@ def main(argv):
         raise app.UsageError("mesh.time_shared=True: launch_local gives every process its own devices")
     global _CORES
     if TRAINER_CORES.value:  # (os.sched_getaffinity is Linux's)
-        _CORES = role_cores(TRAINER_CORES.value, sorted(os.sched_getaffinity(0)))
+        try:
+            _CORES = role_cores(TRAINER_CORES.value, sorted(os.sched_getaffinity(0)))
+        except ValueError as err:
+            raise app.UsageError(str(err)) from None
     trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
     rollout = _per_host("hosts_per_slice", HOSTS_PER_SLICE.value, "mesh.rollout", dict(config.mesh.rollout))
     start = time.perf_counter()
@@ -155,18 +159,6 @@ def _config_flags(argv: list[str]) -> list[str]:
 
 
 _CORES: dict[str, list[int]] = {}  # role ("trainer", "rollout") -> the cores its processes may run on
-
-
-def role_cores(trainer_cores: int, available: list[int]) -> dict[str, list[int]]:
-    """{"trainer": the first `trainer_cores` of `available`, "rollout": the rest}; {} for 0."""
-    if trainer_cores == 0:
-        return {}
-    if not 0 < trainer_cores < len(available):
-        raise app.UsageError(
-            f"--trainer_cores={trainer_cores}; this launcher may use {len(available)} cores {available}: "
-            f"expected 1..{len(available) - 1}, leaving the rollout workers at least one"
-        )
-    return {"trainer": available[:trainer_cores], "rollout": available[trainer_cores:]}
 
 
 def _per_host(flag: str, hosts: int, field: str, shape: dict) -> tuple[int, int]:

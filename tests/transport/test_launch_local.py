@@ -44,16 +44,20 @@ TINY = [
 ]
 
 
+def _command(workdir, *extra) -> dict:
+    """subprocess arguments of one launch_local job on TINY (STORAGE_EMULATOR_HOST kept)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    argv = [sys.executable, "-m", "dora_jax.launch_local", *TINY, f"--workdir={workdir}", *extra]
+    return dict(args=argv, cwd=ROOT, env=env, text=True)
+
+
 def _launch(workdir, *extra, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # STORAGE_EMULATOR_HOST kept
-    return subprocess.run(
-        [sys.executable, "-m", "dora_jax.launch_local", *TINY, f"--workdir={workdir}", *extra],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return subprocess.run(**_command(workdir, *extra), capture_output=True, timeout=timeout)
+
+
+def _start(workdir, *extra, output=subprocess.PIPE) -> subprocess.Popen:
+    """The job started in the background (the test watches it run)."""
+    return subprocess.Popen(**_command(workdir, *extra), stdout=output, stderr=output)
 
 
 def _summary(proc) -> dict:
@@ -128,15 +132,7 @@ def test_a_killed_rollout_process_is_survived(tmp_path):
 
 def test_ctrl_c_tears_every_process_down(tmp_path):
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dora_jax.launch_local", *TINY, "--config.num_steps=1000", f"--workdir={workdir}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = _start(workdir, "--config.num_steps=1000")
     deadline = time.monotonic() + 300
     ledger = workdir / "ledger.jsonl"
     while not (ledger.exists() and '"ev":"finish"' in ledger.read_text()):
@@ -156,15 +152,7 @@ def test_trainer_cores_pin_every_thread_of_each_role(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     assert len(cores) >= 2, f"this test splits cores between roles; this machine allows {cores}"
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dora_jax.launch_local", *TINY, "--trainer_cores=1", f"--workdir={workdir}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = _start(workdir, "--trainer_cores=1")
     deadline, metrics = time.monotonic() + 300, workdir / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().strip()):  # a step trained, rollout under way
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
@@ -175,10 +163,12 @@ def test_trainer_cores_pin_every_thread_of_each_role(tmp_path):
         role = next((r for r in ("trainer_worker", "rollout_worker", "serve_coordinator") if r in cmdline), None)
         if role is None or str(workdir) not in cmdline:
             continue
-        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-            threads = [t.id for t in p.threads()]
-            seen.setdefault(role, []).append({frozenset(os.sched_getaffinity(tid)) for tid in threads})
-            assert len(threads) > 2, (role, threads)  # XLA's and gRPC's threads, not the main one alone
+        affinities = set()
+        for tid in [t.id for t in p.threads()]:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                affinities.add(frozenset(os.sched_getaffinity(tid)))
+        seen.setdefault(role, []).append(affinities)
+        assert len(p.threads()) > 2, role  # XLA's and gRPC's threads, not the main one alone
     assert seen["trainer_worker"] == [{frozenset(cores[:1])}], seen
     assert seen["rollout_worker"] == [{frozenset(cores[1:])}] * 2, seen
     assert seen["serve_coordinator"] == [{frozenset(cores)}], seen
@@ -211,21 +201,7 @@ def test_a_pod_killed_at_once_resumes_from_its_checkpoint_when_launched_again(tm
     checkpoint, the coordinator from the state saved in it; the audit over the whole ledger is
     clean, every step trained once, nothing trained twice or lost."""
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dora_jax.launch_local",
-            *TINY,
-            "--config.checkpoint.every_steps=1",
-            f"--workdir={workdir}",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    launcher = _start(workdir, "--config.checkpoint.every_steps=1", output=subprocess.DEVNULL)
     deadline = time.monotonic() + 400
     checkpoints, metrics = workdir / "checkpoints", workdir / "metrics.jsonl"
     while not ((checkpoints / "2").is_dir() and metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

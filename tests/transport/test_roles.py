@@ -73,13 +73,11 @@ def test_an_unreachable_coordinator_ends_the_worker_after_the_deadline(tmp_path)
 
 
 def test_trainer_cores_split_the_launchers_cores_or_name_the_flag():
-    from absl import app
-
-    from dora_jax.cli.launch_local import role_cores
+    from dora_jax.runtime.cores import role_cores
 
     assert role_cores(0, [0, 1]) == {}
     assert role_cores(1, [2, 5, 7]) == {"trainer": [2], "rollout": [5, 7]}
     assert role_cores(2, [2, 5, 7]) == {"trainer": [2, 5], "rollout": [7]}
     for bad in (2, 3, -1):
-        with pytest.raises(app.UsageError, match=rf"--trainer_cores={bad}; this launcher may use 2 cores \[0, 1\]"):
+        with pytest.raises(ValueError, match=rf"--trainer_cores={bad}; this launcher may use 2 cores \[0, 1\]"):
             role_cores(bad, [0, 1])
