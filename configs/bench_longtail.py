@@ -53,7 +53,14 @@ def get_config(arg=None):
             "median_len": 24.0,
             "sigma": 1.1,
             "max_len": 300,  # forced response lengths (tokens)
-            "rounds": 3,
-        }  # every mode 3 times, interleaved; results.json reports medians (a shared, noisy machine)
+            "rounds": 3,  # every mode 3 times, interleaved; results.json reports medians (a shared, noisy machine)
+            # Roles on disjoint cores, as a pod gives the trainer and the rollout slices their own chips:
+            # each mode a launch_local job, the trainer on 1 core, the rollout workers on the rest.
+            # 0: the embedded run (every role a thread of one process, on every core).
+            "trainer_cores": 1,
+            "modes": ("sync", "one_step_off", "partial_rollout", "dora"),
+            "warmup": True,  # first one dora job that fills JAX's compilation cache for the timed ones
+            "timeout_s": 3600.0,  # one mode's job
+        }
     c.lock()
     return c

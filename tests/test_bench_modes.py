@@ -1,19 +1,26 @@
 """`bench modes` bookkeeping: forced lengths, busy-time unions, the window profile at each take,
 ratios and the bound (the runs themselves are what `python -m dora_jax.bench modes` measures)."""
 
+import json
+
 import numpy as np
 import pytest
 
+from dora_jax.bench.disaggregated import read_run
 from dora_jax.bench.modes import (
-    LengthDistribution,
     bound,
     busy_union,
     median_of_rounds,
+    mode_row,
     overlap,
     ratios,
     straggler_latency,
     take_profile,
 )
+from dora_jax.bench.trace import LengthDistribution
+from dora_jax.rollout import timeline
+from dora_jax.rollout.timeline import BusyTimeline
+from dora_jax.rollout.worker import WorkerCounters
 
 
 def test_forced_lengths_are_keyed_by_prompt_and_sample_and_follow_the_log_normal():
@@ -127,3 +134,73 @@ def test_rounds_combine_by_median_with_every_audit_and_the_worst_staleness():
         "at_take": {"decoding": 2.0},
     }
     assert median_of_rounds(rows[:1]) == rows[0]
+
+
+def test_on_disjoint_cores_the_bound_is_the_larger_role_with_doras_own_training():
+    modes = {
+        "sync": {"train_tokens": 400, "train_busy_s": 0.5},
+        "dora": {"tokens_per_s": 250.0, "generated_tokens": 1500, "train_tokens": 500, "train_busy_s": 1.0},
+    }
+    b = bound(modes, slot_rate=1000.0, disjoint=True)
+    # dora's 1 s of training (its recompute included) on the trainer's own core, not sync's rate
+    assert b["rollout_s"] == 1.5 and b["train_s"] == 1.0 and b["tokens_per_s"] == pytest.approx(500 / 1.5)
+    modes["dora"]["train_busy_s"] = 2.0
+    assert bound(modes, slot_rate=1000.0, disjoint=True)["tokens_per_s"] == 250.0  # training binds
+    assert "disjoint cores" in b["how"]
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_role_process_jobs_figures_are_read_from_its_workdir(tmp_path):
+    """The ledger's first dispatch to the end of the last train step is the job's time; decoding
+    after it is not counted; rollout-only time is decode time that no train step overlaps."""
+    t = 1000.0
+    events = [
+        {"ev": "run", "mode": "dora", "k_max": 3, "rbs": 4, "tbs": 2, "group_size": 2, "slices": 1, "t": t},
+        {"ev": "load_version", "slice": 0, "version": 0, "digest": "d0", "t": t},
+    ]
+    for traj, start, end in (("g0/0", 1.0, 2.0), ("g0/1", 1.0, 4.0)):
+        events.append(
+            {"ev": "dispatch", "traj": traj, "group": "g0", "prompt": "p0", "version": 0, "slice": 0, "t": t + start}
+        )
+        events.append(
+            {"ev": "finish", "traj": traj, "version": 0, "versions_seen": [0], "tokens": 3, "reason": "forced"}
+            | {"slice": 0, "t": t + end}
+        )
+    events += [
+        {"ev": "consume", "traj": traj, "group": "g0", "version": 0, "step": 0, "trainer_version": 0, "t": t + 4.0}
+        for traj in ("g0/0", "g0/1")
+    ]
+    events += [
+        {"ev": "behaviour", "step": 0, "digests": {"0": "d0"}, "t": t + 5.0},
+        {"ev": "publish", "version": 1, "step": 1, "t": t + 5.0},
+    ]
+    _write_jsonl(tmp_path / "ledger.jsonl", events)
+    rows = [
+        {
+            "step": 0,
+            "loss_tokens": 6,
+            "generated_tokens": 0,
+            "trainer_wait_s": 3.0,
+            "train_interval_t": [t + 4.0, t + 5.0],
+        }
+    ]
+    _write_jsonl(tmp_path / "metrics.jsonl", rows)
+    bars = BusyTimeline()
+    bars.step(t + 1.0, t + 4.5, 0, 0.5)  # half the slots busy, 4.5 s; the last 0.5 s overlaps the train step
+    bars.step(t + 5.5, t + 6.0, 1, 1.0)  # after the last step: not counted
+    timeline.write(str(tmp_path), 0, bars, WorkerCounters())
+    run = read_run(str(tmp_path), num_slots=4)
+    inputs = run["inputs"]
+    assert inputs["wall_s"] == pytest.approx(4.0)  # first dispatch (t+1) to the last step's end (t+5)
+    assert inputs["slot_steps"] == 4 and inputs["idle_slot_steps"] == 2 and inputs["generated_tokens"] == 2
+    assert inputs["train_busy_s"] == pytest.approx(1.0) and inputs["report"].ok
+    row = mode_row(**inputs)
+    assert row["rollout_only_share"] == pytest.approx(3.0 / 4.0)  # 3.5 s decoding, 0.5 s of it under training
+    assert row["tokens_per_s"] == pytest.approx(6 / 4.0) and row["bubble_ratio"] == 0.5
+    assert row["straggler_s"] == pytest.approx(3.0) and row["trainer_wait_s"] == 3.0
+    assert run["timelines"]["slices"] == [[(t + 1.0, t + 4.5, 0, 0.5)]]
+    assert run["timelines"]["trainer"] == [(t + 4.0, t + 5.0, 0)]

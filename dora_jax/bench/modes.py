@@ -12,40 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
-import zlib
-from concurrent.futures import Future
 
 import numpy as np
 
+from dora_jax.bench.trace import ConstantScorer, LengthDistribution
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.runtime import run_config, runner
 from dora_jax.runtime.build import build_setup
 
 MODES = ("sync", "one_step_off", "partial_rollout", "dora")
-
-
-@dataclasses.dataclass(frozen=True)
-class LengthDistribution:
-    """Log-normal response lengths (median, sigma), capped at `max_len`. What matters is the skew
-    inside one training batch: calibrate sigma so sync's bubble ratio lands in the paper's 74-88%."""
-
-    median: float
-    sigma: float
-    max_len: int
-
-    def draw(self, prompt_id: str, sample: int, seed: int) -> int:
-        rng = np.random.default_rng([seed, zlib.crc32(prompt_id.encode()), sample])
-        return int(np.clip(round(rng.lognormal(np.log(self.median), self.sigma)), 1, self.max_len))
-
-
-class ConstantScorer:
-    """Trace-driven runs measure the system, not learning: every sample scores 0."""
-
-    def submit(self, trajectory) -> Future:
-        future: Future = Future()
-        future.set_result((0.0, None))
-        return future
 
 
 def busy_union(intervals) -> list[tuple[float, float]]:
@@ -121,37 +98,67 @@ def straggler_latency(events) -> float:
 
 
 def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
-    rollout = busy_union([i for slice_timeline in result.timelines["slices"] for i in slice_timeline])
-    train = busy_union(result.timelines["trainer"])
+    """One mode's figures from an embedded run (every role a thread of this process)."""
+    slot_steps, idle_slot_steps = result.timelines["slot_totals"]
+    return mode_row(
+        wall_s=result.wall_s,
+        rows=result.metrics,
+        rollout_intervals=[i for slice_timeline in result.timelines["slices"] for i in slice_timeline],
+        train_intervals=result.timelines["trainer"],
+        train_busy_s=result.train_busy_s,
+        slot_steps=slot_steps,
+        idle_slot_steps=idle_slot_steps,
+        generated_tokens=sum(r["generated_tokens"] for r in result.metrics),
+        trainer_wait_s=result.coordinator_stats["trainer_wait_s"],
+        legacy_groups=result.coordinator_stats["legacy_groups"],
+        report=result.audit,
+        events=list(read_ledger(os.path.join(result.workdir, "ledger.jsonl"))),
+    )
+
+
+def mode_row(
+    *,
+    wall_s: float,
+    rows: list[dict],
+    rollout_intervals,
+    train_intervals,
+    train_busy_s: float,
+    slot_steps: int,
+    idle_slot_steps: int,
+    generated_tokens: int,
+    trainer_wait_s: float,
+    legacy_groups: int,
+    report,
+    events: list[dict],
+) -> dict:
+    """The figures of one mode's run, however its roles ran (threads or processes)."""
+    rollout = busy_union(rollout_intervals)
+    train = busy_union(train_intervals)
     rollout_s = sum(e - s for s, e in rollout)
     rollout_only = rollout_s - overlap(rollout, train)
-    generated = sum(r["generated_tokens"] for r in result.metrics)
-    train_tokens = sum(r["loss_tokens"] for r in result.metrics)
-    report = result.audit
-    slot_steps, idle_slot_steps = result.timelines["slot_totals"]
-    events = list(read_ledger(os.path.join(result.workdir, "ledger.jsonl")))
+    steps = len(rows)
     straggler_s = straggler_latency(events)
     return {
-        "wall_s": result.wall_s,
-        "steps": result.steps,
-        "train_tokens": train_tokens,
-        "tokens_per_s": train_tokens / result.wall_s,
-        "step_time_s": result.wall_s / result.steps,
-        "rollout_only_share": rollout_only / result.wall_s,
-        "rollout_only_s_per_step": rollout_only / result.steps,
+        "wall_s": wall_s,
+        "steps": steps,
+        "train_tokens": sum(r["loss_tokens"] for r in rows),
+        "tokens_per_s": sum(r["loss_tokens"] for r in rows) / wall_s,
+        "step_time_s": wall_s / steps,
+        "rollout_only_share": rollout_only / wall_s,
+        "rollout_only_s_per_step": rollout_only / steps,
         "bubble_ratio": idle_slot_steps / slot_steps if slot_steps else 0.0,
-        "trainer_wait_s": result.coordinator_stats["trainer_wait_s"],
-        "train_busy_s": result.train_busy_s,
+        "trainer_wait_s": trainer_wait_s,
+        "train_busy_s": train_busy_s,
         "max_staleness": report.max_staleness,
         "audit_ok": report.ok,
         "c1_violations": len(report.c1_violations),
         "migrations_kv": report.migrations_kv,
         "migrations_reprefill": report.migrations_reprefill,
-        "legacy_groups": result.coordinator_stats["legacy_groups"],
+        "legacy_groups": legacy_groups,
         "max_versions_in_flight": report.max_versions_in_flight,
-        "generated_tokens": generated,
+        "generated_tokens": generated_tokens,
         "straggler_s": straggler_s,
-        "straggler_train_steps": straggler_s * result.steps / result.train_busy_s if result.train_busy_s else None,
+        "straggler_train_steps": straggler_s * steps / train_busy_s if train_busy_s else None,
         "at_take": take_profile(events),
     }
 
@@ -231,30 +238,41 @@ def ratios(modes: dict) -> dict:
     return out
 
 
-def bound(modes: dict, slot_rate: float) -> dict:
-    """Bubble-free bound for dora's work: every slot busy, nobody waiting. Roles share the same
-    cores here (fake CPU devices), so rollout and train work add. Each is timed with the machine to
-    itself: decode by `bench engine`, training by sync's train steps (sync's barrier keeps rollout
-    idle while it trains). Dora's own train-step time would count twice the cores that its rollout
-    used meanwhile; it is the fallback only when sync was not run."""
+def bound(modes: dict, slot_rate: float, disjoint: bool = False) -> dict:
+    """Bubble-free bound for dora's work: every slot busy, nobody waiting. Decode is timed by
+    `bench engine` (one slice at full occupancy, on the cores the rollout workers get). On shared
+    cores (the embedded run: every role on every core) rollout and train work add, and training is
+    timed by sync's train steps (sync's barrier keeps rollout idle while it trains; dora's own
+    train time would count the cores its rollout used meanwhile, so it is the fallback only when
+    sync was not run). On disjoint cores (`bench.trainer_cores`) the trainer has its cores to
+    itself in every mode: dora's own train-busy time is its work (with the behaviour recompute of
+    the older versions its batches hold, which sync's batches never need), and the bound is the
+    larger of the two roles."""
     work = modes["dora"]
     rollout_s = work["generated_tokens"] / slot_rate
     alone = modes.get("sync")
-    if alone and alone["train_tokens"] and alone["train_busy_s"] > 0:
+    if disjoint:
+        train_s = work["train_busy_s"]
+        train_how = "dora's own train-busy time (the trainer alone on its cores)"
+    elif alone and alone["train_tokens"] and alone["train_busy_s"] > 0:
         train_s = work["train_tokens"] * alone["train_busy_s"] / alone["train_tokens"]
         train_how = "dora's train tokens at sync's train rate (trainer alone on the cores)"
     else:
         train_s = work["train_busy_s"]
         train_how = "dora's own train-busy time (no sync run to time the trainer alone; contended, so generous)"
-    seconds = rollout_s + train_s
+    seconds = max(rollout_s, train_s) if disjoint else rollout_s + train_s
+    cores = (
+        "the larger of the two, because trainer and rollout workers run on disjoint cores"
+        if disjoint
+        else "summed because trainer and rollout slices share the same CPU cores"
+    )
     return {
         "tokens_per_s": work["train_tokens"] / seconds,
         "rollout_s": rollout_s,
         "train_s": train_s,
         "how": (
             "dora's generated tokens / the full-occupancy decode rate of one slice measured alone "
-            f"(bench engine: all of this machine's cores on one slice), plus {train_how}; summed because "
-            "trainer and rollout slices share the same 2 CPU cores"
+            f"(bench engine, on the rollout workers' cores), and {train_how}; {cores}"
         ),
     }
 
@@ -354,29 +372,59 @@ def _fmt(v):
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def main(cfg_dict, out_dir: str) -> dict:
+def main(cfg_dict, out_dir: str, config_flags: list[str] | None = None) -> dict:
+    """With `bench.trainer_cores` > 0 every mode runs as role processes on disjoint cores
+    (dora_jax/bench/disaggregated.py, started with `config_flags`: by default this command's own
+    --config flags); with 0 in this process, every role on every core."""
     start = time.perf_counter()
-    measured = run_modes(cfg_dict, out_dir, rounds=int(cfg_dict.bench.get("rounds", 1)))
+    bench = cfg_dict.bench
+    rounds, modes = int(bench.get("rounds", 1)), tuple(bench.get("modes", MODES))
+    trainer_cores = int(bench.get("trainer_cores", 0))
+    if "dora" not in modes or set(modes) - set(MODES):
+        raise ValueError(f"bench.modes={modes}; expected some of {MODES}, dora among them (the bound is dora's)")
+    engine_config = dataclasses.replace(engine_bench_config(cfg_dict), migration=False)
     from dora_jax.bench.engine import run_engine_bench
 
-    engine = run_engine_bench(dataclasses.replace(engine_bench_config(cfg_dict), migration=False), None)
+    if trainer_cores:
+        from dora_jax import cli
+        from dora_jax.bench import disaggregated
+        from dora_jax.runtime.cores import role_cores
+
+        flags = cli.config_flags(sys.argv[1:]) if config_flags is None else config_flags
+        measured = disaggregated.run_modes(cfg_dict, out_dir, modes, rounds, flags)
+        # The decode rate on the rollout workers' cores (JAX's CPU threads start now, pinned there).
+        previous = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, role_cores(trainer_cores, sorted(previous))["rollout"])
+        try:
+            engine = run_engine_bench(engine_config, None)
+        finally:
+            os.sched_setaffinity(0, previous)
+    else:
+        measured = run_modes(cfg_dict, out_dir, modes=modes, rounds=rounds)
+        engine = run_engine_bench(engine_config, None)
     full = max(engine["decode"], key=lambda d: d["active_slots"])
-    slot_rate = full["tokens_per_s"]  # one slice alone at full occupancy: what the shared cores decode
-    rounds = []
-    for modes in measured["rounds"]:
-        b = bound(modes, slot_rate)
-        rounds.append(
+    slot_rate = full["tokens_per_s"]  # one slice alone at full occupancy: what the rollout cores decode
+    rounds_out = []
+    for per_mode in measured["rounds"]:
+        b = bound(per_mode, slot_rate, disjoint=trainer_cores > 0)
+        rounds_out.append(
             {
-                "ratios": {**ratios(modes), "bound_vs_dora": b["tokens_per_s"] / modes["dora"]["tokens_per_s"]},
+                "ratios": {
+                    **ratios(per_mode),
+                    "bound_vs_dora": b["tokens_per_s"] / per_mode["dora"]["tokens_per_s"]
+                    if "dora" in per_mode
+                    else None,
+                },
                 "bound": b,
-                "tokens_per_s": {mode: row["tokens_per_s"] for mode, row in modes.items()},
+                "tokens_per_s": {mode: row["tokens_per_s"] for mode, row in per_mode.items()},
             }
         )
     results = {
+        "roles": f"processes, trainer on {trainer_cores} core(s), rollout on the rest" if trainer_cores else "threads",
         "modes": {mode: median_of_rounds([r[mode] for r in measured["rounds"]]) for mode in measured["rounds"][0]},
-        "bound": median_of_rounds([r["bound"] for r in rounds]),
-        "ratios": median_of_rounds([r["ratios"] for r in rounds]),
-        "rounds": rounds,
+        "bound": median_of_rounds([r["bound"] for r in rounds_out]),
+        "ratios": median_of_rounds([r["ratios"] for r in rounds_out]),
+        "rounds": rounds_out,
         "lengths": measured["lengths"],
         "engine_full_occupancy": full,
         "bench_wall_s": time.perf_counter() - start,

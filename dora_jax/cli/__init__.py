@@ -30,3 +30,16 @@ def prepare_devices(config) -> None:
 
 def config_as_json(config) -> dict:
     return json.loads(config.to_json_best_effort())
+
+
+def config_flags(argv: list[str]) -> list[str]:
+    """The --config and --config.* flags as given (to start another process on the same config)."""
+    out, take_next = [], False
+    for arg in argv:
+        if take_next:
+            out.append(arg)
+            take_next = False
+        elif arg == "--config" or arg.startswith("--config.") or arg.startswith("--config="):
+            out.append(arg)
+            take_next = "=" not in arg
+    return out

@@ -93,6 +93,12 @@ MAX_RESTARTS = flags.DEFINE_integer(
     "the run back to its newest checkpoint while the other processes wait and rejoin; a role of several "
     "processes relaunches the whole job, which resumes the same way",
 )
+TRACE_LENGTHS = flags.DEFINE_bool(
+    "trace_lengths",
+    False,
+    "a trace-driven run (what `bench modes` launches): the coordinator forces response lengths drawn "
+    "from config.bench and scores every sample 0 (dora_jax.serve_coordinator --trace_lengths)",
+)
 TRAINER_CORES = flags.DEFINE_integer(
     "trainer_cores",
     0,
@@ -124,7 +130,7 @@ def main(argv):
     trainer = _per_host("trainer_hosts", TRAINER_HOSTS.value, "mesh.trainer", dict(config.mesh.trainer))
     rollout = _per_host("hosts_per_slice", HOSTS_PER_SLICE.value, "mesh.rollout", dict(config.mesh.rollout))
     start = time.perf_counter()
-    outcome = launch(config, workdir, _config_flags(sys.argv[1:]), trainer=trainer, rollout=rollout)
+    outcome = launch(config, workdir, cli.config_flags(sys.argv[1:]), trainer=trainer, rollout=rollout)
     wall = time.perf_counter() - start
     summary = {
         "workdir": workdir,
@@ -143,19 +149,6 @@ def main(argv):
         ok = ok and report.ok
     print(json.dumps(summary, indent=1), flush=True)
     sys.exit(0 if ok else 1)
-
-
-def _config_flags(argv: list[str]) -> list[str]:
-    """The --config and --config.* flags as given (each role parses the same ones)."""
-    out, take_next = [], False
-    for arg in argv:
-        if take_next:
-            out.append(arg)
-            take_next = False
-        elif arg == "--config" or arg.startswith("--config.") or arg.startswith("--config="):
-            out.append(arg)
-            take_next = "=" not in arg
-    return out
 
 
 _CORES: dict[str, list[int]] = {}  # role ("trainer", "rollout") -> the cores its processes may run on
@@ -213,7 +206,11 @@ def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout
         stop["signal"] = signum
 
     roles = {  # name -> (module, args, (hosts, devices per host))
-        "coordinator": ("serve_coordinator", [*common, f"--port={port}"], (1, 1)),
+        "coordinator": (
+            "serve_coordinator",
+            [*common, f"--port={port}", *(["--trace_lengths"] if TRACE_LENGTHS.value else [])],
+            (1, 1),
+        ),
         "trainer": ("trainer_worker", [*common, f"--coordinator={address}"], trainer),
     }
     for sid in range(config.rollout.num_slices):
@@ -394,12 +391,21 @@ def _in_child(cores: list[int] | None) -> None:
         os.sched_setaffinity(0, cores)
 
 
+_STOP_GRACE_S = 10.0
+
+
 def _teardown(children: dict) -> None:
-    """The coordinator first (it tells the workers to stop), then whatever is left, group by group."""
+    """The coordinator first (it tells the workers to stop; they get `_STOP_GRACE_S` to stop by
+    themselves and write their timelines), then whatever is left, group by group."""
     order = ["coordinator"] + [n for n in children if n != "coordinator"]
+    grace = None
     for name in order:
         child = children.get(name)
         if child is not None and child.poll() is None:
+            if name != "coordinator":
+                grace = grace or time.monotonic() + _STOP_GRACE_S
+                if _wait(child, max(grace - time.monotonic(), 0.0)):
+                    continue
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGTERM)
             if name == "coordinator":

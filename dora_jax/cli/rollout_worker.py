@@ -117,6 +117,7 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
     """Host 0: registers with the coordinator and serves its commands (mirrored to the other hosts)."""
     import jax
 
+    from dora_jax.rollout import timeline
     from dora_jax.transport.host_mirror import MirroredWorker
     from dora_jax.transport.rollout_agent import RolloutAgent, fetch_from_store
 
@@ -169,6 +170,10 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
         raise
     if mirror is not None:
         mirror.stop(outcome)
+    try:
+        timeline.write(workdir, slice_id, agent.timeline, worker.counters)
+    except OSError as err:  # the run is over; only the plot's input is lost
+        _log(slice_id, f"could not write its timeline: {err}")
     return outcome
 
 

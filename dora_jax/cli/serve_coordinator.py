@@ -41,6 +41,12 @@ HEARTBEAT_TIMEOUT_S = flags.DEFINE_float(
     "a rollout worker silent this long is failed (default: rollout.heartbeat_timeout_s of the config)",
 )
 COMMAND_TIMEOUT_S = flags.DEFINE_float("command_timeout_s", 600.0, "a command unanswered this long fails its slice")
+TRACE_LENGTHS = flags.DEFINE_bool(
+    "trace_lengths",
+    False,
+    "a trace-driven run (`bench modes`): every request stops at a length drawn from config.bench "
+    "(median_len, sigma, max_len; keyed by prompt and sample) and every sample scores 0",
+)
 
 
 def main(argv):
@@ -53,17 +59,27 @@ def main(argv):
     from dora_jax.runtime import run_config
 
     config = run_config.parse(cli.CONFIG.value)
+    trace = None
+    if TRACE_LENGTHS.value:
+        from dora_jax.bench.trace import LengthDistribution
+
+        try:
+            trace = (LengthDistribution.of(cli.CONFIG.value), int(cli.CONFIG.value.seed))
+        except ValueError as err:
+            raise app.UsageError(f"--trace_lengths: {err}") from None
     fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
     with fs.open(fs.join(workdir, "config.json"), "w") as f:
         json.dump(roles.config_json(), f, indent=1, default=str)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sys.exit(serve(config, workdir, stop))
+    sys.exit(serve(config, workdir, stop, trace=trace))
 
 
-def serve(config, workdir: str, stop: threading.Event) -> int:
+def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
+    """`trace`: (LengthDistribution, seed) for a trace-driven run (--trace_lengths), else None."""
     import dora_jax
+    from dora_jax.bench.trace import ConstantScorer
     from dora_jax.coordinator.coordinator import Coordinator
     from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
     from dora_jax.core import fs
@@ -113,8 +129,11 @@ def serve(config, workdir: str, stop: threading.Event) -> int:
                 config.coordinator,
                 ports,
                 next_prompt,
-                RewardPoolScorer(pool, prompts, tokenizer.decode),
+                ConstantScorer() if trace else RewardPoolScorer(pool, prompts, tokenizer.decode),
                 ledger,
+                forced_length=(lambda pid, i, lengths=trace[0], seed=trace[1]: lengths.draw(pid, i, seed))
+                if trace
+                else None,
                 initial_version=version,
                 on_slice_dropped=service.slice_dropped,
             )

@@ -121,6 +121,11 @@ def train(config, workdir: str, client) -> None:
             _log(f"offering every version device to device at {offer.address}")
         except Exception as err:  # the slices read the tensorstore tier, as without the option
             _log(f"no transfer server ({type(err).__name__}: {err}); versions go through the tensorstore tier only")
+    # The store has the version (the slices fetch it and warm up meanwhile): compile every train-step
+    # shape before the coordinator hears of it, so no step compiles while the run is timed.
+    widths = trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
+    if widths:
+        _log(f"compiled the train step for micro-batch lengths {widths}")
     before = functools.partial(_offer, offer, trainer) if offer else None
     report = _reporter(client, store, before) if leader else (lambda version, digests=None: None)
     report(trainer.version)
@@ -308,6 +313,7 @@ def _setup_and_store(config, workdir: str, channel, mesh):
 
     from dora_jax.runtime.build import build_setup
     from dora_jax.store import ParamStore, TensorStoreTier
+    from dora_jax.store.recent import RecentTier
 
     # The SFT cold start carves its trainer mesh out of the embedded run's device split; this
     # process holds only the trainer's devices, so the rollout slices may overlap them there
@@ -318,9 +324,17 @@ def _setup_and_store(config, workdir: str, channel, mesh):
         sft_mesh = dataclasses.replace(sft_mesh, trainer=(("fsdp", jax.local_device_count()),))
     sft_view = dataclasses.replace(config, mesh=sft_mesh)
     root = roles.versions_root(workdir)
+
+    def tier(durable):
+        # The behaviour recompute reads the versions this trainer published up to k_max steps ago:
+        # from memory, not back from disk or GCS. Several hosts keep them on device (a version
+        # sharded over processes cannot be gathered into one host's memory).
+        keep = config.coordinator.k_max + 1
+        return RecentTier(durable, keep, device_versions=1 if jax.process_count() == 1 else keep)
+
     if channel is None or channel.is_leader:
         setup = build_setup(sft_view, workdir, mesh=mesh)
-        store = ParamStore(TensorStoreTier(root))
+        store = ParamStore(tier(TensorStoreTier(root)))
         store.rollback_to(-1)  # versions of an earlier run in this root would clash with ours
         if channel is not None:
             channel.send(b"setup done")
@@ -331,7 +345,7 @@ def _setup_and_store(config, workdir: str, channel, mesh):
             f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
             "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)"
         )
-    return build_setup(sft_view, workdir, mesh=mesh), ParamStore(TensorStoreTier(root))
+    return build_setup(sft_view, workdir, mesh=mesh), ParamStore(tier(TensorStoreTier(root)))
 
 
 def _runs_cold_start(config) -> bool:

@@ -92,7 +92,7 @@ def train(
         if taken is None:
             result.stopped_early = True
             break
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         batch = make_train_batch(list(taken.groups), pad_to, pad_id, max_length=max_length)
         metrics = trainer.train_step(batch)
         faults.reached("train_step")
@@ -102,6 +102,7 @@ def train(
         result.timeline.append((t0, t1, metrics.version - 1))
         source.published(trainer.version, metrics.behaviour_digests)
         row = step_row(step, batch, metrics, taken.stats, last, start, wait_s=t0 - t_take)
+        row["train_interval_t"] = [wall0, wall0 + (t1 - t0)]  # wall clock: lines up with other processes
         last = dict(taken.stats)
         if after_step is not None:
             row.update(after_step(step) or {})

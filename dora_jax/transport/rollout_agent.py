@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from dora_jax.core.records import SlotState
+from dora_jax.rollout.timeline import BusyTimeline
 from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
 from dora_jax.transport import codec, kv_transfer
 from dora_jax.transport import dora_pb2 as pb
@@ -63,6 +64,7 @@ class RolloutAgent:
         self._done = threading.Event()
         self._seq = 0
         self.busy_s = 0.0
+        self.timeline = BusyTimeline()  # wall-clock bars of decode steps (dora_jax/rollout/timeline.py)
         self.rejoins = 0
         self._reader: threading.Thread | None = None
 
@@ -182,9 +184,12 @@ class RolloutAgent:
                     f"{self.client.address} for {self._silence_s:.0f}s (not even a keepalive)"
                 )
             if self.worker.has_work:
-                start = time.perf_counter()
+                start, wall = time.perf_counter(), time.time()
+                occupancy = len(self.worker.active_traj_ids) / self.worker.num_slots
                 finished = self.worker.step()
-                self.busy_s += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.busy_s += seconds
+                self.timeline.step(wall, wall + seconds, self.worker.version, occupancy)
                 if finished:
                     self._post_finished(finished)
 
