@@ -4,11 +4,18 @@
     python -m dora_jax.bench engine --config=configs/bench_longtail.py --out=/tmp/bench_engine
 
 Response lengths: log-normal, the paper's median 2.4K / max 30K tokens scaled down 100x to
-median 24 / cap 300 (the paper's 12.5x max/median), with sigma 1.1 so that one 32-sample batch's
-longest response is ~5-10x its mean (what makes sync's bubbles 74-88% in the paper), and a tiny
-model decodes them in minutes.
-The model and slot count sit in the flat regime of the CPU decode step (a step costs about the
-same with 1 or all slots busy, as on an accelerator): check with `bench engine`.
+median 24 / cap 300 (the paper's 12.5x max/median), with sigma 1.1 so that one batch's longest
+response is ~5-10x its mean (what makes sync's bubbles 74-88% in the paper), and a tiny model
+decodes them in minutes.
+
+Roles run as on a pod, on their own hardware: each mode is a `launch_local` job with the trainer on
+one core and the rollout workers on the other (`bench.trainer_cores`). Calibrated (2026-12-03) to
+the paper's regime: sync's bubble ratio 0.74-0.88 and rollout-only share 0.55-0.75 (train about a
+third of the sync step), and a batch's straggler shorter than K of dora's train steps. Against the
+earlier shared-core config (hidden 64, 16 slots, batch 32): the model is 4x wider in its MLP and
+2x in hidden (a 64-wide model's decode step is ~1 ms, so per-step host work and version switches,
+not decoding, set every mode's pace), and the batch is 64 samples on 2 x 32 slots (training a
+third of the sync step). `--config.bench.trainer_cores=0` runs the embedded, shared-core bench.
 """
 
 import importlib.util
@@ -23,19 +30,19 @@ def get_config(arg=None):
     with c.unlocked():
         c.num_steps = 24  # training steps per mode: 8 flattered dora (an empty window at the start; see README)
         c.init.sft_steps = 0  # no learning: lengths are forced
-        c.model.hidden_size = 64
-        c.model.intermediate_size = 128
-        c.model.head_dim = 16
+        c.model.hidden_size = 128
+        c.model.intermediate_size = 512
+        c.model.head_dim = 32
         c.task.k_max = 8  # short prompts: the work is in decoding
         c.rollout.num_slices = 2
-        c.rollout.slots = 16
+        c.rollout.slots = 32
         c.rollout.cache_length = 320  # prompt (<= 18) + response (<= 300)
         c.rollout.max_prefill_length = 256  # partial rollout re-prefills prompt + response so far: <= 2 chunks
         c.rollout.max_new_tokens = 300
         c.coordinator.group_size = 4
-        c.coordinator.train_batch_size = 32
+        c.coordinator.train_batch_size = 64
         c.coordinator.rollout_batch_size = (
-            96  # decoding at once; the version window (<= (K + 1) x TBS unconsumed) binds first
+            192  # decoding at once; the version window (<= (K + 1) x TBS unconsumed) binds first
         )
         c.coordinator.k_max = 3
         c.trainer.micro_batch_size = 8

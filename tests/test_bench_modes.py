@@ -17,7 +17,7 @@ from dora_jax.bench.modes import (
     straggler_latency,
     take_profile,
 )
-from dora_jax.bench.trace import LengthDistribution
+from dora_jax.coordinator.trace import LengthDistribution
 from dora_jax.rollout import timeline
 from dora_jax.rollout.timeline import BusyTimeline
 from dora_jax.rollout.worker import WorkerCounters

@@ -95,7 +95,7 @@ def run_modes(cfg_dict, out_dir: str, modes, rounds: int, config_flags: list[str
     dora job that fills the persistent compilation cache (unless `bench.warmup` is False).
     Returns what `modes.run_modes` does."""
     from dora_jax.bench.modes import mode_row
-    from dora_jax.bench.trace import LengthDistribution
+    from dora_jax.coordinator.trace import LengthDistribution
 
     trainer_cores = int(cfg_dict.bench.trainer_cores)
     timeout_s = float(cfg_dict.bench.get("timeout_s", 3600.0))

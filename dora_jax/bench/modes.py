@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from dora_jax.bench.trace import ConstantScorer, LengthDistribution
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.coordinator.trace import ConstantScorer, LengthDistribution
 from dora_jax.runtime import run_config, runner
 from dora_jax.runtime.build import build_setup
 

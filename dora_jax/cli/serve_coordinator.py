@@ -61,7 +61,7 @@ def main(argv):
     config = run_config.parse(cli.CONFIG.value)
     trace = None
     if TRACE_LENGTHS.value:
-        from dora_jax.bench.trace import LengthDistribution
+        from dora_jax.coordinator.trace import LengthDistribution
 
         try:
             trace = (LengthDistribution.of(cli.CONFIG.value), int(cli.CONFIG.value.seed))
@@ -79,9 +79,9 @@ def main(argv):
 def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
     """`trace`: (LengthDistribution, seed) for a trace-driven run (--trace_lengths), else None."""
     import dora_jax
-    from dora_jax.bench.trace import ConstantScorer
     from dora_jax.coordinator.coordinator import Coordinator
     from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
+    from dora_jax.coordinator.trace import ConstantScorer
     from dora_jax.core import fs
     from dora_jax.runtime import resume
     from dora_jax.runtime.build import make_tokenizer

@@ -50,5 +50,7 @@ class RecentTier:
         near = self._near.bytes_by_tier()
         return {**self._durable.bytes_by_tier(), "memory_device": near["device"], "memory_host": near["host"]}
 
-    def __getattr__(self, name: str):  # the durable tier's own API (root, rescan, ...)
+    def __getattr__(self, name: str):  # the durable tier's own API (root, ...)
+        if name.startswith("_"):  # (before __init__ has run, e.g. while unpickling)
+            raise AttributeError(name)
         return getattr(self._durable, name)

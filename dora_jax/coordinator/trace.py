@@ -1,6 +1,6 @@
 """The trace-driven workload of `bench modes`: forced response lengths and constant rewards.
 
-Light on purpose (no JAX): the coordinator role imports it for `--trace_lengths`."""
+Light on purpose (no JAX): the coordinator role imports it for `serve_coordinator --trace_lengths`."""
 
 from __future__ import annotations
 
