@@ -10,7 +10,7 @@ left out, as the embedded run leaves them out.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,12 +19,13 @@ import time
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.rollout import timeline
+from dora_jax.runtime.metrics import read_metrics
 
 
 def launch_mode(
     config_flags: list[str], workdir: str, mode: str, num_steps: int, trainer_cores: int, timeout_s: float
-) -> dict:
-    """Runs one mode as a launch_local job; its summary (the job's last stdout line block)."""
+) -> None:
+    """Runs one mode as a launch_local job (exit 0: the trainer finished and the audit is clean)."""
     command = [
         sys.executable,
         "-m",
@@ -42,20 +43,18 @@ def launch_mode(
     # and a train step's shapes that the warm-up job met are then compiled again inside a timed job).
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 120, env=env)
-    summary = _summary(proc.stdout)
-    if proc.returncode != 0 or summary is None:
+    if proc.returncode != 0:
         raise RuntimeError(
             f"bench mode {mode}: `{' '.join(command)}` exited with {proc.returncode}; logs in "
             f"{workdir}/logs\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
-    return summary
 
 
 def read_run(workdir: str, num_slots: int) -> dict:
     """The inputs of `modes.mode_row` from a finished job's workdir (wall-clock seconds), and its
     timelines in the embedded run's shape (for the plot)."""
     events = list(read_ledger(os.path.join(workdir, "ledger.jsonl")))
-    rows = _rows(os.path.join(workdir, "metrics.jsonl"))
+    rows = _last_row_per_step(read_metrics(workdir))
     records = timeline.read(workdir)
     if not rows or not records:
         raise RuntimeError(f"{workdir}: no metrics rows or no rollout timelines; was the job cut short?")
@@ -94,16 +93,15 @@ def run_modes(cfg_dict, out_dir: str, modes, rounds: int, config_flags: list[str
     """Every mode `rounds` times as launch_local jobs, interleaved within each round, after one
     dora job that fills the persistent compilation cache (unless `bench.warmup` is False).
     Returns what `modes.run_modes` does."""
-    from dora_jax.bench.modes import mode_row
+    from dora_jax.bench.modes import mode_row, schedule
     from dora_jax.coordinator.trace import LengthDistribution
 
     trainer_cores = int(cfg_dict.bench.trainer_cores)
     timeout_s = float(cfg_dict.bench.get("timeout_s", 3600.0))
     num_slots = int(cfg_dict.rollout.slots)
     per_round, timelines = [{} for _ in range(rounds)], {}
-    warmup = [("dora", None)] if cfg_dict.bench.get("warmup", True) else []
-    for mode, rnd in warmup + [(mode, r) for r in range(rounds) for mode in modes]:
-        workdir = os.path.join(out_dir, "warmup" if rnd is None else mode if rounds == 1 else f"{mode}_r{rnd}")
+    for mode, rnd, name in schedule(modes, rounds, warmup=cfg_dict.bench.get("warmup", True)):
+        workdir = os.path.join(out_dir, name)
         steps = int(cfg_dict.num_steps)  # the warm-up job too: it meets (and caches) most train-step shapes
         t0 = time.perf_counter()
         launch_mode(config_flags, workdir, mode, steps, trainer_cores, timeout_s)
@@ -122,23 +120,12 @@ def run_modes(cfg_dict, out_dir: str, modes, rounds: int, config_flags: list[str
     return {
         "rounds": per_round,
         "timelines": timelines,
-        "lengths": {"median": lengths.median, "sigma": lengths.sigma, "max_len": lengths.max_len},
+        "lengths": dataclasses.asdict(lengths),
     }
 
 
-def _rows(path: str) -> list[dict]:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+def _last_row_per_step(rows: list[dict]) -> list[dict]:
     last = {}
     for row in rows:  # a resumed job rewrites steps: the last row of each step counts
         last[row["step"]] = row
     return [last[s] for s in sorted(last)]
-
-
-def _summary(stdout: str) -> dict | None:
-    start = stdout.rfind("\n{")
-    text = stdout[start + 1 :] if start >= 0 else stdout if stdout.startswith("{") else ""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None

@@ -163,6 +163,14 @@ def mode_row(
     }
 
 
+def schedule(modes, rounds: int, warmup: bool = True) -> list[tuple[str, int | None, str]]:
+    """(mode, round, workdir name) of every run: one dora warm-up (round None) that compiles every
+    program, then each round runs every mode, interleaved (a noisy spell hits all modes alike)."""
+    runs = [("dora", None)] if warmup else []
+    runs += [(mode, r) for r in range(rounds) for mode in modes]
+    return [(m, r, "warmup" if r is None else m if rounds == 1 else f"{m}_r{r}") for m, r in runs]
+
+
 def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution | None = None, rounds: int = 1) -> dict:
     """Runs every mode `rounds` times, the modes interleaved within each round (a shared machine's
     slow spells then hit all modes alike), after one warm-up pass that compiles every program."""
@@ -170,13 +178,13 @@ def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution |
     lengths = lengths or LengthDistribution(cfg_dict.bench.median_len, cfg_dict.bench.sigma, cfg_dict.bench.max_len)
     seed = int(cfg_dict.seed)
     per_round, timelines = [{} for _ in range(rounds)], {}
-    for mode, rnd in [("dora", None)] + [(mode, r) for r in range(rounds) for mode in modes]:
+    for mode, rnd, name in schedule(modes, rounds):
         with cfg_dict.unlocked():
             cfg_dict.mode = mode
         config = run_config.parse(cfg_dict)
         if rnd is None:
             config = dataclasses.replace(config, num_steps=min(config.num_steps, 3))
-        workdir = os.path.join(out_dir, "warmup" if rnd is None else mode if rounds == 1 else f"{mode}_r{rnd}")
+        workdir = os.path.join(out_dir, name)
         setup = build_setup(config, workdir)
         result = runner.run(
             config,
