@@ -4,7 +4,9 @@ reach a rollout slice's devices, and how many bytes move, by each path, with rea
 This process plays the trainer (its params on `mesh.trainer`'s devices, in the served dtype); a
 child process plays one rollout slice (`mesh.rollout`'s devices, its own shardings). For each of
 `ROUNDS` versions, interleaved: the tensorstore tier (the trainer writes the version to
-DIR/versions, the slice reads it) and the transfer server (the trainer lays the version out as the
+DIR/versions, the slice reads it), the same with the write in the background (the trainer role's
+way: `TensorStoreTier(background_writes=True)`, DIR/versions_background; the slice reads the
+version once it is committed) and the transfer server (the trainer lays the version out as the
 slice's shards and offers it, the slice pulls it; dora_jax/transport/weights.py). Publish-to-loaded
 is the wall time from the trainer starting its publish to the params being ready on the slice's
 devices (both processes on this host's clock); the trainer's own share (write, or copy and offer)
@@ -22,6 +24,7 @@ import sys
 import time
 
 ROUNDS = 5
+PATHS = ("tier", "tier_background", "transfer")
 
 
 def main(config, out_dir: str) -> dict:
@@ -46,19 +49,24 @@ def main(config, out_dir: str) -> dict:
         in_compute_dtype(params, model_config.dtype),
         sharding.tree_shardings(axes, params, mesh, sharding.TRAINER_RULES),
     )
-    store = ParamStore(TensorStoreTier(os.path.join(out_dir, "versions")))
-    store.rollback_to(-1)
+    stores = {
+        "tier": ParamStore(TensorStoreTier(os.path.join(out_dir, "versions"))),
+        "tier_background": ParamStore(
+            TensorStoreTier(os.path.join(out_dir, "versions_background"), background_writes=True)
+        ),
+    }
+    for store in stores.values():
+        store.rollback_to(-1)
     offer = WeightOffer(devices, rollout_shape, axes, model_config.dtype, 1, out_dir, host="127.0.0.1")
     child = _start_receiver(model_config, axes, rollout_shape, out_dir)
     rows, tier_bytes = [], 0
     try:
-        for version in range(2 * ROUNDS):
-            path = ("tier", "transfer")[version % 2]
+        for version in range(len(PATHS) * ROUNDS):
+            path = PATHS[version % len(PATHS)]
             t0 = time.time()
-            if path == "tier":
-                before = store.bytes_by_tier()["tensorstore"]
-                store.publish(version, served)
-                tier_bytes = store.bytes_by_tier()["tensorstore"] - before
+            if path in stores:
+                before = stores[path].bytes_by_tier()["tensorstore"]
+                stores[path].publish(version, served)
             else:
                 offer.offer(version, served)
             trainer_s = time.time() - t0
@@ -66,7 +74,10 @@ def main(config, out_dir: str) -> dict:
             child.stdin.flush()
             loaded = json.loads(child.stdout.readline())
             rows.append({"path": path, "version": version, "trainer_s": trainer_s, "loaded_s": loaded["t"] - t0})
-            store.retire_below(version)
+            if path in stores:
+                stores[path].flush()
+                tier_bytes = stores[path].bytes_by_tier()["tensorstore"] - before  # as stored
+                stores[path].retire_below(version)
     finally:
         child.stdin.close()
         child.wait(timeout=60)
@@ -75,10 +86,10 @@ def main(config, out_dir: str) -> dict:
         "model": {"hidden_size": model_config.hidden_size, "num_layers": model_config.num_layers},
         "dtype": str(model_config.dtype.__name__ if hasattr(model_config.dtype, "__name__") else model_config.dtype),
         "mesh": {"trainer": trainer_shape, "rollout": rollout_shape},
-        "bytes_per_version": {"tier": tier_bytes, "transfer": bytes_per_version},  # tier: as stored
+        "bytes_per_version": {"tier": tier_bytes, "tier_background": tier_bytes, "transfer": bytes_per_version},
         "rounds": rows,
     }
-    for path in ("tier", "transfer"):
+    for path in PATHS:
         mine = [r for r in rows if r["path"] == path]
         results[path] = {
             "publish_to_loaded_s_median": statistics.median(r["loaded_s"] for r in mine),
@@ -94,10 +105,10 @@ def main(config, out_dir: str) -> dict:
 
 def format_table(results: dict) -> str:
     lines = [f"{results['dtype']} versions; medians of {ROUNDS} versions per path"]
-    for path in ("tier", "transfer"):
+    for path in PATHS:
         r, mib = results[path], results["bytes_per_version"][path] / 2**20
         lines.append(
-            f"{path:9s} {mib:8.1f} MiB  publish-to-loaded {r['publish_to_loaded_s_median']:.3f} s "
+            f"{path:15s} {mib:8.1f} MiB  publish-to-loaded {r['publish_to_loaded_s_median']:.3f} s "
             f"(trainer {r['trainer_s_median']:.3f} s)"
         )
     return "\n".join(lines)
@@ -138,14 +149,17 @@ def receive() -> None:
     abstract = split(abstract_model(model_config))[1]
     shardings = sharding.tree_shardings(axes, abstract, mesh, sharding.ROLLOUT_RULES)
     served = served_abstract(abstract, shardings, model_config.dtype)
-    fetch = fetch_from_store(
-        ParamStore(TensorStoreTier(os.path.join(out_dir, "versions"), read_only=True)), shardings, wait_s=60.0
-    )
+    fetch = {
+        path: fetch_from_store(
+            ParamStore(TensorStoreTier(os.path.join(out_dir, root), read_only=True)), shardings, wait_s=60.0
+        )
+        for path, root in (("tier", "versions"), ("tier_background", "versions_background"))
+    }
     pull = WeightPull(jax.devices(), out_dir, 0, host="127.0.0.1")
     for line in sys.stdin:
         ask = json.loads(line)
-        if ask["path"] == "tier":
-            params = jax.block_until_ready(fetch(ask["version"]))
+        if ask["path"] in fetch:
+            params = jax.block_until_ready(fetch[ask["path"]](ask["version"]))
         else:
             params = pull.pull(ask["version"], served)
         print(json.dumps({"t": time.time()}), flush=True)

@@ -167,6 +167,10 @@ def train(config, workdir: str, client) -> None:
         if writer is not None:
             writer.close()
         checkpoints.close()
+        try:
+            store.flush()  # the last version durable before the coordinator stops the slices
+        except OSError as err:
+            _log(str(err))
     if leader:  # after the last checkpoint: the coordinator stops the workers and exits
         finish = pb.FinishRequest(session=client.session)
         client.call("Finish", lambda t: client.stub.Finish(finish, timeout=t))
@@ -328,13 +332,14 @@ def _setup_and_store(config, workdir: str, channel, mesh):
     def tier(durable):
         # The behaviour recompute reads the versions this trainer published up to k_max steps ago:
         # from memory, not back from disk or GCS. Several hosts keep them on device (a version
-        # sharded over processes cannot be gathered into one host's memory).
+        # sharded over processes cannot be gathered into one host's memory). The durable write of
+        # each version runs in the background while the next step trains.
         keep = config.coordinator.k_max + 1
         return RecentTier(durable, keep, device_versions=1 if jax.process_count() == 1 else keep)
 
     if channel is None or channel.is_leader:
         setup = build_setup(sft_view, workdir, mesh=mesh)
-        store = ParamStore(tier(TensorStoreTier(root)))
+        store = ParamStore(tier(TensorStoreTier(root, background_writes=True)))
         store.rollback_to(-1)  # versions of an earlier run in this root would clash with ours
         if channel is not None:
             channel.send(b"setup done")
@@ -345,7 +350,7 @@ def _setup_and_store(config, workdir: str, channel, mesh):
             f"host {jax.process_index()} of the trainer finds no SFT cold start in {workdir}/sft after "
             "host 0 wrote it there: the trainer's hosts must share --workdir (or set init.checkpoint)"
         )
-    return build_setup(sft_view, workdir, mesh=mesh), ParamStore(tier(TensorStoreTier(root)))
+    return build_setup(sft_view, workdir, mesh=mesh), ParamStore(tier(TensorStoreTier(root, background_writes=True)))
 
 
 def _runs_cold_start(config) -> bool:

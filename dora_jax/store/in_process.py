@@ -64,6 +64,15 @@ class InProcessTier:
             raise KeyError(f"in-process tier holds no version {version}")
         return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
+    def stored(self, version: int) -> Params:
+        """The tier's own copy of `version` (device or host arrays), not a copy of it: for a
+        caller that only reads it (a durable write of the same version)."""
+        with self._lock:
+            tree = self._on_device.get(version, self._on_host.get(version))
+        if tree is None:
+            raise KeyError(f"in-process tier holds no version {version}")
+        return tree
+
     def delete(self, version: int) -> None:
         with self._lock:
             self._on_device.pop(version, None)

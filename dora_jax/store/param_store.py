@@ -82,6 +82,12 @@ class ParamStore:
             with self._lock:
                 self._writing = None
 
+    def flush(self) -> None:
+        """Waits until every published version is durable (a tier that writes in the background)."""
+        flush = getattr(self._tier, "flush", None)
+        if flush is not None:
+            flush()
+
     # --------------------------------------------------------------- readers
     def get(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
         """Version `version` laid out as `shardings` (a tree of NamedSharding matching params).

@@ -8,6 +8,11 @@ every step would restore those versions from disk or GCS on the critical path (f
 versions in an `InProcessTier` (the newest on device, older ones in host memory), so those reads
 are one host-to-device copy at most; older versions, and versions this process did not write,
 come from the durable tier.
+
+With a durable tier that writes in the background (`TensorStoreTier(background_writes=True)`),
+`write` costs the trainer one on-device copy and the start of the durable write: the version is
+served from memory at once (the durable tier lists it to its writer while it is being written), and
+the rollout slices that read the durable tier wait for its commit. `flush()` waits for it.
 """
 
 from __future__ import annotations
@@ -29,10 +34,20 @@ class RecentTier:
         return self._durable
 
     def write(self, version: int, params: Params) -> None:
-        self._durable.write(version, params)
-        self._near.write(version, params)
+        self._near.write(version, params)  # our own copy: the trainer donates `params` to its next step
+        try:
+            self._durable.write(version, self._near.stored(version))
+        except BaseException:
+            self._near.delete(version)
+            raise
         for old in self._near.versions()[: -self._keep]:
             self._near.delete(old)
+
+    def flush(self) -> None:
+        """Waits until every version written here is durable (a no-op for a synchronous tier)."""
+        flush = getattr(self._durable, "flush", None)
+        if flush is not None:
+            flush()
 
     def read(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
         if version in self._near.versions():

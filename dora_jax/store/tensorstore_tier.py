@@ -6,6 +6,15 @@ writes `<name>.orbax-checkpoint-tmp-<ts>` and renames it when complete; on `gs:/
 another one that opens the same root) never sees half a version, and a writer killed mid-write
 leaves only a temporary directory that the next writer removes. Reads restore straight into the
 reader's shardings (each process reads only the shards it holds).
+
+`background_writes=True` takes the write off the writer's critical path (orbax's asynchronous
+checkpointer: `write` returns once the arrays are copied out, the files are written and committed
+in a background thread, every host of a multi-host writer in step). One write is in flight at a
+time: the next `write` waits for the previous one (memory stays bounded when storage is slower
+than training). Readers in other processes see a version once it is committed, as before; the
+writer's own `versions()` also lists the one in flight (`pending_versions()`), and its `read` or
+`delete` of that one waits for the commit. `flush()` waits for the write in flight; a failed
+background write is raised by the next `write` or `flush`, naming the version.
 """
 
 from __future__ import annotations
@@ -28,6 +37,10 @@ def version_dir_name(version: int) -> str:
     return f"v_{version:08d}"
 
 
+class TierWriteError(OSError):
+    """A version the tier failed to write (raised by the next `write` or `flush`)."""
+
+
 class TensorStoreTier:
     """Versions as orbax/tensorstore checkpoints under `root` (a local path or `gs://...`).
 
@@ -35,7 +48,14 @@ class TensorStoreTier:
     committed there (`versions()` rescans the directory) and refuses to write or delete.
     """
 
-    def __init__(self, root: str | epath.PathLike, *, read_only: bool = False, compression: bool = True):
+    def __init__(
+        self,
+        root: str | epath.PathLike,
+        *,
+        read_only: bool = False,
+        compression: bool = True,
+        background_writes: bool = False,
+    ):
         # gs://: credentials and bucket checked (and epath/tensorstore pointed at GCS or its emulator)
         # before epath's mkdir, which would create a missing bucket.
         fs.check_access(str(root))
@@ -45,6 +65,12 @@ class TensorStoreTier:
         self._lock = threading.Lock()  # guards the version cache; I/O happens outside it
         self._cache: dict[int, epath.Path] = {}
         self._bytes: dict[int, int] = {}
+        self._background: ocp.AsyncCheckpointer | None = None
+        if background_writes and not read_only:
+            handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=compression)
+            self._background = ocp.AsyncCheckpointer(handler)
+        self._pending: list[tuple[int, epath.Path]] = []  # written in the background, not yet seen committed
+        self._settle_lock = threading.Lock()  # one waiter on the background write at a time
         if read_only:
             if not self._root.exists():
                 raise FileNotFoundError(f"param store root {self._root} does not exist")
@@ -62,14 +88,58 @@ class TensorStoreTier:
         if self._read_only:
             raise PermissionError(f"param store at {self._root} was opened read-only")
         path = self._root / version_dir_name(version)
-        self._checkpointer().save(path, args=ocp.args.PyTreeSave(params))
-        size = _dir_bytes(path)
+        if self._background is None:
+            self._checkpointer().save(path, args=ocp.args.PyTreeSave(params))
+            self._register(version, path)
+            return
+        self.flush()  # the previous version committed (or its failure raised), before this one starts
         with self._lock:
-            self._cache[version] = path
-            self._bytes[version] = size
+            self._pending.append((version, path))
+        try:
+            self._background.save(path, args=ocp.args.PyTreeSave(params))
+        except BaseException:
+            with self._lock:
+                self._pending.remove((version, path))
+            raise
+
+    def pending_versions(self) -> tuple[int, ...]:
+        """Versions this process is writing in the background, not yet known to be committed."""
+        with self._lock:
+            return tuple(v for v, _ in self._pending)
+
+    def flush(self) -> None:
+        """Waits for the background write in flight (if any) and lists it as committed; raises
+        `TierWriteError` naming the version if it failed."""
+        if self._background is None:
+            return
+        with self._settle_lock:
+            with self._lock:
+                waiting = list(self._pending)
+            try:
+                self._background.wait_until_finished()
+            except Exception as err:
+                with self._lock:
+                    self._pending = [p for p in self._pending if p not in waiting]
+                lost = ", ".join(str(v) for v, _ in waiting)
+                raise TierWriteError(
+                    f"param store at {self._root}: the background write of version {lost} failed "
+                    f"({type(err).__name__}: {err})"
+                ) from err
+            for version, path in waiting:
+                self._register(version, path)
+            with self._lock:
+                self._pending = [p for p in self._pending if p not in waiting]
+
+    def close(self) -> None:
+        """Finishes the write in flight (raising its failure) and stops the background writer."""
+        if self._background is not None:
+            self.flush()
+            self._background.close()
 
     def read(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
         del copy  # a restore always makes fresh arrays
+        if version in self.pending_versions():
+            self.flush()
         path = self._path(version)
         # `item` gives the tree structure (dict keys such as layer indices stay ints); shapes
         # and dtypes come from the checkpoint's metadata, placement from the shardings.
@@ -80,6 +150,8 @@ class TensorStoreTier:
     def delete(self, version: int) -> None:
         if self._read_only:
             raise PermissionError(f"param store at {self._root} was opened read-only")
+        if version in self.pending_versions():
+            self.flush()
         with self._lock:
             path = self._cache.pop(version, None)
             self._bytes.pop(version, None)
@@ -99,13 +171,19 @@ class TensorStoreTier:
         if self._read_only:
             self._scan()
         with self._lock:
-            return tuple(sorted(self._cache))
+            return tuple(sorted(self._cache.keys() | {v for v, _ in self._pending}))
 
     def bytes_by_tier(self) -> dict[str, int]:
         with self._lock:
             return {"tensorstore": sum(self._bytes.values())}
 
     # -------------------------------------------------------------- internals
+    def _register(self, version: int, path: epath.Path) -> None:
+        size = _dir_bytes(path)
+        with self._lock:
+            self._cache[version] = path
+            self._bytes[version] = size
+
     def _checkpointer(self) -> ocp.Checkpointer:
         # One per call: orbax checkpointers are cheap and not documented as thread-safe.
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=self._compression)

@@ -287,9 +287,10 @@ def fetch_from_store(store, shardings, *, wait_s: float = 0.0) -> Callable[[int]
     `wait_s` for a version another process has not committed yet."""
 
     def fetch(version: int):
-        deadline = time.monotonic() + wait_s
+        deadline, pause = time.monotonic() + wait_s, 0.01
         while version not in store.versions() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(pause)  # a version committing now is seen within ~10 ms; a long wait lists 5x a second
+            pause = min(2 * pause, 0.2)
         return store.get(version, shardings)
 
     return fetch

@@ -61,7 +61,7 @@ def test_the_trainer_needs_room_for_one_slice_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_weights_bench_times_both_paths_with_a_real_receiving_process(tmp_path):
+def test_the_weights_bench_times_every_path_with_a_real_receiving_process(tmp_path):
     from dora_jax.bench import weights as bench_weights
     from dora_jax.runtime import run_config
     from tests.launch.configs import load
@@ -69,6 +69,8 @@ def test_the_weights_bench_times_both_paths_with_a_real_receiving_process(tmp_pa
     results = bench_weights.main(run_config.parse(load("smoke.py")), str(tmp_path))
     on_disk = json.loads((tmp_path / "weights.json").read_text())
     assert on_disk == json.loads(json.dumps(results))
-    assert [r["path"] for r in on_disk["rounds"]] == ["tier", "transfer"] * bench_weights.ROUNDS
+    assert [r["path"] for r in on_disk["rounds"]] == ["tier", "tier_background", "transfer"] * bench_weights.ROUNDS
     assert all(r["loaded_s"] >= r["trainer_s"] > 0 for r in on_disk["rounds"])  # loaded after the trainer started
     assert on_disk["bytes_per_version"]["transfer"] > 0 and on_disk["tier_over_transfer"] > 0
+    # the background write stores the same bytes as the synchronous one
+    assert on_disk["bytes_per_version"]["tier_background"] == on_disk["bytes_per_version"]["tier"] > 0
