@@ -2,8 +2,10 @@
 
 On the pod every worker holds the source tree in `~/dora_jax` (every role starts there, so a
 relative workdir or checkpoint path is relative to it) and writes its log and pid files to
-`~/dora_logs/<process>.{log,pid}`. Roles are started with `setsid nohup` so they outlive the ssh
-session; `stop` kills each recorded process group.
+`~/dora_logs/<process>.{log,pid}`, and `<process>.exit` (its exit status) when it ends. Roles are
+started with `setsid nohup` so they outlive the ssh session; `stop` kills each recorded process
+group; `roles` prints one line per process of a node's workers: running, its exit status, or gone
+(killed without one: SIGKILL, a preempted VM).
 """
 
 from __future__ import annotations
@@ -251,14 +253,63 @@ def _hosts(node: Node) -> tuple[str, ...]:
 
 
 def start_script(process: Process) -> str:
-    """Starts `process` detached, its output in LOG_DIR/<name>.log, its process group id in .pid."""
+    """Starts `process` detached, its output in LOG_DIR/<name>.log, its process group id in .pid,
+    its exit status in .exit when it ends (an earlier run's is removed first)."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in process.env)
-    log, pid = f"{LOG_DIR}/{process.name}.log", f"{LOG_DIR}/{process.name}.pid"
-    command = shlex.join(process.argv)
+    log, pid, code = (f"{LOG_DIR}/{process.name}.{ext}" for ext in ("log", "pid", "exit"))
+    command = shlex.quote(f"{shlex.join(process.argv)}; echo $? > {code}")
     return (
-        f"cd {SRC_DIR} && mkdir -p {LOG_DIR} && "
-        f"{{ {env} setsid nohup {command} > {log} 2>&1 < /dev/null & echo $! > {pid}; }}"
+        f"cd {SRC_DIR} && mkdir -p {LOG_DIR} && rm -f {code} && "
+        f"{{ {env} setsid nohup sh -c {command} > {log} 2>&1 < /dev/null & echo $! > {pid}; }}"
     )
+
+
+def roles_script() -> str:
+    """Prints `role HOST NAME running|exit CODE|gone` for each process started on this worker."""
+    return (
+        f'for f in {LOG_DIR}/*.pid; do [ -e "$f" ] || continue; n=$(basename "$f" .pid); '
+        f'if [ -e {LOG_DIR}/"$n".exit ]; then echo "role $(hostname) $n exit $(cat {LOG_DIR}/"$n".exit)"; '
+        f'else case "$(ps -o stat= -p "$(cat "$f")" 2>/dev/null)" in ""|Z*) s=gone;; *) s=running;; esac; '
+        f'echo "role $(hostname) $n $s"; fi; done; true'
+    )  # a zombie (killed, its parent not yet reaping) counts as gone
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleState:
+    host: str
+    name: str  # the process's name: embedded, coordinator, trainer, rollout-N
+    state: str  # "running" | "exit" | "gone"
+    code: int | None = None  # the exit status
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "gone" or (self.state == "exit" and self.code != 0)
+
+    def __str__(self) -> str:
+        what = f"exit {self.code}" if self.state == "exit" else self.state
+        return f"{self.name} on {self.host}: {what}"
+
+
+def roles(pod: Pod) -> list[list[str]]:
+    """Each node's role processes, one `role HOST NAME STATE [CODE]` line per process and worker."""
+    return [ssh(pod, node, "all", roles_script()) for node in pod.nodes]
+
+
+def parse_roles(text: str) -> list[RoleState]:
+    """The `role ...` lines of `roles`' output (ssh may interleave other lines: skipped)."""
+    states = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 4 or parts[0] != "role" or parts[3] not in ("running", "exit", "gone"):
+            continue
+        code = None
+        if parts[3] == "exit":
+            try:
+                code = int(parts[4])
+            except (IndexError, ValueError):
+                code = -1  # an unreadable status file: counted as a failure
+        states.append(RoleState(parts[1], parts[2], parts[3], code))
+    return states
 
 
 def run(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_host: str) -> list[list[str]]:

@@ -2,12 +2,17 @@
 
     python launch/tpu.py create --config=configs/qwen2_5_7b_dapo.py [--dry-run]
     python launch/tpu.py setup  --config=configs/qwen2_5_7b_dapo.py      # tree, Python 3.12 uv env, jax[tpu], package
-    python launch/tpu.py run    --config=configs/qwen2_5_7b_dapo.py [--workdir=gs://...] [--config.trainer.lr=1e-6]
+    python launch/tpu.py run    --config=configs/qwen2_5_7b_dapo.py [--workdir=gs://...] [--config.X=Y] [--nowait]
+    python launch/tpu.py wait   --config=configs/qwen2_5_7b_dapo.py      # until every role has exited; reports each
     python launch/tpu.py logs   --config=configs/qwen2_5_7b_dapo.py [--lines=50]
     python launch/tpu.py ssh    --config=configs/qwen2_5_7b_dapo.py [--node=NAME] [--worker=0] [--command='...']
     python launch/tpu.py stop   --config=configs/qwen2_5_7b_dapo.py      # kill the role processes
     python launch/tpu.py status --config=configs/qwen2_5_7b_dapo.py
     python launch/tpu.py delete --config=configs/qwen2_5_7b_dapo.py
+
+`run` starts every role detached and then waits (as `wait` does) until every role process has
+exited, printing each role's state as it changes and, at the end, each one's exit status; it exits
+non-zero naming the roles that failed or were killed. `--nowait` returns once they are started.
 
 `--dry-run` prints every command (gcloud, and the local packing step) instead of running it. The
 config is validated before any gcloud call (`launch.pod.from_config`, then `dora_jax.runtime.run_config.parse`
@@ -22,7 +27,8 @@ import shlex
 import subprocess
 import sys
 import tarfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -33,7 +39,7 @@ from launch import commands  # noqa: E402
 from launch import pod as pod_lib
 from launch.pod import Pod  # noqa: E402
 
-ACTIONS = ("create", "setup", "run", "logs", "ssh", "stop", "status", "delete")
+ACTIONS = ("create", "setup", "run", "wait", "logs", "ssh", "stop", "status", "delete")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COORDINATOR_IP_DRY_RUN = "TRAINER_WORKER0_IP"  # stands in for the IP a dry run cannot look up
 
@@ -101,6 +107,55 @@ def remote_config_path(config_path: str, root: Path = REPO_ROOT) -> str:
         ) from None
 
 
+def wait_for_end(
+    pod: Pod, shell: Shell, poll_s: float = 60.0, *, max_failed_polls: int = 10, sleep: Callable = time.sleep
+) -> list[commands.RoleState]:
+    """Polls every node's role processes until none is running, printing each role's state when it
+    changes; returns the final states, or raises SystemExit naming the roles that failed (a non-zero
+    exit, or gone: killed without an exit status). An ssh that fails is retried at the next poll,
+    `max_failed_polls` times in a row at most."""
+    if shell.dry_run:
+        for argv in commands.roles(pod):
+            shell.capture(argv, "")
+        shell.note(f"then every {poll_s:g} s the same, until no role runs; then each role's exit status")
+        return []
+    shown: dict[tuple[str, str], str] = {}
+    failed_polls = 0
+    while True:
+        states: list[commands.RoleState] = []
+        try:
+            for argv in commands.roles(pod):
+                states += commands.parse_roles(shell.capture(argv, ""))
+            failed_polls = 0
+        except (subprocess.CalledProcessError, OSError) as err:
+            failed_polls += 1
+            if failed_polls >= max_failed_polls:
+                raise SystemExit(
+                    f"launch/tpu.py: {failed_polls} polls of the pod failed in a row; last: {err}"
+                ) from None
+            shell.note(f"poll failed ({err}); trying again in {poll_s:g} s")
+            sleep(poll_s)
+            continue
+        if not states:
+            raise SystemExit(f"launch/tpu.py: no role process on the nodes of {pod.name}: was `run` called?")
+        for state in states:
+            if shown.get((state.host, state.name)) != str(state):
+                shown[(state.host, state.name)] = str(state)
+                shell.note(str(state))
+        if not any(state.state == "running" for state in states):
+            break
+        sleep(poll_s)
+    failed = [state for state in states if state.failed]
+    if failed:
+        raise SystemExit(
+            f"launch/tpu.py: the run ended with {len(failed)} failed role process(es): "
+            + "; ".join(map(str, failed))
+            + " (python launch/tpu.py logs shows their output)"
+        )
+    shell.note(f"every role process exited 0 ({len(states)}): the run is over")
+    return states
+
+
 def execute(
     action: str,
     pod: Pod,
@@ -114,6 +169,8 @@ def execute(
     worker: str = "0",
     command: str | None = None,
     archive: str | None = None,
+    wait: bool = False,
+    poll_s: float = 60.0,
 ) -> None:
     """Runs (or prints) the commands of one action."""
     if action == "create":
@@ -131,6 +188,10 @@ def execute(
         for argv in commands.run(pod, remote_config_path(config_path), overrides, host):
             shell.run(argv)
         shell.note(f"logs: python launch/tpu.py logs --config={config_path}; workdir: {pod.workdir}")
+        if wait:
+            wait_for_end(pod, shell, poll_s)
+    elif action == "wait":
+        wait_for_end(pod, shell, poll_s)
     elif action == "logs":
         for argv in commands.logs(pod, lines):
             shell.run(argv)
@@ -193,6 +254,8 @@ def _main(argv, flags_) -> None:
         node=flags_.node.value,
         worker=flags_.worker.value,
         command=flags_.command.value,
+        wait=flags_.wait.value,
+        poll_s=flags_.poll_s.value,
     )
 
 
@@ -218,6 +281,8 @@ class _Flags:
         self.node = flags.DEFINE_string("node", None, "ssh: node name; default: the trainer (or single host)")
         self.worker = flags.DEFINE_string("worker", "0", "ssh: worker index or 'all'")
         self.command = flags.DEFINE_string("command", None, "ssh: a command instead of an interactive shell")
+        self.wait = flags.DEFINE_bool("wait", True, "run: wait until every role exits and report (--nowait: return)")
+        self.poll_s = flags.DEFINE_float("poll_s", 60.0, "run/wait: seconds between polls of the role processes")
         self._flags = flags
 
     def config_path(self) -> str:

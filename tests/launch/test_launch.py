@@ -4,9 +4,12 @@ queued resource, and the refusals of configs that do not fit, each naming the fi
 
 import io
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ml_collections
@@ -65,9 +68,10 @@ def no_subprocess(monkeypatch):
 
 
 def start_command(process_env, module, args, log):
+    command = shlex.quote(f".venv/bin/python -m {module} {args}; echo $? > ~/dora_logs/{log}.exit")
     return (
-        f"cd ~/dora_jax && mkdir -p ~/dora_logs && {{ {process_env} setsid nohup .venv/bin/python -m {module} {args} "
-        f"> ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}"
+        f"cd ~/dora_jax && mkdir -p ~/dora_logs && rm -f ~/dora_logs/{log}.exit && {{ {process_env} setsid nohup "
+        f"sh -c {command} > ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}"
     )
 
 
@@ -727,3 +731,106 @@ def test_command_line_dry_run(monkeypatch):
         timeout=120,
     )
     assert bad.returncode != 0 and "pod.trainer_type='v5p-48'" in bad.stderr
+
+
+# `run` waits for the end and reports each role.
+
+
+def test_start_and_roles_scripts_report_exit_status_running_and_gone(monkeypatch, tmp_path):
+    """The real start script and roles script under bash, with the pod's directories in tmp_path:
+    a role that exits 0, one that fails with 3, one still running and one killed by SIGKILL."""
+    monkeypatch.undo()
+    from launch import commands
+
+    monkeypatch.setattr(commands, "SRC_DIR", str(tmp_path / "src"))
+    monkeypatch.setattr(commands, "LOG_DIR", str(tmp_path / "logs"))
+    (tmp_path / "src").mkdir()
+    roles = {"ok": "exit 0", "bad": "exit 3", "busy": "sleep 60", "killed": "sleep 60"}
+    for name, code in roles.items():
+        process = commands.Process(None, "all", Role.TRAINER, name, (("DORA_ROLE", "trainer"),), ("sh", "-c", code))
+        subprocess.run(["bash", "-c", commands.start_script(process)], check=True, timeout=10)
+    pgid = int((tmp_path / "logs" / "killed.pid").read_text())
+    deadline = time.monotonic() + 10
+    while not ((tmp_path / "logs" / "ok.exit").exists() and (tmp_path / "logs" / "bad.exit").exists()):
+        assert time.monotonic() < deadline, "the short roles wrote no exit status"
+        time.sleep(0.05)
+    os.killpg(pgid, signal.SIGKILL)
+    time.sleep(0.2)
+    try:
+        out = subprocess.run(["bash", "-c", commands.roles_script()], check=True, capture_output=True, text=True)
+        states = {s.name: s for s in commands.parse_roles(out.stdout)}
+    finally:
+        os.killpg(int((tmp_path / "logs" / "busy.pid").read_text()), signal.SIGKILL)
+    assert {n: (s.state, s.code) for n, s in states.items()} == {
+        "ok": ("exit", 0),
+        "bad": ("exit", 3),
+        "busy": ("running", None),
+        "killed": ("gone", None),
+    }
+    assert [n for n, s in states.items() if s.failed] == sorted(["bad", "killed"], key=list(states).index)
+    # a new start of a role removes its previous exit status
+    again = commands.Process(None, "all", Role.TRAINER, "bad", (), ("sleep", "60"))
+    subprocess.run(["bash", "-c", commands.start_script(again)], check=True, timeout=10)
+    out = subprocess.run(["bash", "-c", commands.roles_script()], check=True, capture_output=True, text=True)
+    os.killpg(int((tmp_path / "logs" / "bad.pid").read_text()), signal.SIGKILL)
+    assert [str(s).split(": ")[1] for s in commands.parse_roles(out.stdout) if s.name == "bad"] == ["running"]
+
+
+class _PodShell(tpu.Shell):
+    """Answers each poll of the pod's nodes from a script of outputs (no gcloud here)."""
+
+    def __init__(self, polls):
+        super().__init__(dry_run=False, out=io.StringIO())
+        self.polls = list(polls)
+
+    def capture(self, argv, dry_run_value):
+        self.commands.append(list(argv))
+        answer = self.polls.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_wait_polls_until_every_role_exits_and_reports_failures():
+    c = dapo_config()
+    c.rollout.num_slices = 1
+    pod = pod_lib.from_config(c)
+    assert len(pod.nodes) == 2  # trainer, rollout-0
+    trainer_running = "role t-w0 coordinator running\nrole t-w0 trainer running\nrole t-w1 trainer running\n"
+    trainer_done = (
+        "Warning: ssh noise\nrole t-w0 coordinator exit 0\nrole t-w0 trainer exit 0\nrole t-w1 trainer exit 0\n"
+    )
+    rollout_done = "role r-w0 rollout-0 exit 0\n"
+    ssh_down = subprocess.CalledProcessError(255, ["gcloud"])
+    shell = _PodShell([trainer_running, "role r-w0 rollout-0 running\n", ssh_down, trainer_done, rollout_done])
+    sleeps = []
+    states = tpu.wait_for_end(pod, shell, poll_s=5, sleep=sleeps.append)
+    assert sleeps == [5, 5]  # three polls, one of them failed
+    assert [str(s) for s in states] == [
+        "coordinator on t-w0: exit 0",
+        "trainer on t-w0: exit 0",
+        "trainer on t-w1: exit 0",
+        "rollout-0 on r-w0: exit 0",
+    ]
+    notes = shell.out.getvalue()
+    assert "# rollout-0 on r-w0: running" in notes and "poll failed" in notes and "the run is over" in notes
+    assert all(cmd[6] == "--worker=all" and "ps -o stat=" in cmd[-1] for cmd in shell.commands)
+    failing = _PodShell(
+        [trainer_done.replace("t-w1 trainer exit 0", "t-w1 trainer exit 1"), "role r-w0 rollout-0 gone\n"]
+    )
+    with pytest.raises(
+        SystemExit, match=r"2 failed role process\(es\): trainer on t-w1: exit 1; rollout-0 on r-w0: gone"
+    ):
+        tpu.wait_for_end(pod, failing, poll_s=5, sleep=sleeps.append)
+    with pytest.raises(SystemExit, match="no role process on the nodes of dora-qwen7b-dapo: was `run` called"):
+        tpu.wait_for_end(pod, _PodShell(["", ""]), sleep=sleeps.append)
+    with pytest.raises(SystemExit, match="3 polls of the pod failed in a row"):
+        tpu.wait_for_end(pod, _PodShell([ssh_down] * 3), max_failed_polls=3, sleep=sleeps.append)
+
+
+def test_run_then_waits_in_a_dry_run():
+    pod = pod_lib.from_config(gsm8k_config())
+    shell = dry("run", pod, config_path=str(ROOT / "configs/qwen2_5_0_5b_gsm8k.py"), wait=True, poll_s=30)
+    assert len(shell.commands) == 2  # the start, then one poll of the roles on every worker
+    assert shell.commands[1][5:7] == ["dora-qwen05-gsm8k", "--worker=all"] and "ps -o stat=" in shell.commands[1][-1]
+    assert "then every 30 s the same, until no role runs" in shell.out.getvalue()
