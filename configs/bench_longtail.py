@@ -56,9 +56,10 @@ def get_config(arg=None):
         c.mesh.trainer = {"fsdp": 1}
         c.log.tensorboard = False
         c.eval.every_steps = 0  # a throughput bench: no evaluation rounds on the slices
-        # Versions device to device (a one-host trainer, as here): a slice loads a version in ~10 ms
-        # instead of ~0.1 s from the tensorstore tier (`bench weights`), for every mode alike.
-        c.rollout.weights_transfer = True
+        # Versions through the tensorstore tier (written in the background by the trainer), as the smoke
+        # config. Device to device (`rollout.weights_transfer`) loads a version in ~10 ms instead of ~0.1 s
+        # (`bench weights`) but measured no faster here: one round each, sync 64.4 s vs 64.2 s, dora 23.7 s
+        # vs 30.3 s (its train steps took 19.0 s vs 22.1 s; not explained).
         c.bench = {
             "median_len": 24.0,
             "sigma": 1.1,

@@ -530,6 +530,7 @@ class Coordinator:
                 continue
             items = self._port_call(src, "export", traj_ids, default=[])
             self._absorb()  # ids missing from `items` finished before the export
+            moved = []
             for item in items:
                 request = item if isinstance(item, Request) else item.request
                 traj_id, version = request.traj_id, request.version
@@ -541,14 +542,18 @@ class Coordinator:
                 self.slice_trajs[dst][traj_id] = None
                 self.slice_of[traj_id] = dst
                 how = "kv" if isinstance(item, SlotState) else "reprefill" if isinstance(item, Reprefill) else "queued"
+                moved.append((traj_id, version, how))
+            imported = self._port_call(dst, "import_", items) if items else None
+            # A slot sent with its KV that the destination could not pull was re-prefilled there.
+            reprefilled = set(imported) if isinstance(imported, list | tuple) else set()
+            for traj_id, version, how in moved:
+                how = "reprefill" if how == "kv" and traj_id in reprefilled else how
                 self.stats.migrations_kv += how == "kv"
                 self.stats.migrations_reprefill += how == "reprefill"
                 self.stats.migrations_queued += how == "queued"
                 self.ledger.write(
                     "migrate", traj=traj_id, **{"from": src, "to": dst}, version=version, kv=how == "kv", how=how
                 )
-            if items:
-                self._port_call(dst, "import_", items)
 
     def _pressure(self) -> bool:
         """Work waits for a slice (the backlog, or `orchestrator.under_pressure`)."""

@@ -38,9 +38,10 @@ class RolloutPort(Protocol):
         where re-prefilling costs less than moving their rows (or, with `kv=False`, always), as
         Reprefill; queued ones as Request. Ids that already finished are absent from the result."""
 
-    def import_(self, items: Sequence[Migratable]) -> None:
+    def import_(self, items: Sequence[Migratable]) -> Sequence[str] | None:
         """Continue exported requests here: SlotStates with no prefill, Reprefills and Requests
-        via the queue."""
+        via the queue. Returns the ids of SlotStates re-prefilled here instead because their KV
+        rows could not be had (a failed pull), or None when every one took its rows."""
 
     def progress(self) -> dict[str, Request]:
         """Every request on the slice as a Request carrying its tokens so far as a prefix, the

@@ -64,9 +64,11 @@ class GrpcRolloutPort:
         result, arrays = self._call(pb.Command(export=export), [])
         return codec.migratables_from_proto(result.exported, iter(arrays))
 
-    def import_(self, items: Sequence[SlotState | Request]) -> None:
+    def import_(self, items: Sequence[SlotState | Request]) -> list[str]:
+        """Returns the ids the worker re-prefilled instead of pulling their KV rows."""
         messages, arrays = codec.migratables_to_proto(items)
-        self._call(pb.Command(import_items=pb.Import(items=messages)), arrays)
+        result, _ = self._call(pb.Command(import_items=pb.Import(items=messages)), arrays)
+        return list(result.reprefilled)
 
     def progress(self) -> dict[str, Request]:
         """Every request on the slice as a Request carrying its tokens so far, the slice untouched."""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from dora_jax.core.records import SlotState
+from dora_jax.core.records import Reprefill, SlotState
 from dora_jax.rollout.timeline import BusyTimeline
 from dora_jax.rollout.worker import RolloutWorker, export_from, import_into
 from dora_jax.transport import codec, kv_transfer
@@ -211,7 +211,7 @@ class RolloutAgent:
         kind = command.WhichOneof("kind")
         if self.kv_transfer is not None:
             self.kv_transfer.prune()  # offers past their time leave the devices
-        exported, out_arrays, progress, digest = [], [], [], ""
+        exported, out_arrays, progress, digest, reprefilled = [], [], [], "", []
         try:
             if kind == "submit":
                 for request in command.submit.requests:
@@ -225,7 +225,13 @@ class RolloutAgent:
                 )
             elif kind == "import_items":
                 items = codec.migratables_from_proto(command.import_items.items, iter(arrays))
-                import_into(self.worker, self._resolve(items))
+                resolved = self._resolve(items)
+                import_into(self.worker, resolved)
+                reprefilled = [  # their KV rows could not be pulled: the coordinator's ledger says so
+                    old.request.traj_id
+                    for old, new in zip(items, resolved, strict=True)
+                    if isinstance(old, SlotState) and isinstance(new, Reprefill)
+                ]
             elif kind == "progress":
                 progress = [codec.request_to_proto(r) for r in self.worker.progress().values()]
             else:
@@ -237,7 +243,12 @@ class RolloutAgent:
             raise
         self._ack(
             pb.Result(
-                session=self.client.session, command_id=command.id, exported=exported, progress=progress, digest=digest
+                session=self.client.session,
+                command_id=command.id,
+                exported=exported,
+                progress=progress,
+                digest=digest,
+                reprefilled=reprefilled,
             ),
             out_arrays,
         )

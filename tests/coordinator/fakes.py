@@ -16,11 +16,14 @@ from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, T
 
 
 class FakeWorker:
-    def __init__(self, slice_id, num_slots, coordinator_ref, length_of, *, reprefill_every=0):
+    def __init__(self, slice_id, num_slots, coordinator_ref, length_of, *, reprefill_every=0, pull_fails_every=0):
         """`reprefill_every` = n: every n-th admitted request exported leaves as a Reprefill (the
-        migration rule's other way), with its tokens so far as its prefix."""
+        migration rule's other way), with its tokens so far as its prefix. `pull_fails_every` = n:
+        every n-th SlotState imported cannot have its KV rows (a failed pull) and is re-prefilled
+        here, its id returned by `import_` as a remote slice's result says."""
         self.slice_id, self.num_slots = slice_id, num_slots
         self._reprefill_every, self._exported = reprefill_every, 0
+        self._pull_fails_every, self._imported = pull_fails_every, 0
         self._coord = coordinator_ref  # a one-element list, filled once the coordinator exists
         self._length_of = length_of
         self.version = None
@@ -72,8 +75,15 @@ class FakeWorker:
         return out
 
     def import_(self, items):
+        reprefilled = []
         for item in items:
             if isinstance(item, SlotState):
+                self._imported += 1
+                if self._pull_fails_every and self._imported % self._pull_fails_every == 0:
+                    st = dict(req=item.request, tokens=item.response_ids, logps=item.logprobs)
+                    self.queued.append(_resumption(dict(st, versions=item.token_versions)))
+                    reprefilled.append(item.request.traj_id)
+                    continue
                 self.active[item.request.traj_id] = dict(
                     req=item.request,
                     tokens=list(item.response_ids),
@@ -83,6 +93,7 @@ class FakeWorker:
                 self.imports_kv += 1
             else:
                 self.queued.append(item.request if isinstance(item, Reprefill) else item)
+        return reprefilled or None
 
     def progress(self):
         out = {r.traj_id: r for r in self.queued}

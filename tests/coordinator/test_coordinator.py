@@ -26,11 +26,15 @@ def run(
     fail_every=0,
     observe=None,
     reprefill_every=0,
+    pull_fails_every=0,
 ):
     """Drives the coordinator to `steps` takes; `observe(phase, coord)` runs after each take and publish."""
     ref = [None]
     length_of = longtail(seed)
-    workers = {i: FakeWorker(i, slots, ref, length_of, reprefill_every=reprefill_every) for i in range(slices)}
+    workers = {
+        i: FakeWorker(i, slots, ref, length_of, reprefill_every=reprefill_every, pull_fails_every=pull_fails_every)
+        for i in range(slices)
+    }
     cfg = config(mode, k_max=k_max, tbs=tbs, rbs=rbs, g=g)
     ledger = Ledger(None)
     coord = Coordinator(cfg, workers, prompts(), InstantScorer(fail_every), ledger)
@@ -118,6 +122,17 @@ def test_migrations_by_reprefill_keep_every_invariant_and_say_so_in_the_ledger()
     assert coord.stats.migrations_kv == sum(w.imports_kv for w in workers.values()) == report.migrations_kv
     assert report.migrations_no_kv == coord.stats.migrations_reprefill + coord.stats.migrations_queued
     assert report.max_staleness <= 2
+
+
+def test_a_slot_whose_kv_could_not_be_pulled_is_written_as_reprefilled():
+    """Destinations that fail every other KV pull re-prefill those slots and say so: the ledger's
+    migrate lines (and the stats) count them as re-prefills, not as KV moves."""
+    coord, workers, report, _ = run("dora", steps=10, pull_fails_every=2)
+    assert report.ok, report.summary()
+    fell_back = sum(w._imported - w.imports_kv for w in workers.values())
+    assert fell_back > 0 and report.migrations_kv > 0
+    assert coord.stats.migrations_kv == sum(w.imports_kv for w in workers.values()) == report.migrations_kv
+    assert coord.stats.migrations_reprefill == report.migrations_reprefill == fell_back
 
 
 def test_partial_rollout_shows_c1_violations():

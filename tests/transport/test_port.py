@@ -69,10 +69,14 @@ def _slowed(worker, seconds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direct", [False, True], ids=["kv_inline", "kv_transfer_server"])
-def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, direct):
+@pytest.mark.parametrize(
+    "direct,pullable", [(False, True), (True, True), (True, False)], ids=["kv_inline", "kv_transfer_server", "no_pull"]
+)
+def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, direct, pullable):
     """The KV rows through the coordinator's stream, or (`direct`) pulled by the destination from
-    the source's transfer server, the coordinator carrying a ticket: the same tokens either way."""
+    the source's transfer server, the coordinator carrying a ticket: the same tokens either way.
+    A destination that cannot pull them (`pullable=False`: it has no transfer server) re-prefills
+    them and says which in its import's result (the coordinator's ledger writes `how: reprefill`)."""
     reference = RolloutWorker(two_engines[0], slice_id=0, eos_ids=())
     reference.load_version(0, tiny_params)
     for request in _requests():
@@ -92,7 +96,7 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, 
             worker,
             fetch_from_store(reader, engine.param_shardings),
             HASH,
-            kv_transfer=KVTransfer(engine, host="127.0.0.1") if direct else None,
+            kv_transfer=KVTransfer(engine, host="127.0.0.1") if direct and (pullable or sid == 0) else None,
             log=lambda m: None,
         )
         agent.register()
@@ -122,7 +126,8 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, 
             assert all(i.k_LSKD.shape[1] == two_engines[0].config.rows_bucket(i.position) for i in items)
         else:
             assert all(i.kv_ticket is None and i.k_LSKD.shape[1] == i.position for i in items)
-        destination.import_(items[::-1])
+        reprefilled = destination.import_(items[::-1])
+        assert reprefilled == ([] if pullable else [i.request.traj_id for i in items[::-1]])
         _until(lambda: len(sink.finished) == 4, what="the migrated requests to finish")
     finally:
         service.stop("test over")
@@ -132,9 +137,16 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, 
     assert outcomes == {0: "stopped: test over", 1: "stopped: test over"}
     for traj_id, ref in expected.items():
         slice_id, moved = sink.finished[traj_id]
-        assert slice_id == 1 and moved.num_migrations == 1 and moved.versions_seen == (0,)
+        assert slice_id == 1 and moved.versions_seen == (0,)
+        assert moved.num_migrations == (1 if pullable else 0)  # it counts moves of KV rows
         assert moved.response_ids == ref.response_ids, traj_id
+        if not pullable:  # re-prefilled: the prefix's log-probs are carried, the rest recomputed by a prefill
+            assert moved.logprobs == pytest.approx(ref.logprobs, abs=1e-5), traj_id
+            continue
         assert moved.logprobs == ref.logprobs, traj_id  # bit-exact across processes' wire format
+    if not pullable:
+        assert agents[1].worker.counters.prefills >= 4
+        return
     assert agents[1].worker.counters.prefills == 0 and agents[1].worker.counters.imports == 4
     if direct:
         assert agents[1].kv_transfer.failures == 0 and agents[1].kv_transfer.pulled_bytes > 0
