@@ -10,9 +10,14 @@ per position, so both ways give the same tokens. What differs is the cost:
 `MigrationCosts.choose` takes the cheaper. Prefill times are measured per bucket by the engine's
 warmup (`RolloutEngine.prefill_seconds`); the link starts from the config
 (`rollout.kv_link_bytes_per_s`, no latency) and, once this slice has imported KV rows, is fitted
-to its own last moves: seconds = latency + bytes / rate by least squares over moves of different
-sizes (small moves are latency-bound: their bytes / seconds alone would understate the rate a
-large slot moves at), bytes / seconds while every move had one size. Without a measured prefill
+to its own last moves: seconds = latency + bytes / rate over moves of different sizes (small moves
+are latency-bound: their bytes / seconds alone would understate the rate a large slot moves at),
+bytes / seconds while every move had one size. The fit is robust (Theil-Sen: the median of the
+pairwise slopes, the median intercept; medians for one size), because one move that stalled (the
+source busy restoring a version from the tier, measured: 0.81 s for 32 KiB among moves of 1-5 ms)
+made the least-squares fit price every move at ~1 s; the rule then re-prefilled every request, so
+no move ever came to correct it. Moves whose time does not grow with their size (a non-positive
+slope) are taken as latency-bound: their median time. Without a measured prefill
 time the rule moves the KV (it cannot show that re-prefill is cheaper). `policy` "kv" / "reprefill"
 force one way (a request whose prefix is too long to re-prefill always moves its KV).
 """
@@ -75,9 +80,14 @@ class MigrationCosts:
             return
         self.moves.append((float(num_bytes), float(seconds)))
         sizes, times = np.array(self.moves).T
-        if np.ptp(sizes) > 0:
-            slope, intercept = np.polyfit(sizes, times, 1)
-            if slope > 0:
-                self.link_bytes_per_s, self.link_latency_s = 1.0 / slope, max(float(intercept), 0.0)
-                return
-        self.link_bytes_per_s, self.link_latency_s = sizes.sum() / times.sum(), 0.0
+        i, j = np.triu_indices(len(sizes), k=1)
+        apart = sizes[i] != sizes[j]
+        if not apart.any():  # one size: its rate
+            self.link_bytes_per_s, self.link_latency_s = float(np.median(sizes / times)), 0.0
+            return
+        slope = float(np.median((times[j] - times[i])[apart] / (sizes[j] - sizes[i])[apart]))
+        if slope > 0:
+            self.link_bytes_per_s = 1.0 / slope
+            self.link_latency_s = max(float(np.median(times - slope * sizes)), 0.0)
+        else:  # time does not grow with size: latency-bound
+            self.link_bytes_per_s, self.link_latency_s = float("inf"), float(np.median(times))

@@ -130,12 +130,6 @@ class TensorStoreTier:
             with self._lock:
                 self._pending = [p for p in self._pending if p not in waiting]
 
-    def close(self) -> None:
-        """Finishes the write in flight (raising its failure) and stops the background writer."""
-        if self._background is not None:
-            self.flush()
-            self._background.close()
-
     def read(self, version: int, shardings: Shardings, *, copy: bool = True) -> Params:
         del copy  # a restore always makes fresh arrays
         if version in self.pending_versions():
