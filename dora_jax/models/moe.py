@@ -7,7 +7,7 @@ Routing, as HF Qwen3-MoE: probs_NX = softmax(x_NE @ router_EX) in float32; each 
 probable experts are its experts, weighted by their probabilities (renormalised to sum to 1 when
 `norm_topk_prob`). The output is sum_k w_k * expert_k(x) with expert(x) = down(silu(gate(x)) * up(x)).
 
-Two computations give the same numbers (`ModelConfig.moe_dispatch`):
+Three computations give the same numbers (`ModelConfig.moe_dispatch`):
   * "dense": every expert on every token, weighted by the sparse gates (0 for experts not
     chosen). X / K times the useful flops, but plain einsums: the fallback for tiny models on CPU.
     With the experts sharded over the `expert` mesh axis each device computes its own experts
@@ -18,11 +18,12 @@ Two computations give the same numbers (`ModelConfig.moe_dispatch`):
     expands into a dense masked computation over every group: compiled for a v5p chip, one
     [8192, 2048] x [128, 2048, 768] projection's gradient counts 3.33 PFLOP against 51.5 GFLOP
     useful, and the 30B-A3B trainer's 32K-token micro-batch 3,941 TFLOP per chip.
-  * "megablox": "grouped" with the weight gradient through the megablox `tgmm` Pallas kernel
-    (`jax.experimental.pallas.ops.tpu.megablox`), each device computing its own experts' slice
-    (`expert` x `embed` x `mlp` from the logical rules in context, under `shard_map`, as the
-    attention kernel does); the forward and the input gradient stay ragged dots, which the TPU
-    compiles natively. For TPU training. "megablox_interpret": the same kernel run by the
+  * "megablox": every expert projection (forward, input and weight gradients) in the megablox
+    Pallas kernels (`jax.experimental.pallas.ops.tpu.megablox`: `gmm`, `tgmm`), with expert
+    parallelism on a mesh (`megablox_experts`): the tokens are split over all devices; the
+    devices sharing a batch shard all-gather its tokens, each routes and sorts only those and
+    computes its own experts (`expert` axis) and expert-width slice (`mlp` axis), and the partial
+    outputs are reduce-scattered back. For TPU. "megablox_interpret": the same kernels run by the
     Pallas interpreter on any backend (tests).
 There is no expert capacity: no token is ever dropped, so there is no dropped-token count.
 
@@ -33,6 +34,7 @@ True)`); `expert_load` and `load_balancing_loss` reduce them over the tokens of 
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.struct
 import jax
@@ -72,107 +74,157 @@ def dense_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME):
     return jnp.einsum("nx,nxe->ne", gates_NX.astype(y_NXE.dtype), y_NXE)
 
 
-def _ragged_dot(x_AE, w_XEF, sizes_X, names):
-    del names
-    return jax.lax.ragged_dot(x_AE, w_XEF, sizes_X)
-
-
-_IN, _OUT = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")  # logical names of gate/up, of down
-
-
-def grouped_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *, matmul=_ragged_dot):
-    """Assignments sorted by expert, one ragged matmul per projection, unsorted and weighted.
-    `matmul(x, w, sizes, logical names of w)`: the ragged matmul."""
+def grouped_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME):
+    """Assignments sorted by expert, one `jax.lax.ragged_dot` per projection, unsorted and weighted."""
     N, K = experts_NK.shape
     X = gate_XEM.shape[0]
     experts_A = experts_NK.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)  # assignment index of each sorted row
     x_AE = jnp.take(x_NE, order_A // K, axis=0)  # assignment a belongs to token a // K
     sizes_X = jnp.bincount(experts_A, length=X).astype(jnp.int32)
-    h_AM = jax.nn.silu(matmul(x_AE, gate_XEM, sizes_X, _IN)) * matmul(x_AE, up_XEM, sizes_X, _IN)
-    y_AE = matmul(h_AM, down_XME, sizes_X, _OUT)
+    h_AM = jax.nn.silu(jax.lax.ragged_dot(x_AE, gate_XEM, sizes_X)) * jax.lax.ragged_dot(x_AE, up_XEM, sizes_X)
+    y_AE = jax.lax.ragged_dot(h_AM, down_XME, sizes_X)
     y_NKE = jnp.zeros_like(y_AE).at[order_A].set(y_AE).reshape(N, K, -1)  # back to assignment order
     return jnp.einsum("nk,nke->ne", weights_NK.astype(y_NKE.dtype), y_NKE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ragged_matmul(x_AE, w_XEF, sizes_X, names, interpret: bool):
-    """`jax.lax.ragged_dot` whose weight gradient is the megablox `tgmm` kernel."""
-    return jax.lax.ragged_dot(x_AE, w_XEF, sizes_X)
+def _tile(d: int) -> int:
+    """The megablox tile along a dimension of d: 128 (a TPU lane width), or all of a smaller one."""
+    return min(128, d)
 
 
-def _ragged_matmul_fwd(x_AE, w_XEF, sizes_X, names, interpret):
-    return jax.lax.ragged_dot(x_AE, w_XEF, sizes_X), (x_AE, w_XEF, sizes_X)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm(x_AE, w_xEF, sizes_X, first, rows: int, interpret: bool):
+    """Rows of the experts [first, first + x) times their weights, in the megablox `gmm` kernel;
+    every other row of the output is zero. x_AE's rows are padded to the row tile; `rows` are
+    real (the padding is never read back)."""
+    return _gmm_fwd(x_AE, w_xEF, sizes_X, first, rows, interpret)[0]
 
 
-def _ragged_matmul_bwd(names, interpret, residuals, g_AF):
-    x_AE, w_XEF, sizes_X = residuals
-    dx_AE = jax.lax.ragged_dot(g_AF, jnp.swapaxes(w_XEF, 1, 2), sizes_X)  # ragged rows: compiled natively
-    dw_XEF = _weight_gradient(x_AE, g_AF, sizes_X, w_XEF.shape[0], names, interpret)
-    return dx_AE.astype(x_AE.dtype), dw_XEF.astype(w_XEF.dtype), None
+def _megablox():
+    import importlib
+
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")  # the package's `gmm` is a function
 
 
-_ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+def _zero_padding(y_AF, rows: int):
+    """The kernel leaves rows past every group unwritten: zero them (they hold the row padding)."""
+    if rows == y_AF.shape[0]:
+        return y_AF
+    return jnp.where(jnp.arange(y_AF.shape[0])[:, None] < rows, y_AF, jnp.zeros((), y_AF.dtype))
 
 
-def _weight_gradient(x_AE, g_AF, sizes_X, X: int, names, interpret: bool):
-    """dW[x] = x_A[group x]^T g_A[group x] for every group x, by the megablox `tgmm` kernel. On a
-    mesh (from `jax.set_mesh`) each device computes its own block of dW (`names`: the weight's
-    logical axes): its experts (`group_offset` on the expert axis), its slices of the input and
-    output features."""
-    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm  # the module (the package's `gmm` is a function)
+def _gmm_fwd(x_AE, w_xEF, sizes_X, first, rows, interpret):
+    tiling = (_tile(x_AE.shape[0]), _tile(x_AE.shape[1]), _tile(w_xEF.shape[2]))
+    y_AF = _megablox().gmm(x_AE, w_xEF, sizes_X, x_AE.dtype, tiling, first, interpret=interpret)
+    return _zero_padding(y_AF, rows), (x_AE, w_xEF, sizes_X, first)
 
-    def kernel(x_AE, g_AF, sizes_X, experts: int, first):
-        tiling = (128, min(128, x_AE.shape[1]), min(128, g_AF.shape[1]))
-        return tgmm(
-            x_AE.swapaxes(0, 1),
-            g_AF,
-            sizes_X,
-            jnp.float32,
-            tiling,
-            group_offset=first,
-            num_actual_groups=experts,
-            interpret=interpret,
-        )
 
+def _gmm_bwd(rows, interpret, residuals, g_AF):
+    x_AE, w_xEF, sizes_X, first = residuals
+    kernels = _megablox()
+    g_AF = g_AF.astype(x_AE.dtype)
+    tiling = (_tile(g_AF.shape[0]), _tile(g_AF.shape[1]), _tile(w_xEF.shape[1]))
+    dx_AE = kernels.gmm(g_AF, w_xEF, sizes_X, x_AE.dtype, tiling, first, transpose_rhs=True, interpret=interpret)
+    tiling = (_tile(x_AE.shape[0]), _tile(x_AE.shape[1]), _tile(g_AF.shape[1]))
+    dw_xEF = kernels.tgmm(
+        x_AE.swapaxes(0, 1), g_AF, sizes_X, jnp.float32, tiling, first, w_xEF.shape[0], interpret=interpret
+    )
+    return _zero_padding(dx_AE, rows), dw_xEF.astype(w_xEF.dtype), None, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def local_experts(x_NE, weights_NK, experts_NK, gate_xEM, up_xEM, down_xME, *, num_experts: int, first, interpret):
+    """ "grouped" in the megablox kernels, over the x experts [first, first + x) of `num_experts`
+    whose weights are given: tokens routed elsewhere contribute zero (another device adds them)."""
+    N, K = experts_NK.shape
+    A = N * K
+    experts_A = experts_NK.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True)  # assignment index of each sorted row
+    x_AE = jnp.take(x_NE, order_A // K, axis=0)  # assignment a belongs to token a // K
+    sizes_X = jnp.bincount(experts_A, length=num_experts).astype(jnp.int32)
+    tile = 128 if A >= 128 else -(-A // 8) * 8
+    x_AE = jnp.pad(x_AE, ((0, -A % tile), (0, 0)))  # whole row tiles
+    first = jnp.asarray(first, jnp.int32)
+    gmm = functools.partial(_gmm, sizes_X=sizes_X, first=first, rows=A, interpret=interpret)
+    h_AM = jax.nn.silu(gmm(x_AE, gate_xEM)) * gmm(x_AE, up_xEM)
+    y_AE = gmm(h_AM, down_xME)[:A]
+    y_NKE = jnp.zeros_like(y_AE).at[order_A].set(y_AE).reshape(N, K, -1)  # back to assignment order
+    return jnp.einsum("nk,nke->ne", weights_NK.astype(y_NKE.dtype), y_NKE)
+
+
+def _mesh_axes(target) -> tuple[str, ...]:
+    return () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+
+
+def megablox_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *, interpret: bool):
+    """The megablox kernels for every expert projection (forward, input and weight gradients). On
+    a mesh (`jax.set_mesh`, with the logical rules in context) this is expert parallelism: the
+    tokens are split over every device; the devices that share an expert block (`expert`) and
+    an expert-width slice (`mlp`) all-gather their tokens, each routes and sorts only those,
+    computes its own experts' slice, and the partial outputs are reduce-scattered back to the
+    devices the tokens came from. No device routes or multiplies another batch shard's tokens."""
+    X, M = gate_XEM.shape[0], gate_XEM.shape[2]
+    local = functools.partial(local_experts, num_experts=X, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(x_AE, g_AF, sizes_X, X, None)
+        return local(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, first=0)
     rules = dict(spmd.get_logical_axis_rules())
     if not rules:
         raise ValueError(
             "moe_dispatch='megablox' on a mesh of several devices needs the logical axis rules in context "
             "(`with nnx.logical_axis_rules(rules):`) to place its operands"
         )
-    expert_axis, in_axis, out_axis = (rules.get(name) for name in names)
-    shards = mesh.shape[expert_axis] if expert_axis else 1
 
-    def local(x_AE, g_AF, sizes_X):
-        first = jax.lax.axis_index(expert_axis) * (X // shards) if expert_axis else 0
-        return kernel(x_AE, g_AF, sizes_X, X // shards, jnp.asarray(first, jnp.int32))
+    def split(name, size):  # the mesh axes a weight dimension is split over (as logical_to_spec places it)
+        axes = tuple(a for a in _mesh_axes(rules.get(name)) if mesh.shape[a] > 1)
+        return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
-    sharded = jax.shard_map(
-        local,
+    expert_axes, mlp_axes = split("expert", X), split("mlp", M)
+    mlp_axes = tuple(a for a in mlp_axes if a not in expert_axes)
+    shared = expert_axes + mlp_axes  # devices along these hold one batch shard's tokens between them
+    batch = tuple(a for a in _mesh_axes(rules.get("batch")) if mesh.shape[a] > 1 and a not in shared)
+    tokens = batch + shared
+    N = x_NE.shape[0]
+    pad = -N % math.prod(mesh.shape[a] for a in tokens)  # padded tokens weigh 0
+    x_NE, weights_NK, experts_NK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_NE, weights_NK, experts_NK))
+    per_block = X // math.prod(mesh.shape[a] for a in expert_axes)
+
+    def block(x_nE, weights_nK, experts_nK, gate_xEM, up_xEM, down_xME):
+        if shared:
+            x_nE, weights_nK, experts_nK = (
+                jax.lax.all_gather(a, shared, axis=0, tiled=True) for a in (x_nE, weights_nK, experts_nK)
+            )
+        index = jax.lax.axis_index(expert_axes) if expert_axes else 0
+        y_nE = local(x_nE, weights_nK, experts_nK, gate_xEM, up_xEM, down_xME, first=index * per_block)
+        return jax.lax.psum_scatter(y_nE, shared, scatter_dimension=0, tiled=True) if shared else y_nE
+
+    row = PartitionSpec(tokens or None, None)
+    expert, mlp = expert_axes or None, mlp_axes or None
+    y_NE = jax.shard_map(
+        block,
         mesh=mesh,
-        in_specs=(PartitionSpec(None, in_axis), PartitionSpec(None, out_axis), PartitionSpec()),
-        out_specs=PartitionSpec(expert_axis, in_axis, out_axis),
+        in_specs=(
+            row,
+            row,
+            row,
+            PartitionSpec(expert, None, mlp),
+            PartitionSpec(expert, None, mlp),
+            PartitionSpec(expert, mlp, None),
+        ),
+        out_specs=row,
         check_vma=False,
-    )
-    return sharded(x_AE, g_AF, sizes_X)
-
-
-def _megablox_experts(*args, interpret: bool):
-    def matmul(x_AE, w_XEF, sizes_X, names):
-        return _ragged_matmul(x_AE, w_XEF, sizes_X, names, interpret)
-
-    return grouped_experts(*args, matmul=matmul)
+    )(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME)
+    return y_NE[:N]
 
 
 _COMPUTE = {
     "dense": dense_experts,
     "grouped": grouped_experts,
-    "megablox": functools.partial(_megablox_experts, interpret=False),
-    "megablox_interpret": functools.partial(_megablox_experts, interpret=True),
+    "megablox": functools.partial(megablox_experts, interpret=False),
+    "megablox_interpret": functools.partial(megablox_experts, interpret=True),
 }
 
 

@@ -28,8 +28,9 @@ micro-batch's forward and backward). With `model.scan_layers` the blocks are one
 program is compiled whole for its memory, and its cost comes from two probe compiles with the
 blocks unrolled (1 and 2 blocks, the vocabulary in one pass, no windowed einsum: nothing XLA
 would count once), extrapolated to L blocks; only the widths in `estimate_lengths` get probes.
-A Pallas kernel is opaque to XLA's cost model: the splash attention's flops are added at the
-chip's peak. `flops_due` is what the matmuls must compute, beside XLA's own count.
+The splash attention kernel is opaque to XLA's cost model: its flops are added at the chip's peak
+(the megablox expert kernels carry cost estimates, which XLA counts). `flops_due` is what the
+matmuls must compute, beside XLA's own count.
 """
 
 from __future__ import annotations
@@ -349,28 +350,20 @@ def attention_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, b
     return forward * (2.0 if cfg.remat != "none" else 1.0) + 2.5 * forward
 
 
-def expert_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool) -> float:
-    """Flops of the megablox kernel (`model.moe_dispatch="megablox"`): the expert projections'
-    weight gradients, 2 x tokens x K x E x M for each of the three, in every MoE layer."""
-    if not backward or not cfg.moe_dispatch.startswith("megablox"):
-        return 0.0
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    per_token = 3 * 2.0 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
-    return layers * per_token * rows * length
-
-
 def hardware_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool, kernel: bool) -> float:
     """Flops XLA's own ops must do (outside a Pallas attention kernel when `kernel`): the matmuls
     (and attention where no kernel holds it) forward; with `backward`, twice more for the input
     and weight gradients, plus the forward again where `model.remat` recomputes it ("full": every
-    matmul; "dots": attention's batched ones)."""
+    matmul; "dots": attention's batched ones). The megablox expert kernels count here: XLA reads
+    their cost estimates (2 x rows x in x out a call, over every row handed to the kernel: with
+    expert parallelism over P devices, P times the rows of the device's own experts)."""
     tokens = rows * length
     matmul = 2.0 * matmul_params(cfg) * tokens
     attention = 0.0 if kernel else 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * tokens
     if not backward:
         return matmul + attention
     again = {"none": 0.0, "dots": attention, "full": matmul + attention}[cfg.remat]
-    return 3.0 * (matmul + attention) + again - expert_kernel_flops(cfg, rows, length, backward=True)
+    return 3.0 * (matmul + attention) + again
 
 
 def _bucketed_program(name: str, lowered, cfg, chips: int, kernel: bool) -> Program:
@@ -386,7 +379,6 @@ def _bucketed_program(name: str, lowered, cfg, chips: int, kernel: bool) -> Prog
     else:
         return Program(name, lambda: lowered)
     opaque = attention_kernel_flops(cfg, rows, T, backward=backward) / chips if kernel else 0.0
-    opaque += expert_kernel_flops(cfg, rows, T, backward=backward) / chips
     own = hardware_flops(cfg, rows, T, backward=backward, kernel=kernel) / chips
     return Program(name, lambda: lowered, model_flops=flops / chips, opaque_flops=opaque, hardware_flops=own)
 
@@ -408,7 +400,6 @@ def trainer_programs(config: RunConfig, trainer: Trainer, cfg, chips: int, lengt
     for T in lengths:
         flops = train_model_flops(cfg, batch, T) / chips  # the whole batch: the record is scaled to it
         opaque = attention_kernel_flops(cfg, C, T, backward=True) / chips if kernel else 0.0  # one micro-batch
-        opaque += expert_kernel_flops(cfg, C, T, backward=True) / chips
         programs.append(
             Program(
                 f"train_step[B={batch},U={U},M={M},C={C},T={T}]",

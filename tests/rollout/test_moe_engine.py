@@ -1,5 +1,6 @@
 """Greedy generation of a Qwen3-MoE checkpoint through the engine, experts sharded over the
-`expert` axis of the rollout mesh, equals HF transformers' greedy generation."""
+`expert` axis of the rollout mesh, equals HF transformers' greedy generation (with "megablox": expert
+parallelism through the kernels, in the Pallas interpreter)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.rollout.test_engine_hf import ENGINE, MAX_NEW, PROMPTS, _assert_same_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+@pytest.mark.parametrize("dispatch", ["dense", "grouped", "megablox_interpret"])
 def test_moe_greedy_matches_transformers(dispatch, tmp_path):
     path, torch_model = str(tmp_path), make_moe_checkpoint(tmp_path)
     mesh = sharding.make_mesh(jax.devices()[:8], {"expert": 4, "tensor": 2})
