@@ -60,7 +60,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.rollout.slots = 128  # concurrent decodes per slice
         c.coordinator.train_batch_size = 256  # TBS samples per training step (16 prompts)
         c.coordinator.rollout_batch_size = 512  # RBS samples in flight (= 4 x 128 slots)
-        c.trainer.micro_batch_size = 8  # rows per forward/backward (2 per FSDP shard)
+        # rows per forward/backward: one per chip, so that the expert-parallel chips take rows too
+        # (batch over fsdp x expert; with 8 rows each expert group would compute the same 8)
+        c.trainer.micro_batch_size = 16
         # token budget: 2K positions per chip (64 rows of 512, 8 of 4K); the 7B's 4K per chip needs
         # 53 GiB of temporaries here (tpu_compile): the peak would leave less than 10% of HBM spare
         c.trainer.micro_batch_tokens = 32768

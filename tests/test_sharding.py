@@ -55,6 +55,11 @@ def test_rule_table_specs():
     )
     with pytest.raises(ValueError, match=r"logical axis 'bogus' has no rule"):
         sharding.logical_to_spec(("bogus",), (4,), mesh, rules)
+    # rows over data x fsdp x expert; as many leading axes as divide them
+    moe = sharding.make_mesh(jax.devices()[:8], {"fsdp": 2, "expert": 4})
+    assert sharding.logical_to_spec(("batch", "length"), (16, 8), moe, rules) == P(("fsdp", "expert"), None)
+    assert sharding.logical_to_spec(("batch", "length"), (6, 8), moe, rules) == P("fsdp", None)
+    assert sharding.logical_to_spec(("batch", "length"), (3, 8), moe, rules) == P(None, None)
 
 
 def _forward(graphdef, params, ids):

@@ -36,6 +36,7 @@ from flax.core import spmd
 from jax.sharding import PartitionSpec
 
 from dora_jax.models.config import ATTENTION_IMPLEMENTATIONS
+from dora_jax.parallel.sharding import logical_to_spec
 
 _SPLASH_BLOCKS = (512, 256, 128)  # the widest that divides the padded length; 128 = one lane row
 
@@ -68,20 +69,22 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, positions_BT, *, implementation: st
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return kernel(q_BTHD, k_BTKD, v_BTKD)
-    q_spec, kv_spec = _mesh_spec("heads"), _mesh_spec("kv_heads")
+    q_spec, kv_spec = _mesh_spec("heads", q_BTHD.shape[0]), _mesh_spec("kv_heads", q_BTHD.shape[0])
     sharded = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
     return sharded(q_BTHD, k_BTKD, v_BTKD)
 
 
-def _mesh_spec(heads: str) -> PartitionSpec:
-    """The mesh PartitionSpec of a [B, T, heads, D] kernel operand from the logical rules in context."""
+def _mesh_spec(heads: str, rows: int) -> PartitionSpec:
+    """The mesh PartitionSpec of a [B, T, heads, D] kernel operand from the logical rules in context
+    (rows over the batch rule's leading mesh axes that divide them)."""
     rules = dict(spmd.get_logical_axis_rules())
     if not rules:
         raise ValueError(
             "a Pallas attention kernel on a mesh of several devices needs the logical axis rules in "
             "context (`with nnx.logical_axis_rules(rules):`) to place its operands"
         )
-    return PartitionSpec(rules.get("batch"), None, rules.get(heads), None)
+    batch = logical_to_spec(("batch",), (rows,), jax.sharding.get_abstract_mesh(), tuple(rules.items()))[0]
+    return PartitionSpec(batch, None, rules.get(heads), None)
 
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS):

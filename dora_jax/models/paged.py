@@ -36,6 +36,7 @@ from flax.core import spmd
 from jax.sharding import PartitionSpec
 
 from dora_jax.models.attention import resolve_implementation
+from dora_jax.parallel.sharding import logical_to_spec
 
 PAGED_KV_AXES = (None, None, "kv_heads", "head_dim")  # each layer's pool [P, N, C, D]
 SCRATCH_PAGE = 0
@@ -226,7 +227,8 @@ def _kernel_on_mesh(q_BHD, kv_PNCD, page_table_BM, positions_B):
             "the paged attention kernel on a mesh of several devices needs the logical axis rules in "
             "context (`with nnx.logical_axis_rules(rules):`) to place its operands"
         )
-    batch, heads, kv_heads = rules.get("batch"), rules.get("heads"), rules.get("kv_heads")
+    heads, kv_heads = rules.get("heads"), rules.get("kv_heads")
+    batch = logical_to_spec(("batch",), (q_BHD.shape[0],), mesh, tuple(rules.items()))[0]
     sharded = jax.shard_map(
         kernel_attend,
         mesh=mesh,

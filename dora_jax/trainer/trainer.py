@@ -225,17 +225,21 @@ class Trainer:
         self._nonfinite_in_a_row = 0
         self._schedule = make_schedule(config.optimizer_config())
         self.trace_counts: collections.Counter[str] = collections.Counter()
-        # The mesh axes that "batch" maps to (asked with a size every axis divides).
-        batch_axes = logical_to_spec(("batch",), (mesh.devices.size,), mesh, rules)[0]
+        # The mesh axes rows are split over: the "batch" rule's leading axes that divide the
+        # micro-batch (`expert` takes rows too when micro_batch_size is a multiple of data x fsdp
+        # x expert; data x fsdp must divide it).
+        every = np.atleast_1d(logical_to_spec(("batch",), (mesh.devices.size,), mesh, rules)[0] or ())
+        needed = int(np.prod([mesh.shape[a] for a in every if a != "expert"]))
+        if config.micro_batch_size % needed:
+            raise ValueError(
+                f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the mesh's "
+                f"{needed} batch shards"
+            )
+        batch_axes = logical_to_spec(("batch",), (config.micro_batch_size,), mesh, rules)[0]
+        shards = int(np.prod([mesh.shape[a] for a in np.atleast_1d(batch_axes or ())]))
         # Every program traces the model under the mesh and rules: activations laid out by their
         # logical axes (rows over the batch axes), the attention kernel mapped over the devices.
         self._layout = functools.partial(activation_layout, mesh, rules)
-        shards = 1 if batch_axes is None else int(np.prod([mesh.shape[a] for a in np.atleast_1d(batch_axes)]))
-        if config.micro_batch_size % shards:
-            raise ValueError(
-                f"trainer.micro_batch_size={config.micro_batch_size} must be a multiple of the mesh's "
-                f"{shards} batch shards"
-            )
         self._rows_UMC = NamedSharding(mesh, PartitionSpec(None, None, batch_axes))
         self._rows_UMCT = NamedSharding(mesh, PartitionSpec(None, None, batch_axes, None))
         self._replicated = replicated(mesh)
