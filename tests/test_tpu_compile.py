@@ -112,15 +112,21 @@ def test_moe_expert_projections_compile_to_the_megablox_kernels():
     the compiler expands the experts' weight gradients densely over every expert (XLA counts more
     than twice what is due); with "megablox" every expert projection is a megablox kernel under
     expert parallelism and XLA's count (the kernels' own cost estimates included) falls to under
-    half of grouped's, for the same work due."""
+    half of grouped's, for the same work due. The rollout role (a slice of tensor 2: the experts'
+    width split) compiles every engine program with the kernels placed per device too."""
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
     steps = {}
     for dispatch in ("grouped", "megablox"):
         c = _config(moe_dispatch=dispatch, **moe)
         with c.unlocked():
             c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 1, "expert": 2})
-        result = aot.compile_roles(run_config.parse(c), None, "v5e:2x2", roles=("trainer",))
+            c.rollout.num_slices = 1
+            c.mesh.rollout = ml_collections.ConfigDict({"tensor": 2})
+        roles = ("trainer", "rollout") if dispatch == "megablox" else ("trainer",)
+        result = aot.compile_roles(run_config.parse(c), None, "v5e:2x2", roles=roles)
         assert result["fits"] is True
+        for role in result["roles"]:
+            assert [p["name"] for p in role["programs"] if "error" in p] == []
         steps[dispatch] = result["roles"][0]["programs"][0]
     grouped, megablox = steps["grouped"], steps["megablox"]
     assert grouped["name"] == megablox["name"] == "train_step[B=8,U=1,M=1,C=8,T=32]"

@@ -94,8 +94,9 @@ ROW_TILE, FEATURE_TILE = 512, 1024  # the megablox tiles: assignment rows, and i
 def _tile(d: int) -> int:
     """The feature tile for a dimension of d: all of it up to FEATURE_TILE, else the widest of
     1024 / 512 / 256 / 128 that divides it (128: a TPU lane row; the kernel masks a ragged end).
-    Each row tile re-reads its expert's [tile, tile] weight block, so wide tiles read the weights
-    fewer times (with 128-wide tiles the 30B's expert weights were read 4-6x more)."""
+    Each row tile re-reads its expert's weight block, so wide tiles read the weights fewer times:
+    one 30B layer's expert projections (forward and backward, compiled for a v5p chip) count
+    86.2 GB of accesses with 128-wide tiles, 43.8 GB with these (XLA's cost analysis)."""
     if d <= FEATURE_TILE:
         return d
     return next((t for t in (1024, 512, 256) if d % t == 0), 128)
@@ -145,7 +146,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def local_experts(x_NE, weights_NK, experts_NK, gate_xEM, up_xEM, down_xME, *, num_experts: int, first, interpret):
-    """ "grouped" in the megablox kernels, over the x experts [first, first + x) of `num_experts`
+    """The "grouped" computation in the megablox kernels, over the x experts [first, first + x) of `num_experts`
     whose weights are given: tokens routed elsewhere contribute zero (another device adds them)."""
     N, K = experts_NK.shape
     A = N * K

@@ -258,7 +258,8 @@ def _prefill_step(
             )
         )
     positions_1T = (start + jnp.arange(T, dtype=jnp.int32))[None]
-    logits_1TV, cache = model(tokens_T[None], positions_1T, cache=cache)
+    with sharding_lib.activation_layout(mesh, rules):  # the Pallas kernels (megablox) place their operands by it
+        logits_1TV, cache = model(tokens_T[None], positions_1T, cache=cache)
     logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], true_length - 1, keepdims=True)
     end = start + true_length
     token_1, logp_1, sample_logp_1 = _pick(
@@ -348,12 +349,10 @@ def _generate_step(
 ):
     """One decode step; paged, `table_BM` is every slot's page table (a live-pages bucket wide)."""
     model = nnx.merge(graphdef, params)
-    if table_BM is None:
-        logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=state.cache)
-    else:  # the paged kernel places its operands by the rules in context
-        with sharding_lib.activation_layout(mesh, rules):
-            cache = PagedKVCache(state.cache, table_BM)
-            logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=cache)
+    # the Pallas kernels (paged attention, megablox) place their operands by the rules in context
+    with sharding_lib.activation_layout(mesh, rules):
+        cache = state.cache if table_BM is None else PagedKVCache(state.cache, table_BM)
+        logits_B1V, cache = model(state.token_B[:, None], state.position_B[:, None], cache=cache)
     next_B = state.position_B + 1
     tokens_B, logp_B, sample_logp_B = _pick(
         logits_B1V[:, 0],
