@@ -27,9 +27,10 @@ expert 2: with the experts split over an `expert` axis every decode step all-gat
 count for one layer's step: 1.74 GB per chip, against 0.94 GB with each expert's width split over
 4 chips; tpu_compile of a 1- and a 2-layer model, this session).
 Trainer: 30.5B params x 12 bytes (fp32 params, AdamW moments) + a bf16 version = 28.65 GiB per
-chip over 16; token-budget micro-batches of 32K positions (2K per chip), the experts' weight
-gradients in the megablox kernel. `python -m dora_jax.tpu_compile` (README, "Compiling for the
-pod"): peak 64.87 of 95 GiB per chip. The router stays as trained
+chip over 16; rows over fsdp x expert (one per chip at least), token-budget micro-batches of 32K
+positions (64 rows of 512; rows of 4K and longer one per chip), expert parallelism in the megablox
+kernels. `python -m dora_jax.tpu_compile` (README, "Compiling for the pod"): peak 76.86 of 95 GiB
+per chip (`grad[rows=16,T=9216]`). The router stays as trained
 (no auxiliary load-balancing loss), as RL fine-tuning recipes do. Everything not set here (task,
 loss, optimizer, pod zone and types, K) is configs/qwen2_5_7b_dapo.py's.
 """
@@ -63,8 +64,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # rows per forward/backward: one per chip, so that the expert-parallel chips take rows too
         # (batch over fsdp x expert; with 8 rows each expert group would compute the same 8)
         c.trainer.micro_batch_size = 16
-        # token budget: 2K positions per chip (64 rows of 512, 8 of 4K); the 7B's 4K per chip needs
-        # 53 GiB of temporaries here (tpu_compile): the peak would leave less than 10% of HBM spare
+        # token budget: 2K positions per chip (64 rows of 512; 4K rows and longer take one per chip);
+        # the 7B's 65536 needed 53 GiB of temporaries here (tpu_compile, before expert parallelism)
         c.trainer.micro_batch_tokens = 32768
         c.pod.name = "dora-qwen3-30b-a3b"  # nodes: NAME-trainer, NAME-rollout-0 ... NAME-rollout-3
         c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen3_30b_a3b"  # shared run directory and param versions
