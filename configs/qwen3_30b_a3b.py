@@ -25,7 +25,8 @@ weights 61 GB / 4 chips = 15 GB per chip; KV 48 layers x 4 KV heads x 128 x 2 (K
 left after the weights, capped at 128 slots x 9216 tokens = 29 GB per chip. Tensor 4, not tensor 2 x
 expert 2: with the experts split over an `expert` axis every decode step all-gathered them (XLA's
 count for one layer's step: 1.74 GB per chip, against 0.94 GB with each expert's width split over
-4 chips; tpu_compile of a 1- and a 2-layer model, this session).
+4 chips; tpu_compile of a 1- and a 2-layer model, measured before the experts' expert parallelism
+in the megablox kernels, which keeps the experts split and gathers the tokens instead).
 Trainer: 30.5B params x 12 bytes (fp32 params, AdamW moments) + a bf16 version = 28.65 GiB per
 chip over 16; rows over fsdp x expert (one per chip at least), token-budget micro-batches of 32K
 positions (64 rows of 512; rows of 4K and longer one per chip), expert parallelism in the megablox
@@ -52,9 +53,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.hidden_size = 2048  # embed width
         c.model.intermediate_size = 6144  # dense SwiGLU width (unused: every layer is MoE, 768 wide per expert)
         c.model.num_heads = 32  # query heads
-        # experts' weight gradients through the megablox kernel (dora_jax.models.moe): with "grouped"
-        # the TPU compiler expands them densely over all 128 experts (XLA's estimate for one 32K-token
-        # micro-batch: 3,941 TFLOP per chip, 8.6 s)
+        # expert parallelism, every expert projection in the megablox kernels (dora_jax.models.moe):
+        # with "grouped" the TPU compiler expands the weight gradients densely over all 128 experts
+        # (XLA's estimate for one 32K-token micro-batch: 3,941 TFLOP per chip, 8.6 s)
         c.model.moe_dispatch = "megablox"
         c.mesh.trainer = ml_collections.ConfigDict({"fsdp": 4, "expert": 4})  # the 16 chips of the v5p-32
         c.mesh.rollout = ml_collections.ConfigDict({"tensor": 4})  # the 4 chips of a v5p-8 (experts' width split)

@@ -70,7 +70,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the K routing weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense SwiGLU instead)
-    moe_dispatch: str = "grouped"  # "dense" | "grouped" | "megablox" (TPU training): same numbers (models.moe)
+    moe_dispatch: str = "grouped"  # "dense" | "grouped" | "megablox" (TPU: expert parallel): same numbers (models.moe)
     # Full-forward attention kernel (dora_jax.models.attention): "auto" (splash on TPU, cuDNN on
     # GPU, the reference on CPU) | "reference" | "xla" | "cudnn" | "pallas_tpu" | "pallas_interpret".
     attention: str = "auto"

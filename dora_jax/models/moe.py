@@ -171,10 +171,11 @@ def _mesh_axes(target) -> tuple[str, ...]:
 def megablox_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *, interpret: bool):
     """The megablox kernels for every expert projection (forward, input and weight gradients). On
     a mesh (`jax.set_mesh`, with the logical rules in context) this is expert parallelism: the
-    tokens are split over every device; the devices that share an expert block (`expert`) and
-    an expert-width slice (`mlp`) all-gather their tokens, each routes and sorts only those,
-    computes its own experts' slice, and the partial outputs are reduce-scattered back to the
-    devices the tokens came from. No device routes or multiplies another batch shard's tokens."""
+    tokens are split over the batch axes and the axes the experts (`expert`) and their width
+    (`mlp`) are split over; the devices that share a batch shard, each holding other experts or
+    another width slice, all-gather its tokens, each routes and sorts only those, computes its own
+    experts' slice, and the partial outputs are reduce-scattered back to the devices the tokens
+    came from. No device routes or multiplies another batch shard's tokens."""
     X, M = gate_XEM.shape[0], gate_XEM.shape[2]
     local = functools.partial(local_experts, num_experts=X, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
@@ -188,13 +189,13 @@ def megablox_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *
         )
 
     def split(name, size):  # the mesh axes a weight dimension is split over (as logical_to_spec places it)
-        axes = tuple(a for a in _mesh_axes(rules.get(name)) if mesh.shape[a] > 1)
+        axes = tuple(a for a in _mesh_axes(rules.get(name)) if mesh.shape.get(a, 1) > 1)
         return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
     expert_axes, mlp_axes = split("expert", X), split("mlp", M)
     mlp_axes = tuple(a for a in mlp_axes if a not in expert_axes)
     shared = expert_axes + mlp_axes  # devices along these hold one batch shard's tokens between them
-    batch = tuple(a for a in _mesh_axes(rules.get("batch")) if mesh.shape[a] > 1 and a not in shared)
+    batch = tuple(a for a in _mesh_axes(rules.get("batch")) if mesh.shape.get(a, 1) > 1 and a not in shared)
     tokens = batch + shared
     N = x_NE.shape[0]
     pad = -N % math.prod(mesh.shape[a] for a in tokens)  # padded tokens weigh 0

@@ -155,9 +155,10 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Lays out an activation by its logical axis `names`, through the mesh (`jax.set_mesh`) and the
-    rule table (`nnx.logical_axis_rules`) the caller traces under; without both, `x` as it is (the
-    single-device paths, the rollout engine). A dimension whose rule's mesh axis an earlier one took
-    stays whole: with batch over (data, fsdp), `embed` (fsdp for params) is not split again."""
+    rule table (`nnx.logical_axis_rules`) the caller traces under (`activation_layout`: the trainer's
+    programs and the rollout engine's); without both, `x` as it is. A dimension whose rule's mesh
+    axis an earlier one took stays whole: with batch over (data, fsdp), `embed` (fsdp for params) is
+    not split again."""
     from flax.core import spmd
 
     mesh, rules = jax.sharding.get_abstract_mesh(), spmd.get_logical_axis_rules()
@@ -169,7 +170,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 @contextlib.contextmanager
 def activation_layout(mesh: Mesh, rules: Rules):
     """Inside a traced function: the mesh and rule table by which `constrain` lays activations
-    out and the Pallas attention kernel is mapped over devices (dora_jax.models.attention)."""
+    out and the Pallas kernels (attention, paged attention, megablox) are mapped over devices."""
     from flax.core import spmd
 
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), spmd.logical_axis_rules(rules):

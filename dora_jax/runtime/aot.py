@@ -335,9 +335,9 @@ class Program:
     lower: Callable[[], jax.stages.Lowered]
     trips: int = 1  # scan trips XLA's cost analysis counts once
     model_flops: float | None = None  # per chip, per call
-    opaque_flops: float = 0.0  # per chip, per call: inside Pallas kernels, which XLA's cost model cannot see
+    opaque_flops: float = 0.0  # per chip, per call: inside the splash kernel, which XLA's cost model cannot see
     cost: bool = True  # False: memory only (XLA's cost would count a scanned block once)
-    hardware_flops: float | None = None  # per chip, per call: the matmul flops XLA's own ops must do
+    hardware_flops: float | None = None  # per chip, per call: the matmul flops due outside the attention kernel
 
 
 def attention_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool) -> float:
@@ -354,7 +354,8 @@ def hardware_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward:
     """Flops XLA's own ops must do (outside a Pallas attention kernel when `kernel`): the matmuls
     (and attention where no kernel holds it) forward; with `backward`, twice more for the input
     and weight gradients, plus the forward again where `model.remat` recomputes it ("full": every
-    matmul; "dots": attention's batched ones). The megablox expert kernels count here: XLA reads
+    matmul; "dots": attention's batched ones and the experts' projections, which are no
+    `dot_general`: ragged dots or Pallas calls). The megablox expert kernels count here: XLA reads
     their cost estimates (2 x rows x in x out a call, over every row handed to the kernel: with
     expert parallelism over P devices, P times the rows of the device's own experts)."""
     tokens = rows * length
@@ -362,7 +363,9 @@ def hardware_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward:
     attention = 0.0 if kernel else 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * tokens
     if not backward:
         return matmul + attention
-    again = {"none": 0.0, "dots": attention, "full": matmul + attention}[cfg.remat]
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    experts = 2.0 * layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok * tokens
+    again = {"none": 0.0, "dots": attention + experts, "full": matmul + attention}[cfg.remat]
     return 3.0 * (matmul + attention) + again
 
 
@@ -485,7 +488,7 @@ def compile_program(program: Program, chip: Chip | None, log=print, probes=None)
         scan_trips=program.trips,
     )
     if program.opaque_flops and seconds is not None and chip is not None:
-        # XLA's cost model sees none of a Pallas kernel's work: it is added at the chip's peak.
+        # XLA's cost model sees none of the splash kernel's work: it is added at the chip's peak.
         kernel_s = program.opaque_flops * program.trips / chip.peak_flops
         record.update(kernel_flops=program.opaque_flops * program.trips, kernel_s=kernel_s)
         record["estimated_s"] = seconds = seconds + kernel_s
