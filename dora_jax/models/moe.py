@@ -44,6 +44,7 @@ from flax.core import spmd
 from jax.sharding import PartitionSpec
 
 from dora_jax.models.params import normal, param
+from dora_jax.parallel.sharding import logical_to_spec
 
 DISPATCHES = ("dense", "grouped", "megablox", "megablox_interpret")
 
@@ -176,7 +177,7 @@ def megablox_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *
     another width slice, all-gather its tokens, each routes and sorts only those, computes its own
     experts' slice, and the partial outputs are reduce-scattered back to the devices the tokens
     came from. No device routes or multiplies another batch shard's tokens."""
-    X, M = gate_XEM.shape[0], gate_XEM.shape[2]
+    X = gate_XEM.shape[0]
     local = functools.partial(local_experts, num_experts=X, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
@@ -188,14 +189,12 @@ def megablox_experts(x_NE, weights_NK, experts_NK, gate_XEM, up_XEM, down_XME, *
             "(`with nnx.logical_axis_rules(rules):`) to place its operands"
         )
 
-    def split(name, size):  # the mesh axes a weight dimension is split over (as logical_to_spec places it)
-        axes = tuple(a for a in _mesh_axes(rules.get(name)) if mesh.shape.get(a, 1) > 1)
-        return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-
-    expert_axes, mlp_axes = split("expert", X), split("mlp", M)
-    mlp_axes = tuple(a for a in mlp_axes if a not in expert_axes)
+    table = tuple(rules.items())
+    placed = logical_to_spec(("expert", "embed", "mlp"), gate_XEM.shape, mesh, table)  # as the weights lie
+    expert_axes, mlp_axes = _mesh_axes(placed[0]), _mesh_axes(placed[2])
     shared = expert_axes + mlp_axes  # devices along these hold one batch shard's tokens between them
-    batch = tuple(a for a in _mesh_axes(rules.get("batch")) if mesh.shape.get(a, 1) > 1 and a not in shared)
+    every = _mesh_axes(logical_to_spec(("batch",), (mesh.size,), mesh, table)[0])
+    batch = tuple(a for a in every if a not in shared)
     tokens = batch + shared
     N = x_NE.shape[0]
     pad = -N % math.prod(mesh.shape[a] for a in tokens)  # padded tokens weigh 0
