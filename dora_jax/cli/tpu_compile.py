@@ -7,14 +7,18 @@ DIR/compile.json (per role: chips, HBM capacity, resident and peak bytes per chi
 fits; per program: XLA's memory and cost figures and an estimated time), prints a table, and
 exits 1 naming the program and the bytes when a role does not fit. `--target=local` compiles for
 this machine's own devices (a TPU VM); `--target=v5e:2x2` for one host of that topology.
-Needs libtpu for TPU topologies: pip install -e ".[tpu]".
+With `--jobs=2` (the default) the two roles compile at once, each in its own process: the TPU
+compiler runs one program at a time per process (two threads crash libtpu) and leaves cores idle
+in its serial passes. Needs libtpu for TPU topologies: pip install -e ".[tpu]".
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import threading
 
 from absl import app, flags
 
@@ -34,6 +38,9 @@ ESTIMATE_LENGTHS = flags.DEFINE_list(
     "2 unrolled blocks); default: the width nearest 4096",
 )
 ROLES = flags.DEFINE_list("roles", ["trainer", "rollout"], "roles to compile")
+JOBS = flags.DEFINE_integer(
+    "jobs", 2, "roles compiled at once, each in its own process (1: one after the other in this process)"
+)
 
 
 def main(argv):
@@ -57,6 +64,19 @@ def main(argv):
         with open(path, "w") as f:
             json.dump({"config": cli.config_as_json(config_dict), **result}, f, indent=1)
 
+    if JOBS.value < 1:
+        raise app.UsageError(f"--jobs={JOBS.value}; expected 1 or more")
+    if JOBS.value > 1 and len(ROLES.value) > 1 and TARGET.value != "local":  # a TPU VM's chips take one process
+        try:
+            run_config.parse(config_dict)  # a bad config is named once, here
+        except ValueError as err:
+            print(f"tpu_compile: {err}", file=sys.stderr)
+            sys.exit(2)
+        result = _roles_in_processes(ROLES.value, JOBS.value, write)
+        if result is None:
+            sys.exit(2)
+        _finish(result, path, aot)
+        return
     try:
         config = run_config.parse(config_dict)
         lengths = tuple(int(n) for n in TRAIN_LENGTHS.value)
@@ -75,12 +95,59 @@ def main(argv):
         print(f"tpu_compile: {err}", file=sys.stderr)
         sys.exit(2)
     write(result)
+    _finish(result, path, aot)
+
+
+def _finish(result: dict, path: str, aot) -> None:
     print(aot.table(result))
     print(f"wrote {path}")
     problems = aot.does_not_fit(result)
     for line in problems:
         print(f"tpu_compile: {line}", file=sys.stderr)
     sys.exit(1 if problems else 0)
+
+
+def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
+    """Each role compiled by `python -m dora_jax.tpu_compile --roles=ROLE` in a process of its own,
+    `jobs` at a time, their progress lines prefixed with the role; their records merged in the
+    order of `roles` (compile.json is rewritten as each finishes). None when one failed (its
+    error has been printed)."""
+    from dora_jax.runtime.aot import result_of
+
+    base = [a for a in sys.argv[1:] if not a.startswith(("--roles", "--out", "--jobs"))]
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # each process loads libtpu
+    records: dict[str, list] = {}
+    failed = []
+    lock = threading.Lock()
+
+    def compile_one(role: str) -> None:
+        out = os.path.join(OUT.value, f"role-{role}")
+        argv = [sys.executable, "-m", "dora_jax.tpu_compile", *base, f"--roles={role}", f"--out={out}", "--jobs=1"]
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for line in child.stderr:
+            print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
+        if child.wait() not in (0, 1):  # 1: compiled, does not fit (the merged result says so)
+            with lock:
+                failed.append(role)
+            return
+        with open(os.path.join(out, "compile.json")) as f:
+            roles_done = json.load(f)["roles"]
+        with lock:
+            records[role] = roles_done
+            write(result_of([r for name in roles for r in records.get(name, [])]))
+
+    pending = list(roles)
+    while pending:
+        threads = [threading.Thread(target=compile_one, args=(role,)) for role in pending[:jobs]]
+        pending = pending[jobs:]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failed:
+        print(f"tpu_compile: --roles={','.join(failed)} failed (above)", file=sys.stderr)
+        return None
+    return result_of([record for role in roles for record in records[role]])
 
 
 def run() -> None:

@@ -745,13 +745,14 @@ def compile_roles(
                 compile_role(config, plan, cfg, train_lengths=train_lengths, estimate_lengths=estimate_lengths, log=log)
             )
             if on_role is not None:
-                on_role(_result(records))
+                on_role(result_of(records))
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
-    return _result(records)
+    return result_of(records)
 
 
-def _result(records: list[dict]) -> dict:
+def result_of(records: list[dict]) -> dict:
+    """compile.json's content (without \"config\") for these role records."""
     return {"roles": records, "fits": all(r["fits"] is not False for r in records)}
 
 
