@@ -99,6 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.kv_memory_fraction = 0.8  # the pool's share of chip memory left after the weights
     c.rollout.migration = "auto"  # a migrated request moves its KV or is re-prefilled, whichever costs less
     c.rollout.kv_link_bytes_per_s = 1.0e9  # slice to slice, bytes/s (assumed; measured moves replace it)
+    c.rollout.min_prefill_bucket = 0  # smallest prefill bucket (0: the page size): 64, 128, ..., 1024
 
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.k_max = 2  # K: most versions a consumed trajectory may lag the trainer

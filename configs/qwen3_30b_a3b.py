@@ -68,6 +68,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # token budget: 2K positions per chip (64 rows of 512; 4K rows and longer take one per chip);
         # the 7B's 65536 needed 53 GiB of temporaries here (tpu_compile, before expert parallelism)
         c.trainer.micro_batch_tokens = 32768
+        # micro-batches of 1K positions and up (1024 x 2^k, then 9216): a row of 512 or fewer (a
+        # reasoning model's prompt plus a short answer: rare) pays for 1024, and the trainer compiles
+        # 5 gradient and 5 recompute programs instead of 6 and 6 (82 s less of tpu_compile here)
+        c.trainer.pad_to = 1024
+        c.trainer.length_bucket = 1024
+        # prefill buckets 256, 512, 1024: the decode weights dominate a short prefill (tpu_compile:
+        # prefill[T=64] 15.3 ms, [T=128] 16.2 ms, [T=256] 18.2 ms), and 2 fewer prefill programs of
+        # 48 MoE layers compile (110 s here)
+        c.rollout.min_prefill_bucket = 256
         c.pod.name = "dora-qwen3-30b-a3b"  # nodes: NAME-trainer, NAME-rollout-0 ... NAME-rollout-3
         c.pod.workdir = "gs://YOUR_BUCKET/dora/qwen3_30b_a3b"  # shared run directory and param versions
         c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen3-30B-A3B"  # copied to model.hf_path at setup

@@ -5,15 +5,18 @@ import os
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "smoke.py")
 
 
-def tiny_config(mode: str, steps: int = 4):
+def smoke_config():
+    """configs/smoke.py's config, as `--config=configs/smoke.py` gives it."""
     import importlib.util
-
-    from ml_collections import config_flags  # noqa: F401  (configs are plain modules)
 
     spec = importlib.util.spec_from_file_location("smoke", CONFIG)
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)
-    c = smoke.get_config()
+    return smoke.get_config()
+
+
+def tiny_config(mode: str, steps: int = 4):
+    c = smoke_config()
     with c.unlocked():
         c.mode = mode
         c.num_steps = steps

@@ -214,6 +214,36 @@ def test_the_command_names_a_bad_target_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # both roles of the smoke model compiled twice: ~1 min on 2 cores
+def test_the_command_compiles_the_roles_in_two_processes_as_one_process_does(tmp_path):
+    """--jobs=2 (the default): each role in a process of its own, progress lines prefixed with the
+    role; compile.json holds the roles in order with the records `compile_roles` makes in one process."""
+    from tests.helpers import CONFIG, smoke_config
+
+    overrides = {"rollout.num_slices": 2, "trainer.length_bucket": 0}  # 2 + 2 chips; one train step shape
+    result = subprocess.run(
+        [sys.executable, "-m", "dora_jax.tpu_compile", f"--config={CONFIG}", f"--out={tmp_path}", "--target=v5e:2x2"]
+        + [f"--config.{field}={value}" for field, value in overrides.items()],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[trainer]   train_step[" in result.stderr and "[rollout]   generate" in result.stderr
+    with open(tmp_path / "compile.json") as f:
+        written = json.load(f)
+    c = smoke_config()
+    with c.unlocked():
+        c.update_from_flattened_dict(overrides)
+    expected = aot.compile_roles(run_config.parse(c), None, "v5e:2x2", log=lambda line: None)
+    assert written["fits"] is True and [r["role"] for r in written["roles"]] == ["trainer", "rollout"]
+    for ours, theirs in zip(written["roles"], expected["roles"], strict=True):
+        assert [p["name"] for p in ours["programs"]] == [p["name"] for p in theirs["programs"]]
+        assert ours["peak_bytes_per_chip"] == theirs["peak_bytes_per_chip"]
+        for a, b in zip(ours["programs"], theirs["programs"], strict=True):
+            assert (a["temp_bytes"], a["flops"]) == (b["temp_bytes"], b["flops"]), a["name"]
+
+
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
 def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel():
     """A model whose heads are 128 wide decodes with the TPU kernel: one page-table width (the

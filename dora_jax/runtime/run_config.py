@@ -66,6 +66,9 @@ class RolloutSpec:
     kv_memory_fraction: float = 0.8
     migration: str = "auto"  # how a migrated in-flight request moves: "auto" (the cheaper), "kv", "reprefill"
     kv_link_bytes_per_s: float = 0.0  # the slices' link before a KV move is measured (0: unknown)
+    # smallest prefill bucket, a power of two (0: the page size, at least 16); fewer buckets, fewer
+    # programs to compile, at the cost of padding short prompts to it
+    min_prefill_bucket: int = 0
 
     def migration_costs(self):
         """A slice's migration rule (dora_jax.rollout.migration.MigrationCosts), fresh per worker:
@@ -86,7 +89,7 @@ class RolloutSpec:
             max_prefill_length=self.max_prefill_length,
             sampling_filters=s.top_k > 0 or s.top_p < 1,
             # Prefixes are written page by page: the smallest bucket holds whole pages.
-            min_prefill_bucket=min(max(16, self.page_size), self.max_prefill_length),
+            min_prefill_bucket=min(self.min_prefill_bucket or max(16, self.page_size), self.max_prefill_length),
             page_size=self.page_size,
             num_pages=self.kv_pages,
             kv_memory_fraction=self.kv_memory_fraction,
@@ -189,7 +192,14 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         float(r.get("kv_memory_fraction", 0.8)),
         str(r.get("migration", "auto")),
         float(r.get("kv_link_bytes_per_s", 0.0)),
+        int(r.get("min_prefill_bucket", 0)),
     )
+    smallest = rollout.min_prefill_bucket
+    if smallest and (smallest < max(1, rollout.page_size) or smallest & (smallest - 1)):
+        raise ValueError(
+            f"rollout.min_prefill_bucket={smallest}; expected 0 (the page size) or a power of two >= "
+            f"rollout.page_size={rollout.page_size}"
+        )
     rollout.migration_costs()  # a bad policy or rate fails here, naming the field
     if rollout.heartbeat_timeout_s <= 0:
         raise ValueError(f"rollout.heartbeat_timeout_s={rollout.heartbeat_timeout_s}; expected > 0")

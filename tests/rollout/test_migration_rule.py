@@ -84,6 +84,21 @@ def test_bad_config_names_the_field():
         run_config.parse(c)
 
 
+def test_the_smallest_prefill_bucket_is_a_config_field():
+    from configs import smoke
+
+    c = smoke.get_config()  # page_size 16, max_prefill_length 128
+    assert run_config.parse(c).rollout.engine_config().prefill_buckets == (16, 32, 64, 128)
+    c.rollout.min_prefill_bucket = 64
+    assert run_config.parse(c).rollout.engine_config().prefill_buckets == (64, 128)
+    c.rollout.min_prefill_bucket = 512  # past the largest: the largest alone
+    assert run_config.parse(c).rollout.engine_config().prefill_buckets == (128,)
+    for bad in (48, 8, -16):
+        c.rollout.min_prefill_bucket = bad
+        with pytest.raises(ValueError, match=rf"rollout.min_prefill_bucket={bad}; expected .* power of two >= "):
+            run_config.parse(c)
+
+
 def test_warmup_measures_every_prefill_bucket(paged_engine):
     assert sorted(paged_engine.prefill_seconds) == list(PAGED.prefill_buckets)
     assert all(s > 0 for s in paged_engine.prefill_seconds.values())
