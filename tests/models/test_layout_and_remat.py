@@ -36,8 +36,12 @@ def test_remat_changes_no_number(policy):
     loss0, grads0 = _loss_and_grads(CFG)
     loss1, grads1 = _loss_and_grads(CFG.replace(remat=policy))
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    # The recomputed forward is fused, so summed, in another order: an element summed from terms
+    # that cancel carries the rounding of the terms, not its own. Each leaf's elements agree within
+    # 1e-5 of themselves or 1e-6 of the leaf's largest (8 fp32 ulps there); absolute 1e-7 was
+    # exceeded by one element of 6,144 on this CI machine's CPU (0.0039167 vs 0.0039169).
     for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
 def _count(jaxpr, primitive: str) -> int:
