@@ -215,15 +215,21 @@ def truncate(path: str, length: int) -> None:
         os.truncate(_local(path), length)
 
 
-def open(path: str, mode: str = "r", *, fsync: bool = False) -> IO:  # noqa: A001  (the seam's open)
-    """Modes "r"/"rb": the whole file; "w"/"wb": replaces it (on GCS at close); "a"/"ab": an
-    appender (`write`, `flush(wait=True)`, `close`; `fsync`: local flushes reach the disk)."""
+def open(path: str, mode: str = "r", *, fsync: bool = False, atomic: bool = False) -> IO:  # noqa: A001
+    """Modes "r"/"rb": the whole file; "w"/"wb": replaces it (on GCS whole, at close); "a"/"ab":
+    an appender (`write`, `flush(wait=True)`, `close`; `fsync`: local flushes reach the disk).
+    `atomic` ("w"/"wb"): a local file is replaced whole at close too, by a rename, so that another
+    process reading it sees the old content or the new, never a part, and a write that raises
+    leaves the old; without it the file is rewritten in place (an appender another part of the
+    run holds open on it keeps writing to it)."""
     if mode not in ("r", "rb", "w", "wb", "a", "ab"):
         raise ValueError(f"mode {mode!r}: expected r, rb, w, wb, a or ab")
     binary = mode.endswith("b")
     if not is_remote(path):
         if mode.startswith("a"):
             return _LocalAppender(_local(path), binary=binary, fsync=fsync)
+        if mode.startswith("w") and atomic:
+            return _LocalReplacer(_local(path), binary=binary)
         return builtins.open(_local(path), mode, **({} if binary else {"encoding": "utf-8"}))
     if mode.startswith("r"):
         raw = io.BytesIO(read_bytes(path))
@@ -260,6 +266,44 @@ class _LocalAppender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _LocalReplacer:
+    """A local file written beside its path and renamed over it at close (`open(atomic=True)`), as
+    a GCS object is replaced at close: another process reading it (the weights server's address
+    file, rewritten at every offer) never sees it empty or cut."""
+
+    def __init__(self, path: str, *, binary: bool):
+        self.path, self._temp = path, f"{path}.{os.getpid()}.{id(self)}.tmp"
+        self._file = builtins.open(self._temp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"}))
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def write(self, data):
+        return self._file.write(data)
+
+    def writelines(self, lines) -> None:
+        self._file.writelines(lines)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+            os.replace(self._temp, self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the old content stays
+            self._file.close()
+            os.remove(self._temp)
 
 
 class _ObjectWriter:

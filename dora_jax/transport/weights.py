@@ -105,7 +105,8 @@ class WeightOffer:
         self.bytes_per_version = 0
 
     def _write(self) -> None:
-        with fs.open(self._path, "w") as f:
+        # whole or not at all: every slice reads it while the trainer rewrites it at each offer
+        with fs.open(self._path, "w", atomic=True) as f:
             json.dump({"address": self.address, "versions": list(self._offered)}, f)
 
     def offer(self, version: int, params) -> float:

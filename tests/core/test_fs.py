@@ -18,6 +18,20 @@ def _exercise(root: str) -> None:
     with fs.open(config) as f:
         assert json.load(f) == {"mode": "dora"}
     assert fs.exists(config) and not fs.isdir(config) and fs.size(config) == len('{"mode": "dora"}')
+    # An atomic write is whole: until it closes, readers see the old content; one that raises
+    # leaves the old content (a process polling the file never reads it empty or cut).
+    with fs.open(config, "w", atomic=True) as f:
+        f.write('{"mode": ')
+        f.flush()
+        assert json.loads(fs.read_bytes(config)) == {"mode": "dora"}
+        f.write('"sync"}')
+    with pytest.raises(RuntimeError), fs.open(config, "w", atomic=True) as f:
+        f.write('{"mo')
+        raise RuntimeError("the writer failed mid-file")
+    with fs.open(config) as f:
+        assert json.load(f) == {"mode": "sync"}
+    with fs.open(config, "w") as f:
+        json.dump({"mode": "dora"}, f)
 
     rows = fs.join(root, "metrics.jsonl")
     with fs.open(rows, "a") as f:
