@@ -119,6 +119,7 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
     records: dict[str, list] = {}
     failed = []
     lock = threading.Lock()
+    merged = lambda: result_of([r for role in roles for r in records.get(role, [])])  # noqa: E731
 
     def compile_one(role: str) -> None:
         out = os.path.join(OUT.value, f"role-{role}")
@@ -134,7 +135,7 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
             roles_done = json.load(f)["roles"]
         with lock:
             records[role] = roles_done
-            write(result_of([r for name in roles for r in records.get(name, [])]))
+            write(merged())
 
     pending = list(roles)
     while pending:
@@ -147,7 +148,7 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
     if failed:
         print(f"tpu_compile: --roles={','.join(failed)} failed (above)", file=sys.stderr)
         return None
-    return result_of([record for role in roles for record in records[role]])
+    return merged()
 
 
 def run() -> None:

@@ -229,7 +229,7 @@ def open(path: str, mode: str = "r", *, fsync: bool = False, atomic: bool = Fals
         if mode.startswith("a"):
             return _LocalAppender(_local(path), binary=binary, fsync=fsync)
         if mode.startswith("w") and atomic:
-            return _LocalReplacer(_local(path), binary=binary)
+            return _ObjectWriter(_local(path), binary=binary, store=_replace_local)
         return builtins.open(_local(path), mode, **({} if binary else {"encoding": "utf-8"}))
     if mode.startswith("r"):
         raw = io.BytesIO(read_bytes(path))
@@ -268,49 +268,29 @@ class _LocalAppender:
         self.close()
 
 
-class _LocalReplacer:
-    """A local file written beside its path and renamed over it at close (`open(atomic=True)`), as
-    a GCS object is replaced at close: another process reading it (the weights server's address
-    file, rewritten at every offer) never sees it empty or cut."""
+def _store_object(path: str, data: bytes) -> None:
+    gcs = _fs(path)
+    gcs.pipe_file(path, data)
+    object_log.drop_chunks(gcs, path)  # what was appended before is replaced too
 
-    def __init__(self, path: str, *, binary: bool):
-        self.path, self._temp = path, f"{path}.{os.getpid()}.{id(self)}.tmp"
-        self._file = builtins.open(self._temp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"}))
 
-    @property
-    def closed(self) -> bool:
-        return self._file.closed
-
-    def write(self, data):
-        return self._file.write(data)
-
-    def writelines(self, lines) -> None:
-        self._file.writelines(lines)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-            os.replace(self._temp, self.path)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # the old content stays
-            self._file.close()
-            os.remove(self._temp)
+def _replace_local(path: str, data: bytes) -> None:
+    """Written beside `path`, then renamed over it: another process reading it (the weights
+    server's address file, rewritten at every offer) never sees it empty or cut."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    with builtins.open(temp, "wb") as f:
+        f.write(data)
+    os.replace(temp, path)
 
 
 class _ObjectWriter:
-    """Collects a whole file and stores it as one object at close (GCS objects are written whole)."""
+    """Collects a whole file and stores it at close (GCS objects are written whole; a local file
+    opened with `atomic=True` is renamed over its path): a reader never sees a part, and a write
+    that raises leaves the old content."""
 
-    def __init__(self, path: str, *, binary: bool):
+    def __init__(self, path: str, *, binary: bool, store=None):
         self.path, self._binary, self._parts, self.closed = path, binary, [], False
+        self._store = store or _store_object
 
     def write(self, data):
         self._parts.append(data)
@@ -327,9 +307,7 @@ class _ObjectWriter:
             return
         self.closed = True
         data = b"".join(self._parts) if self._binary else "".join(self._parts).encode("utf-8")
-        gcs = _fs(self.path)
-        gcs.pipe_file(self.path, data)
-        object_log.drop_chunks(gcs, self.path)  # what was appended before is replaced too
+        self._store(self.path, data)
 
     def __enter__(self):
         return self

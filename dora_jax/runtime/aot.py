@@ -752,7 +752,7 @@ def compile_roles(
 
 
 def result_of(records: list[dict]) -> dict:
-    """compile.json's content (without \"config\") for these role records."""
+    """compile.json's content (without "config") for these role records."""
     return {"roles": records, "fits": all(r["fits"] is not False for r in records)}
 
 
