@@ -254,14 +254,23 @@ def _hosts(node: Node) -> tuple[str, ...]:
 
 def start_script(process: Process) -> str:
     """Starts `process` detached, its output in LOG_DIR/<name>.log, its process group id in .pid,
-    its exit status in .exit when it ends (an earlier run's is removed first)."""
+    its exit status in .exit when it ends (an earlier run's is removed first). The .pid file is
+    written once the process leads its own session (setsid has run, for at most 5 s), so a `stop`
+    right after the start finds the group it kills."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in process.env)
     log, pid, code = (f"{LOG_DIR}/{process.name}.{ext}" for ext in ("log", "pid", "exit"))
     command = shlex.quote(f"{shlex.join(process.argv)}; echo $? > {code}")
     return (
         f"cd {SRC_DIR} && mkdir -p {LOG_DIR} && rm -f {code} && "
-        f"{{ {env} setsid nohup sh -c {command} > {log} 2>&1 < /dev/null & echo $! > {pid}; }}"
+        f"{{ {env} setsid nohup sh -c {command} > {log} 2>&1 < /dev/null & p=$!; {SESSION_WAIT} echo $p > {pid}; }}"
     )
+
+
+# Waits until the background process $p leads its session, has ended, or 500 x 10 ms pass.
+SESSION_WAIT = (
+    'i=0; while [ "$(ps -o sid= -p $p 2>/dev/null | tr -d \' \')" != "$p" ] && kill -0 $p 2>/dev/null '
+    "&& [ $i -lt 500 ]; do sleep 0.01; i=$((i+1)); done;"
+)
 
 
 def roles_script() -> str:

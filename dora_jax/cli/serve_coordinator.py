@@ -152,11 +152,9 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
             )
             _log(f"all roles joined; dispatching from version {version}")
             coord.start()
-            while not stop.is_set() and service.generation == generation:
-                coord.process(timeout=0.005)
-                if service.finished.is_set():
-                    _log("the trainer is done: stopping the rollout workers")
-                    return 0
+            if _serve_generation(coord, service, generation, stop):
+                _log("the trainer is done: stopping the rollout workers")
+                return 0
             coord.closed = True  # a rewind: what it posts from now on is never handled
     except Exception as err:  # the run cannot go on: the trainer's next TakeBatch says so
         _log(f"stopping: {type(err).__name__}: {err}")
@@ -171,6 +169,24 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
         ledger.close()
         pool.close()
     return code
+
+
+def _serve_generation(coord, service, generation: int, stop: threading.Event) -> bool:
+    """Runs `coord` until the trainer is done (True), or a stop or a rewind (False). A restarted
+    trainer's rewind fails every rollout port, possibly while `coord` is calling one (the lock is
+    released across a call): the error that raises in this generation belongs to the run that was
+    rewound, so it ends the generation, not the run."""
+    while not stop.is_set() and service.generation == generation:
+        try:
+            coord.process(timeout=0.005)
+        except Exception as err:
+            if service.generation == generation:
+                raise
+            _log(f"generation {generation} ended by the rewind ({type(err).__name__}: {err})")
+            return False
+        if service.finished.is_set():
+            return True
+    return False
 
 
 def _wait_ready(service, stop: threading.Event):

@@ -15,8 +15,8 @@ from pathlib import Path
 import ml_collections
 import pytest
 
+from launch import commands, tpu, tpu_types
 from launch import pod as pod_lib
-from launch import tpu, tpu_types
 from launch.pod import Layout, Role
 from tests.launch.configs import load
 
@@ -71,7 +71,8 @@ def start_command(process_env, module, args, log):
     command = shlex.quote(f".venv/bin/python -m {module} {args}; echo $? > ~/dora_logs/{log}.exit")
     return (
         f"cd ~/dora_jax && mkdir -p ~/dora_logs && rm -f ~/dora_logs/{log}.exit && {{ {process_env} setsid nohup "
-        f"sh -c {command} > ~/dora_logs/{log}.log 2>&1 < /dev/null & echo $! > ~/dora_logs/{log}.pid; }}"
+        f"sh -c {command} > ~/dora_logs/{log}.log 2>&1 < /dev/null & p=$!; {commands.SESSION_WAIT} "
+        f"echo $p > ~/dora_logs/{log}.pid; }}"
     )
 
 
@@ -740,7 +741,6 @@ def test_start_and_roles_scripts_report_exit_status_running_and_gone(monkeypatch
     """The real start script and roles script under bash, with the pod's directories in tmp_path:
     a role that exits 0, one that fails with 3, one still running and one killed by SIGKILL."""
     monkeypatch.undo()
-    from launch import commands
 
     monkeypatch.setattr(commands, "SRC_DIR", str(tmp_path / "src"))
     monkeypatch.setattr(commands, "LOG_DIR", str(tmp_path / "logs"))

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -81,3 +82,44 @@ def test_trainer_cores_split_the_launchers_cores_or_name_the_flag():
     for bad in (2, 3, -1):
         with pytest.raises(ValueError, match=rf"--trainer_cores={bad}; this launcher may use 2 cores \[0, 1\]"):
             role_cores(bad, [0, 1])
+
+
+class _Service:
+    """What the coordinator's serving loop reads of CoordinatorService: the generation and the end."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+        self.finished = threading.Event()
+
+
+class _Coordinator:
+    """process() raises as a coordinator does when every slice's port has failed; with `rewind`, the
+    ports failed because a restarted trainer bumped the service's generation meanwhile."""
+
+    def __init__(self, service: _Service, rewind: bool):
+        self.service, self.rewind, self.calls = service, rewind, 0
+
+    def process(self, timeout: float) -> None:
+        self.calls += 1
+        if self.calls < 3:
+            return
+        if self.rewind:
+            self.service.generation += 1
+        raise RuntimeError("every rollout slice has failed (last: slice 0: load_version failed: PortError)")
+
+
+def test_an_error_of_a_rewound_generation_ends_the_generation_not_the_run():
+    """A restarted trainer's rewind fails every rollout port, possibly while the coordinator is calling
+    one: what that raises belongs to the rewound generation, so the serving loop goes on to the next
+    (test_launch_local's trainer restart stopped the run on it in CI). An error while the generation is
+    live still stops the run, and the trainer's end ends it."""
+    from dora_jax.cli import serve_coordinator
+
+    service = _Service(generation=3)
+    coord = _Coordinator(service, rewind=True)
+    assert serve_coordinator._serve_generation(coord, service, 3, threading.Event()) is False
+    assert (coord.calls, service.generation) == (3, 4)
+    with pytest.raises(RuntimeError, match="every rollout slice has failed"):
+        serve_coordinator._serve_generation(_Coordinator(service, rewind=False), service, 4, threading.Event())
+    service.finished.set()
+    assert serve_coordinator._serve_generation(_Coordinator(service, rewind=False), service, 4, threading.Event())
