@@ -96,22 +96,14 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
     assert aot.does_not_fit(result) == []
     json.dumps(result)  # compile.json's content
 
-    # XLA's cost analysis counts a scan body once: with model.scan_layers the train step's and the
-    # prefill's costs are extrapolated from unrolled 1- and 2-block compiles, and match the unrolled
-    # programs'; the rollout adds the version switch's stacking of the params.
-    scanned = aot.compile_roles(run_config.parse(_config(scan_layers=True)), None, "v5e:2x2")
+    # XLA's cost analysis counts a scan body once: with model.scan_layers the train step's cost is
+    # extrapolated from unrolled 1- and 2-block compiles, and matches the unrolled program's.
+    scanned = aot.compile_roles(run_config.parse(_config(scan_layers=True)), None, "v5e:2x2", roles=("trainer",))
     assert scanned["fits"] is True
-    scanned_programs = scanned["roles"][0]["programs"] + scanned["roles"][1]["programs"]
-    assert [p["name"] for p in scanned_programs] == expected + ["stack_params"]
-    plain_programs = trainer["programs"] + rollout["programs"]
-    for plain, scan in zip(plain_programs, scanned_programs):
-        if plain["name"].startswith(("train_step", "recompute", "prefill")):
-            assert "layers extrapolated" in scan["estimate"], scan
-            assert scan["flops"] == pytest.approx(plain["flops"], rel=0.02)
-            assert scan["bytes_accessed"] == pytest.approx(plain["bytes_accessed"], rel=0.1)
-    stack = scanned_programs[-1]
-    assert stack["alias_bytes"] == 0 and stack["argument_bytes"] > 0  # a second copy, padded to TPU tiles:
-    assert stack["output_bytes"] == pytest.approx(stack["argument_bytes"], rel=0.01)  # 431,104 vs 430,592 B
+    for plain, scan in zip(trainer["programs"], scanned["roles"][0]["programs"]):
+        assert scan["name"] == plain["name"] and "layers extrapolated" in scan["estimate"]
+        assert scan["flops"] == pytest.approx(plain["flops"], rel=0.02)
+        assert scan["bytes_accessed"] == pytest.approx(plain["bytes_accessed"], rel=0.1)
 
 
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores

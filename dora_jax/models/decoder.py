@@ -219,7 +219,6 @@ class Decoder(nnx.Module):
         return_kv: bool = False,
         return_routing: bool = False,
         return_hidden: bool = False,
-        layer_stack=None,
     ):
         """Logits (float32) for every input position.
 
@@ -231,8 +230,6 @@ class Decoder(nnx.Module):
         with one `Routing` per MoE layer (an empty tuple for a dense model).
         `return_hidden=True` (full forward only) returns the final-normed hidden states x_BTE in
         place of the logits, for `unembed` to project a slice of the vocabulary at a time.
-        `layer_stack`: the blocks' params already stacked (`stack_layers(params)["layers"]`, as the
-        rollout engine serves them), for the scanned paths to use instead of stacking the blocks'.
         """
         if return_routing and (cache is not None or return_kv):
             raise ValueError("return_routing=True is for the full forward only (no cache, no return_kv)")
@@ -252,9 +249,9 @@ class Decoder(nnx.Module):
         # params where they lie (the scan would copy them into one stack every step).
         scanned = cfg.scan_layers and (cache is None or (not paged_cache and T > 1))
         if scanned and cache is not None:
-            x_BTE, stacked = self._scanned_cached_blocks(x_BTE, positions_BT, stacked, layer_stack)
+            x_BTE, stacked = self._scanned_cached_blocks(x_BTE, positions_BT, stacked)
         elif scanned:
-            x_BTE, kv, routings = self._scanned_blocks(x_BTE, positions_BT, return_kv, layer_stack)
+            x_BTE, kv, routings = self._scanned_blocks(x_BTE, positions_BT, return_kv)
             if kv is not None:
                 new_k, new_v = kv
         for i, layer in enumerate(() if scanned else self.layers):
@@ -281,21 +278,18 @@ class Decoder(nnx.Module):
             return logits_BTV, KVCache(new_k, new_v)
         return logits_BTV, KVCache(jnp.stack(new_k), jnp.stack(new_v))
 
-    def _stacked_blocks(self, layer_stack=None):
+    def _stacked_blocks(self):
         """(a block's graphdef, every block's params stacked along a leading layer axis, cast to
-        the compute dtype first: each block casts them so before use, so no number changes).
-        `layer_stack`: the stack as given (no copy of the blocks' params)."""
+        the compute dtype first: each block casts them so before use, so no number changes)."""
         graphdef, _ = nnx.split(self.layers[0])
-        if layer_stack is not None:
-            return graphdef, in_compute_dtype(layer_stack, self.config.dtype)
         states = [in_compute_dtype(nnx.state(layer), self.config.dtype) for layer in self.layers]
         return graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
-    def _scanned_cached_blocks(self, x_BTE, positions_BT, cache: tuple, layer_stack=None):
+    def _scanned_cached_blocks(self, x_BTE, positions_BT, cache: tuple):
         """A prefill's blocks as one `lax.scan`: each writes its T rows into its layer of the dense
         cache (k_LBSKD, v_LBSKD) and attends over it. XLA compiles one block, not L of them (the
         rollout engine's prefill programs: `dora_jax.rollout.engine`). Returns (x_BTE, cache)."""
-        graphdef, stacked = self._stacked_blocks(layer_stack)
+        graphdef, stacked = self._stacked_blocks()
 
         def body(x_BTE, xs):
             state, k_BSKD, v_BSKD = xs
@@ -306,13 +300,13 @@ class Decoder(nnx.Module):
 
         return jax.lax.scan(body, x_BTE, (stacked, *cache))
 
-    def _scanned_blocks(self, x_BTE, positions_BT, return_kv: bool, layer_stack=None):
+    def _scanned_blocks(self, x_BTE, positions_BT, return_kv: bool):
         """The full forward's blocks as one `lax.scan` (ModelConfig.scan_layers): the blocks'
         params stacked along a leading layer axis, cast to the compute dtype first (each block casts
         them so before use, so no number changes; the stack holds half the bytes of fp32 masters).
         Returns (x_BTE, (k_LBTKD, v_LBTKD) or None, one Routing per MoE layer)."""
         cfg = self.config
-        graphdef, stacked = self._stacked_blocks(layer_stack)
+        graphdef, stacked = self._stacked_blocks()
 
         def body(x_BTE, state):
             x_BTE, (k_BTKD, v_BTKD), routing = nnx.merge(graphdef, state)(x_BTE, positions_BT)
@@ -353,21 +347,6 @@ _REMAT_POLICIES = {
 def _rematerialised(policy: str):
     """A block's full forward under `jax.checkpoint` with the named policy (ModelConfig.remat)."""
     return nnx.remat(lambda block, x_BTE, positions_BT: block(x_BTE, positions_BT), policy=_REMAT_POLICIES[policy])
-
-
-def stack_layers(params: dict) -> dict:
-    """`params` (a pure dict like `models.split`'s) with the blocks' params stacked along a leading
-    layer axis: "layers" one tree of [L, ...] arrays (a scanned model's served form)."""
-    layers = params["layers"]
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(layers[i] for i in range(len(layers))))
-    return {**params, "layers": stacked}
-
-
-def unstack_layers(params: dict, num_layers: int) -> dict:
-    """`stack_layers`' inverse: inside a jitted program each block's params are slices of the stack
-    at a static layer index, which XLA reads in place."""
-    stacked = params["layers"]
-    return {**params, "layers": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}}
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

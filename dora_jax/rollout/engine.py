@@ -16,12 +16,6 @@ device state before it builds the `SlotState`.
 Compiled programs are bounded: one `generate`; one `prefill` per bucket (powers of two from
 `min_prefill_bucket` to `max_prefill_length`); one `insert` per row bucket (powers of two up to
 the cache length; imports reuse them). The decode state is donated to `insert` and `generate`.
-
-With `model.scan_layers` the engine serves the blocks' params stacked along a leading layer axis
-(`load_params` stacks a version once, as it loads): a prefill runs the blocks under one `lax.scan`,
-so XLA compiles one block, not L (for Qwen3-30B-A3B's 48 layers a prefill program compiled for TPU
-in 14 s instead of 80 to 111), and a decode step loops over static slices of the stack, which XLA
-reads in place.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from dora_jax.core.records import Request, SamplingParams, SlotState
 from dora_jax.models import (
@@ -54,11 +48,9 @@ from dora_jax.models import (
     served_abstract,
     split,
 )
-from dora_jax.models.decoder import stack_layers, unstack_layers
 from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.rollout import sampling
 from dora_jax.rollout.pages import OutOfPages, PagePool
-from dora_jax.store.digest import params_digest
 
 _PREFIX_KV_AXES = ("layers", "length", "kv_heads", "head_dim")
 
@@ -254,7 +246,7 @@ def _prefill_step(
     sampler,
 ):
     """Writes tokens_T at rows start.. of a fresh R-row cache (after `prior` rows) and samples."""
-    model, layer_stack = _merged(graphdef, params)
+    model = nnx.merge(graphdef, params)
     T = tokens_T.shape[0]
     rows = (0 if prior is None else prior[0].shape[1]) + T
     cache = KVCache.zeros(model.config, batch=1, length=config.rows_bucket(rows))
@@ -267,7 +259,7 @@ def _prefill_step(
         )
     positions_1T = (start + jnp.arange(T, dtype=jnp.int32))[None]
     with sharding_lib.activation_layout(mesh, rules):  # the Pallas kernels (megablox) place their operands by it
-        logits_1TV, cache = model(tokens_T[None], positions_1T, cache=cache, layer_stack=layer_stack)
+        logits_1TV, cache = model(tokens_T[None], positions_1T, cache=cache)
     logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], true_length - 1, keepdims=True)
     end = start + true_length
     token_1, logp_1, sample_logp_1 = _pick(
@@ -302,15 +294,6 @@ def _prefill_step(
         sample_log_prob=jnp.where(sample_first, sample_logp_1, 0.0)[None],
     )
     return prefix, result
-
-
-def _merged(graphdef, params):
-    """(the decoder, the blocks' stacked params or None): params as `RolloutEngine.load_params`
-    returns them, per block or (scan_layers) stacked; then each block's are slices of the stack."""
-    layers = params["layers"]
-    if 0 in layers:
-        return nnx.merge(graphdef, params), None
-    return nnx.merge(graphdef, unstack_layers(params, jax.tree.leaves(layers)[0].shape[0])), layers
 
 
 def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler, filters: bool, mesh, rules):
@@ -365,7 +348,7 @@ def _generate_step(
     sampler,
 ):
     """One decode step; paged, `table_BM` is every slot's page table (a live-pages bucket wide)."""
-    model, _ = _merged(graphdef, params)
+    model = nnx.merge(graphdef, params)
     # the Pallas kernels (paged attention, megablox) place their operands by the rules in context
     with sharding_lib.activation_layout(mesh, rules):
         cache = state.cache if table_BM is None else PagedKVCache(state.cache, table_BM)
@@ -508,16 +491,6 @@ class RolloutEngine:
         abstract = abstract_model(model_config)
         self._graphdef, abstract_params = split(abstract)
         self._param_shardings = sharding_lib.tree_shardings(logical_axes(abstract), abstract_params, mesh, rules)
-        # Served form: per block, or (scan_layers) the blocks' params stacked, each leaf laid out as
-        # a block's with the layer axis whole in front.
-        self._stacked = model_config.scan_layers
-        self._loaded_shardings = self._param_shardings
-        if self._stacked:
-            in_front = lambda s: NamedSharding(s.mesh, PartitionSpec(None, *s.spec))  # noqa: E731
-            layer = jax.tree.map(in_front, self._param_shardings["layers"][0])
-            self._loaded_shardings = {**self._param_shardings, "layers": layer}
-        self._stack_jit = jax.jit(stack_layers, out_shardings=self._loaded_shardings)
-        self._unstacked = functools.partial(unstack_layers, num_layers=model_config.num_layers)
         self.config = config = self._sized(config, hbm_bytes)
         self._param_structure = jax.tree.structure(abstract_params)
         self._param_shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract_params)]
@@ -706,10 +679,8 @@ class RolloutEngine:
         return jax.device_put(np.array(table_BM, np.int32, copy=True), sharding_lib.replicated(self._mesh))
 
     def load_params(self, params: Any = None, *, hf_path: str | None = None) -> Any:
-        """Params placed with this slice's shardings, in the compute dtype: `params` (a pure dict
-        like `models.split`'s) moved here, or a HF checkpoint read shard-by-shard from `hf_path`.
-        With `model.scan_layers` the blocks' params come back stacked (`models.decoder.stack_layers`):
-        while the stack is built the version is held twice (the `stack_params` program)."""
+        """Params placed with this slice's shardings: `params` (a pure dict like `models.split`'s)
+        moved here, or a HF checkpoint read shard-by-shard from `hf_path`."""
         if (params is None) == (hf_path is None):
             raise ValueError("load_params needs exactly one of params= or hf_path=")
         if hf_path is not None:
@@ -727,23 +698,7 @@ class RolloutEngine:
         if shapes != self._param_shapes:
             bad = next(i for i, (a, b) in enumerate(zip(shapes, self._param_shapes)) if a != b)
             raise ValueError(f"params leaf {bad} has shape {shapes[bad]}, expected {self._param_shapes[bad]}")
-        params = in_compute_dtype(jax.device_put(params, self._param_shardings), self.model_config.dtype)
-        return self._stack_jit(params) if self._stacked else params
-
-    def digest(self, params) -> str:
-        """`store.digest.params_digest` of loaded params as the trainer publishes them (per block):
-        the stacked form is digested through slices, with no copy."""
-        return params_digest(params, view=self._unstacked if self._stacked else None)
-
-    def _abstract_loaded(self) -> Any:
-        """ShapeDtypeStructs of what `load_params` returns (no memory)."""
-        served = self.served_abstract_params()
-        if not self._stacked:
-            return served
-        shapes = jax.eval_shape(stack_layers, served)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, self._loaded_shardings
-        )
+        return in_compute_dtype(jax.device_put(params, self._param_shardings), self.model_config.dtype)
 
     def init_decode_state(self) -> DecodeState:
         """All slots empty (zeros), born with the slice's shardings; paged, every page free again
@@ -1045,9 +1000,9 @@ class RolloutEngine:
         """Every program `warmup` compiles, lowered on abstract params and decode state (nothing is
         placed or run), for ahead-of-time compilation (dora_jax.runtime.aot): [(name, Lowered)]
         with prefill per bucket, insert and read_slot per row bucket (an import is an insert),
-        generate; with scan_layers, `stack_params` (what `load_params` runs)."""
+        generate."""
         abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-        params = self._abstract_loaded()
+        params = jax.tree.map(abstract, split(abstract_model(self.model_config))[1], self._param_shardings)
         state = self.abstract_decode_state()
         scalars = (np.int32(0), np.int32(1), np.zeros((2,), np.uint32), np.float32(1), np.float32(1), np.int32(0))
         programs = []
@@ -1073,8 +1028,6 @@ class RolloutEngine:
             pages_Q = None if not self.config.paged else np.zeros((rows // self.config.page_size,), np.int32)
             programs.append((f"insert[rows={rows}]", self._insert_jit.lower(prefix, state, np.int32(0), pages_Q)))
             programs.append((f"read_slot[rows={rows}]", self._read_jit.lower(state, np.int32(0), pages_Q, rows=rows)))
-        if self._stacked:  # a version switch: the stack is built from the version as it arrives
-            programs.append(("stack_params", self._stack_jit.lower(self.served_abstract_params())))
         return programs
 
     @property

@@ -50,6 +50,7 @@ from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, T
 from dora_jax.rollout import migration as migration_rule
 from dora_jax.rollout.engine import ResultTokens, RolloutEngine, check_sampling
 from dora_jax.rollout.migration import MigrationCosts
+from dora_jax.store.digest import params_digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ class RolloutWorker:
         self._params = None  # free the old version first: never two full copies on the slice
         self._params = self._engine.load_params(params)
         self._version = int(version)
-        return self._engine.digest(self._params)
+        return params_digest(self._params)
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request) -> None:

@@ -28,10 +28,7 @@ micro-batch's forward and backward). With `model.scan_layers` the blocks are one
 program is compiled whole for its memory, and its cost comes from two probe compiles with the
 blocks unrolled (1 and 2 blocks, the vocabulary in one pass, no windowed einsum: nothing XLA
 would count once), extrapolated to L blocks; only the widths in `estimate_lengths` get probes.
-The rollout's prefill runs its blocks under a scan too (scan_layers): every prefill bucket gets the
-two probes (engines of 1 and 2 unrolled blocks); its `stack_params` program is a version switch
-(the version as it arrives, stacked beside it: its output counts in the peak). The splash
-attention kernel is opaque to XLA's cost model: its flops are added at the chip's peak
+The splash attention kernel is opaque to XLA's cost model: its flops are added at the chip's peak
 (the megablox expert kernels carry cost estimates, which XLA counts). `flops_due` is what the
 matmuls must compute, beside XLA's own count.
 """
@@ -565,8 +562,6 @@ def compile_role(
         }
         kv = kv_capacity(config, engine)
         programs = [Program(name, lambda lowered=lowered: lowered) for name, lowered in engine.lower_programs()]
-        if cfg.scan_layers:
-            probes = _prefill_probes(engine, cfg)
     records = []
     for program in programs:
         scanned_only = cfg.scan_layers and target.role == "trainer" and program.name not in probes
@@ -695,19 +690,6 @@ def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estim
             if _width(program.name) in estimate:
                 lowerings.setdefault(program.name, []).append(program.lower)
     return {name: (cfg.num_layers, pair, options) for name, pair in lowerings.items()}
-
-
-def _prefill_probes(engine: RolloutEngine, cfg) -> dict:
-    """{prefill program name: (layers, [lower it with 1 block, with 2 blocks], None)}: the engine's
-    prefill runs the blocks under `lax.scan` (model.scan_layers), whose body XLA counts once; the
-    probes are engines of the same sizes with 1 and 2 unrolled blocks."""
-    lowerings: dict[str, list] = {}
-    for layers in (1, 2):
-        small = RolloutEngine(cfg.replace(num_layers=layers, scan_layers=False), engine.config, engine.mesh)
-        for name, lowered in small.lower_programs():
-            if name.startswith("prefill["):
-                lowerings.setdefault(name, []).append(lambda lowered=lowered: lowered)
-    return {name: (cfg.num_layers, pair, None) for name, pair in lowerings.items()}
 
 
 def _role_record(target: RoleTarget, resident: dict, records: list[dict]) -> dict:

@@ -11,7 +11,6 @@ accelerator); every process of a multi-host mesh must call it, as for any comput
 
 from __future__ import annotations
 
-import functools
 import hashlib
 
 import jax
@@ -27,26 +26,17 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
     return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * position).sum(dtype=jnp.uint32)])
 
 
-@functools.cache
-def _tree_sums(view):
-    return jax.jit(lambda params: [_leaf_sums(x) for x in jax.tree.leaves(view(params))])
+_tree_sums = jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
 
 
-def _same(params):
-    return params
-
-
-def params_digest(params, view=None) -> str:
-    """16 hex digits identifying the params' values (and tree layout, dtypes and shapes).
-    `view(params)`: the tree to digest, computed inside the one jitted pass (e.g. each block's
-    params as slices of a stack: the digest of the unstacked tree, with no copy of it); one
-    compile per `view` object."""
-    view = view or _same
-    with_paths = jax.tree_util.tree_leaves_with_path(jax.eval_shape(view, params))
-    for _, x in with_paths:
+def params_digest(params) -> str:
+    """16 hex digits identifying the params' values (and tree layout, dtypes and shapes)."""
+    with_paths = jax.tree_util.tree_leaves_with_path(params)
+    leaves = [x for _, x in with_paths]
+    for x in leaves:
         if x.dtype.itemsize not in _UINT_OF_SIZE:
             raise TypeError(f"params_digest: {x.dtype} leaves are not supported (1, 2 or 4-byte types only)")
-    sums = np.asarray(jax.device_get(_tree_sums(view)(params))) if with_paths else np.zeros((0, 2), np.uint32)
+    sums = np.asarray(jax.device_get(_tree_sums(leaves))) if leaves else np.zeros((0, 2), np.uint32)
     h = hashlib.sha256()
     for (path, x), (plain, weighted) in zip(with_paths, sums):
         h.update(f"{jax.tree_util.keystr(path)}|{x.dtype}|{tuple(x.shape)}|{int(plain)}|{int(weighted)};".encode())

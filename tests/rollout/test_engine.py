@@ -134,25 +134,16 @@ def test_a_scanned_prefill_serves_what_the_unrolled_one_does(slices, tiny_params
     """model.scan_layers: the engine's prefill runs the blocks under one `lax.scan` (XLA compiles one
     block, not L: the 30B-A3B's prefill programs for TPU); its decode steps keep the loop. At
     temperature 1, with a 49-token prompt prefilled in two chunks, every token equals the unrolled
-    engine's and every log-prob agrees within 1e-5. The scanned engine serves the blocks' params
-    stacked, and its digest of them is the per-block one the trainer's audit compares."""
-    from dora_jax.models import in_compute_dtype
+    engine's and every log-prob agrees within 1e-5."""
     from dora_jax.rollout.engine import RolloutEngine
-    from dora_jax.store.digest import params_digest
     from tests.rollout.conftest import ENGINE, PAGED
 
     prompts = [[1, 5, 9], [4, 8, 15, 16, 23, 42], list(np.arange(1, 50) % 90 + 3), [7] * 20]
-    finished, digests = {}, {}
+    finished = {}
     for scan in (False, True):
         engine = RolloutEngine(TINY.replace(scan_layers=scan), PAGED if paged else ENGINE, slices.rollout[0])
         worker = RolloutWorker(engine, eos_ids=())
-        digests[scan] = worker.load_version(0, tiny_params)
-        stacked = engine.load_params(tiny_params)["layers"]
-        assert (0 in stacked) != scan
-        if scan:
-            layer_norm = stacked["input_norm"]["scale"]
-            assert layer_norm.shape == (TINY.num_layers, TINY.hidden_size)
-            assert layer_norm.sharding.spec[0] is None
+        worker.load_version(0, tiny_params)
         for i, prompt in enumerate(prompts):
             worker.submit(_request(i, prompt, 10, SamplingParams(temperature=1.0, seed=i)))
         finished[scan] = run_to_end(worker)
@@ -160,4 +151,3 @@ def test_a_scanned_prefill_serves_what_the_unrolled_one_does(slices, tiny_params
         scanned, unrolled = finished[True][f"t{i}"], finished[False][f"t{i}"]
         assert scanned.response_ids == unrolled.response_ids and len(scanned.response_ids) == 10
         np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5, rtol=0)
-    assert digests[True] == digests[False] == params_digest(in_compute_dtype(tiny_params, TINY.dtype))
