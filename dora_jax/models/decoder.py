@@ -244,17 +244,11 @@ class Decoder(nnx.Module):
         paged_cache = isinstance(cache, PagedKVCache)
         stacked = cache if cache is None or paged_cache else (cache.k_LBSKD, cache.v_LBSKD)
         remat = cache is None and cfg.remat != "none"
-        # Under scan: the full forward, and a prefill into a dense cache (several tokens per row);
-        # a decode step (one token) and the paged pool keep the loop, which reads each block's
-        # params where they lie (the scan would copy them into one stack every step).
-        scanned = cfg.scan_layers and (cache is None or (not paged_cache and T > 1))
-        if scanned and cache is not None:
-            x_BTE, stacked = self._scanned_cached_blocks(x_BTE, positions_BT, stacked)
-        elif scanned:
+        if cache is None and cfg.scan_layers:
             x_BTE, kv, routings = self._scanned_blocks(x_BTE, positions_BT, return_kv)
             if kv is not None:
                 new_k, new_v = kv
-        for i, layer in enumerate(() if scanned else self.layers):
+        for i, layer in enumerate(() if cache is None and cfg.scan_layers else self.layers):
             if remat:  # the backward pass recomputes what the policy does not keep
                 x_BTE, layer_cache, routing = _rematerialised(cfg.remat)(layer, x_BTE, positions_BT)
             else:
@@ -278,35 +272,15 @@ class Decoder(nnx.Module):
             return logits_BTV, KVCache(new_k, new_v)
         return logits_BTV, KVCache(jnp.stack(new_k), jnp.stack(new_v))
 
-    def _stacked_blocks(self):
-        """(a block's graphdef, every block's params stacked along a leading layer axis, cast to
-        the compute dtype first: each block casts them so before use, so no number changes)."""
-        graphdef, _ = nnx.split(self.layers[0])
-        states = [in_compute_dtype(nnx.state(layer), self.config.dtype) for layer in self.layers]
-        return graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
-
-    def _scanned_cached_blocks(self, x_BTE, positions_BT, cache: tuple):
-        """A prefill's blocks as one `lax.scan`: each writes its T rows into its layer of the dense
-        cache (k_LBSKD, v_LBSKD) and attends over it. XLA compiles one block, not L of them (the
-        rollout engine's prefill programs: `dora_jax.rollout.engine`). Returns (x_BTE, cache)."""
-        graphdef, stacked = self._stacked_blocks()
-
-        def body(x_BTE, xs):
-            state, k_BSKD, v_BSKD = xs
-            x_BTE, (k_1BSKD, v_1BSKD), _ = nnx.merge(graphdef, state)(
-                x_BTE, positions_BT, (k_BSKD[None], v_BSKD[None]), 0
-            )
-            return x_BTE, (k_1BSKD[0], v_1BSKD[0])
-
-        return jax.lax.scan(body, x_BTE, (stacked, *cache))
-
     def _scanned_blocks(self, x_BTE, positions_BT, return_kv: bool):
         """The full forward's blocks as one `lax.scan` (ModelConfig.scan_layers): the blocks'
         params stacked along a leading layer axis, cast to the compute dtype first (each block casts
         them so before use, so no number changes; the stack holds half the bytes of fp32 masters).
         Returns (x_BTE, (k_LBTKD, v_LBTKD) or None, one Routing per MoE layer)."""
         cfg = self.config
-        graphdef, stacked = self._stacked_blocks()
+        graphdef, _ = nnx.split(self.layers[0])
+        states = [in_compute_dtype(nnx.state(layer), cfg.dtype) for layer in self.layers]
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
         def body(x_BTE, state):
             x_BTE, (k_BTKD, v_BTKD), routing = nnx.merge(graphdef, state)(x_BTE, positions_BT)

@@ -127,27 +127,3 @@ def test_chunked_prefill_past_the_largest_bucket(warm_engine, tiny_params):
     np.testing.assert_allclose(np.asarray(two.k_LRKD)[:, :49], np.asarray(three.k_LRKD)[:, :49], atol=1e-5)
     with pytest.raises(ValueError, match="exceed cache_length=64"):
         warm_engine.prefill(params=params, existing_prefix=three, padded_tokens=tokens[:16], true_length=16)
-
-
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_a_scanned_prefill_serves_what_the_unrolled_one_does(slices, tiny_params, paged):
-    """model.scan_layers: the engine's prefill runs the blocks under one `lax.scan` (XLA compiles one
-    block, not L: the 30B-A3B's prefill programs for TPU); its decode steps keep the loop. At
-    temperature 1, with a 49-token prompt prefilled in two chunks, every token equals the unrolled
-    engine's and every log-prob agrees within 1e-5."""
-    from dora_jax.rollout.engine import RolloutEngine
-    from tests.rollout.conftest import ENGINE, PAGED
-
-    prompts = [[1, 5, 9], [4, 8, 15, 16, 23, 42], list(np.arange(1, 50) % 90 + 3), [7] * 20]
-    finished = {}
-    for scan in (False, True):
-        engine = RolloutEngine(TINY.replace(scan_layers=scan), PAGED if paged else ENGINE, slices.rollout[0])
-        worker = RolloutWorker(engine, eos_ids=())
-        worker.load_version(0, tiny_params)
-        for i, prompt in enumerate(prompts):
-            worker.submit(_request(i, prompt, 10, SamplingParams(temperature=1.0, seed=i)))
-        finished[scan] = run_to_end(worker)
-    for i in range(len(prompts)):
-        scanned, unrolled = finished[True][f"t{i}"], finished[False][f"t{i}"]
-        assert scanned.response_ids == unrolled.response_ids and len(scanned.response_ids) == 10
-        np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5, rtol=0)
