@@ -62,16 +62,21 @@ def fault_env(monkeypatch):
 
 @pytest.mark.slow
 def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, fault_env):
-    fault_env("slice_error=1:1,slice_hang=2:2,slice_load_error=0:3,checkpoint_error=2")
-    c = tiny_config("dora", steps=STEPS)
+    # Slices 0 and 1 fail after step 1 while slice 2 hangs after step 2 and holds the coordinator's
+    # loop for its 8 s heartbeat: every slice is down at once, and the run waits for the restarts
+    # the supervisor promised. Ten steps leave time for the last restart to join before the end
+    # (with 6, slice 0's failure came with the last ~1 s of steps, and its rejoin raced the end).
+    fault_env("slice_error=1:1,slice_hang=2:2,slice_load_error=0:1,checkpoint_error=2")
+    num_steps = 10
+    c = tiny_config("dora", steps=num_steps)
     with c.unlocked():
         c.checkpoint.every_steps = 1
         c.rollout.heartbeat_timeout_s = 8.0
         c.log.tensorboard = False
     result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
-    assert result.steps == STEPS
+    assert result.steps == num_steps
     assert result.audit.ok, result.audit.summary()
-    assert result.audit.consumed == STEPS * TBS
+    assert result.audit.consumed == num_steps * TBS
     events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
     failed = {e["slice"]: e for e in events if e["ev"] == "slice_failed"}
     assert set(failed) == {0, 1, 2}
@@ -87,13 +92,13 @@ def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, f
     assert sorted(result.coordinator_stats["slice_restarts"]) == [0, 1, 2]
     assert len(result.coordinator_stats["slice_drops"]) == 3
     behaviour = [e for e in events if e["ev"] == "behaviour"]
-    assert len(behaviour) == STEPS and all(e["digests"] for e in behaviour)
+    assert len(behaviour) == num_steps and all(e["digests"] for e in behaviour)
     assert all("digest" in e for e in events if e["ev"] == "load_version")
     assert len(result.checkpoint_errors) == 1 and "No space left" in result.checkpoint_errors[0]
     steps = RunCheckpointer(str(tmp_path / "checkpoints")).steps()
     assert steps and 2 not in steps  # the failed save left nothing; the others are there
 
-    changed = tiny_config("dora", steps=STEPS + 2)
+    changed = tiny_config("dora", steps=num_steps + 2)
     with changed.unlocked():
         changed.coordinator.group_size = 2
         changed.coordinator.k_max = 1

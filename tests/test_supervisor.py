@@ -14,13 +14,16 @@ class _Thread:
 
 class _Coordinator:
     def __init__(self):
-        self.failed, self.joined = [], []
+        self.failed, self.joined, self.given_up = [], [], []
 
     def post_slice_failed(self, sid, reason):
         self.failed.append((sid, reason))
 
     def post_slice_joined(self, thread):
         self.joined.append(thread.slice_id)
+
+    def post_slice_wont_rejoin(self, sid, reason):
+        self.given_up.append((sid, reason))
 
 
 def _supervisor(max_rejoins=1):
@@ -75,3 +78,27 @@ def test_a_slice_past_max_rejoins_stays_down():
         now[0] += 2.0
         sup.check()
     assert coord.joined == [0] and sup.rejoins == {0: 1}
+    assert len(sup.drops) == 2
+
+
+def test_a_drop_says_whether_the_slice_comes_back_and_a_hung_one_is_given_up_on():
+    """`dropped` promises a restart while rejoins are left (the coordinator then waits with every
+    slice down); a slice whose hung thread holds its engine for 10 heartbeat timeouts is given up
+    on: the coordinator is told it fails after all."""
+    sup, coord, threads, now = _supervisor(max_rejoins=1)
+    assert sup.dropped(0, "hung") is True
+    sup.check()
+    for t in (0.0, 50.0, 99.0):  # the restart waits for the thread
+        now[0] = 1.0 + t
+        threads[1].last_beat = threads[2].last_beat = now[0]
+        sup.check()
+        assert coord.joined == [] and coord.given_up == []
+    now[0] = 1.0 + 101.0
+    sup.check()
+    assert coord.joined == [] and coord.given_up == [(0, "not restarted: its hung thread held the engine for 101s")]
+    threads[1].alive = False
+    assert sup.dropped(1, "crashed") is True
+    sup.check()
+    now[0] += 1.0
+    sup.check()
+    assert coord.joined == [1] and sup.dropped(1, "crashed again") is False  # its one rejoin is spent

@@ -250,8 +250,11 @@ def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout
     return stop["signal"] is not None
 
 
-_SETTLE_S = 2.0  # >> the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results
-_SETTLE_MAX_S = 6.0  # far below the heartbeat timeout that would declare the stopped slice dead
+# >> the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results; 2 s
+# was too short on a loaded 2-core CI machine (a result posted before the stop was ledgered after
+# the kill: the slice held nothing when it died)
+_SETTLE_S = 4.0
+_SETTLE_MAX_S = 20.0  # far below the heartbeat timeout that would declare the stopped slice dead (120 s)
 
 
 def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dict, num_steps: int, respawn) -> None:

@@ -118,11 +118,11 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
             # The prompt source and the prompts it handed out belong to one generation: a rewind
             # restores the source's position from the checkpoint (or starts it over).
             task = pool_task if generation == 0 else make_task(task_config(config), tokenizer)
-            prompts: dict = {}
+            prompts = resume.PromptBook()
 
             def next_prompt(task=task, prompts=prompts):
                 prompt = task.source.next()
-                prompts[prompt.prompt_id] = prompt
+                prompts.add(prompt)
                 return prompt.prompt_id, prompt.prompt_ids
 
             coord = Coordinator(
@@ -137,6 +137,7 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
                 initial_version=version,
                 on_slice_dropped=service.slice_dropped,
             )
+            prompts.live = coord.live_prompt_ids
             if service.resume:
                 state = service.resume_state
                 if state:
@@ -147,8 +148,11 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
             service.attach(
                 coord,
                 list(ports.values()),
-                snapshot_extra=lambda task=task: {"source": task.source.state()},
-                live_prompts=lambda state, prompts=prompts: resume.live_prompts(state, prompts),
+                # taken under the coordinator's lock: the prompt book forgets what is not live there
+                snapshot_extra=lambda task=task, prompts=prompts, coord=coord: {
+                    "source": task.source.state(),
+                    "prompts": prompts.as_json(coord.live_prompt_ids()),
+                },
             )
             _log(f"all roles joined; dispatching from version {version}")
             coord.start()

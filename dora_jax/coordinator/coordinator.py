@@ -51,13 +51,15 @@ class Coordinator:
         *,
         forced_length: Callable[[str, int], int | None] | None = None,
         initial_version: int = 0,
-        on_slice_dropped: Callable[[int, str], None] | None = None,
+        on_slice_dropped: Callable[[int, str], bool | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         cost_timer: Callable[[], float] = time.perf_counter,
     ):
         """`on_slice_dropped(slice_id, reason)` is told of every slice the coordinator drops, whoever
         found it dead (a failed port call, or a `post_slice_failed`), so that the runner stops its
-        worker and restarts it; it runs on the loop thread and must not call back in. `clock`
+        worker and restarts it; it runs on the loop thread and must not call back in. It returns
+        True when the slice will join again: with every slice down the run then waits for those
+        (their requests stay in the backlog) instead of stopping. `clock`
         times the periodic rebalance (a simulator passes its virtual clock); `cost_timer` times
         each switching pass for `switching_s` (wall time; a simulator passes its own CPU time
         less its simulated ports')."""
@@ -67,6 +69,7 @@ class Coordinator:
         self.ports = dict(ports)
         self.ledger = ledger
         self._on_slice_dropped = on_slice_dropped
+        self._rejoining: set[int] = set()  # dropped slices their supervisor will start again
         self._clock = clock
         self._cost_timer = cost_timer
         self.latest = initial_version  # newest published version
@@ -116,6 +119,11 @@ class Coordinator:
         """A slice died (raised, missed heartbeats, process gone): its requests are re-dispatched
         under their own version to slices serving it."""
         self._inbox.put(events.SliceFailed(slice_id, reason))
+
+    def post_slice_wont_rejoin(self, slice_id: int, reason: str) -> None:
+        """A dropped slice whose restart `on_slice_dropped` promised will not join after all: with
+        no slice left and none coming, the run stops."""
+        self._inbox.put(events.SliceWontRejoin(slice_id, reason))
 
     def post_slice_joined(self, port: RolloutPort) -> None:
         """A (re)started slice joins with nothing loaded; the next rebalance gives it work."""
@@ -199,6 +207,8 @@ class Coordinator:
                 self._apply_switching()
             case events.SliceFailed(slice_id, reason):
                 self._on_slice_failed(slice_id, reason)
+            case events.SliceWontRejoin(slice_id, reason):
+                self._on_slice_wont_rejoin(slice_id, reason)
             case events.SliceJoined(port):
                 self._on_slice_joined(port)
             case events.EvalRequested():
@@ -249,8 +259,9 @@ class Coordinator:
             want = min(cfg.rollout_batch_size - in_flight, self._takes_for_newest() * cfg.train_batch_size - unconsumed)
         new = []
         for _ in range(max(want, 0) // cfg.group_size):
-            new += self._groups.start(self.latest)
-        self.backlog += new
+            group = self._groups.start(self.latest)
+            self.backlog += group  # at once: the next group's prompt may forget what no request holds
+            new += group
         if new:
             self._count_versions_in_flight()
         return new
@@ -324,7 +335,7 @@ class Coordinator:
         self._last_rebalance = self._clock()
         start = self._cost_timer()
         try:
-            while True:
+            while self.ports:  # none: every slice is down, the backlog waits for one to join
                 self._place_old_versions()
                 if self.policy.switch == Switch.ORCHESTRATE:
                     self._orchestrate()
@@ -487,6 +498,12 @@ class Coordinator:
             self._failing.setdefault(slice_id, reason)
             self._apply_switching()
 
+    def _on_slice_wont_rejoin(self, slice_id: int, reason: str) -> None:
+        if slice_id in self._rejoining:
+            self._rejoining.discard(slice_id)
+            if not self.ports and not self._rejoining:
+                raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
+
     def _drop_slice(self, slice_id: int, reason: str) -> None:
         """Removes a dead slice; what it held goes back to the backlog under its own version."""
         self._failing.pop(slice_id, None)
@@ -504,9 +521,9 @@ class Coordinator:
             self.origin.pop(traj_id, None)
             self.backlog.append(request)
             self._redispatch.add(traj_id)
-        if self._on_slice_dropped is not None:
-            self._on_slice_dropped(slice_id, reason)
-        if not self.ports:
+        if self._on_slice_dropped is not None and self._on_slice_dropped(slice_id, reason):
+            self._rejoining.add(slice_id)
+        if not self.ports and not self._rejoining:
             raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
 
     def _on_slice_joined(self, port: RolloutPort) -> None:
@@ -516,6 +533,7 @@ class Coordinator:
         self.ports[sid] = port
         self._slots[sid] = port.num_slots
         self.dead.discard(sid)
+        self._rejoining.discard(sid)
         self.slice_version[sid] = None
         self.slice_trajs[sid] = {}
         self.ledger.write("slice_joined", slice=sid)
@@ -653,6 +671,13 @@ class Coordinator:
         self._apply_switching()
 
     # ------------------------------------------------------------------ checkpoints
+    def live_prompt_ids(self) -> set[str]:
+        """The prompts that in-flight and queued requests and trajectories awaiting a reward refer
+        to (what a checkpoint must carry; `resume.PromptBook` forgets the rest). For the callbacks
+        the coordinator runs under its lock (`next_prompt`, a snapshot's `extra`): it takes none."""
+        live = {r.prompt_id for r in self.requests.values()} | {r.prompt_id for r in self.backlog}
+        return live | {t.prompt_id for t in self._rewards.unscored.values()}
+
     def snapshot(self, extra: Callable[[], dict] | None = None) -> dict:
         """The coordinator's state as JSON, consistent with the ledger's first `ledger_offset`
         lines. In-flight requests carry their tokens so far (the ports' `progress`) as a prefix;

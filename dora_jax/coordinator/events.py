@@ -56,6 +56,14 @@ class SliceFailed:
 
 
 @dataclasses.dataclass(frozen=True)
+class SliceWontRejoin:
+    """A dropped slice whose restart was promised will not join after all (its supervisor gave up)."""
+
+    slice_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class SliceJoined:
     """A (re)started slice joins with nothing loaded."""
 
@@ -82,4 +90,14 @@ class EvalRequested:
     result: Future[dict]
 
 
-Event = Finished | Scored | Published | Taken | SliceFailed | SliceJoined | SnapshotRequested | EvalRequested
+Event = (
+    Finished
+    | Scored
+    | Published
+    | Taken
+    | SliceFailed
+    | SliceWontRejoin
+    | SliceJoined
+    | SnapshotRequested
+    | EvalRequested
+)

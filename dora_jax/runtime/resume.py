@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from dora_jax import models
 from dora_jax.core import fs
@@ -64,11 +64,41 @@ def versions_needed(state: dict, trainer_version: int) -> list[int]:
     return sorted(needed)
 
 
-def live_prompts(state: dict, prompts: Mapping[str, Prompt]) -> dict[str, dict]:
-    """The prompts (as JSON) of the snapshot's in-flight requests and unscored trajectories."""
-    live = {r["prompt_id"] for r in state["dispatched"] + state["backlog"]}
-    live |= {t["prompt_id"] for t in state["unscored"]}
-    return {pid: dataclasses.asdict(prompts[pid]) for pid in sorted(live)}
+class PromptBook(dict):
+    """The prompts a run's requests refer to, by id: the reward needs a trajectory's prompt (its
+    answer) and a checkpoint the prompts of what is still in flight. A long run hands out a prompt
+    per group for days; the book forgets a training prompt once nothing live refers to it, so it
+    holds about what is in flight, not every prompt ever drawn. `live()` (the coordinator's
+    `live_prompt_ids`, set once the coordinator exists) says what is live; what `keep` holds (the
+    held-out evaluation prompts, asked again every round) is never forgotten. A pass runs in `add`
+    (the coordinator's `next_prompt`, on its loop thread under its lock) when the book has doubled
+    since the last one."""
+
+    def __init__(self, min_pass: int = 1024):
+        super().__init__()
+        self.live: Callable[[], set[str]] | None = None
+        self._keep: set[str] = set()
+        self._min_pass = self._next_pass = min_pass  # entries before the first pass
+        self.forgotten = 0
+
+    def keep(self, prompts: Sequence[Prompt]) -> None:
+        for prompt in prompts:
+            self[prompt.prompt_id] = prompt
+            self._keep.add(prompt.prompt_id)
+
+    def add(self, prompt: Prompt) -> None:
+        if len(self) >= self._next_pass and self.live is not None:
+            live = self.live() | self._keep
+            done = [pid for pid in self if pid not in live]
+            for pid in done:
+                del self[pid]
+            self.forgotten += len(done)
+            self._next_pass = max(self._min_pass, 2 * len(self))
+        self[prompt.prompt_id] = prompt
+
+    def as_json(self, prompt_ids) -> dict[str, dict]:
+        """The prompts of `prompt_ids` (live ones: a checkpoint's) as JSON."""
+        return {pid: dataclasses.asdict(self[pid]) for pid in sorted(prompt_ids)}
 
 
 def prompts_from_json(data: Mapping[str, dict]) -> dict[str, Prompt]:

@@ -106,7 +106,7 @@ def run(
     store = ParamStore(InProcessTier())
     trainer = Trainer(setup.graphdef, setup.params, setup.axes, slices.trainer, config.trainer, store)
     checkpointer = RunCheckpointer(directory_of(workdir), keep=config.checkpoint_keep)
-    prompts: dict = {}
+    prompts = resume.PromptBook()
     restored = None
     if resuming:
         repair_torn_tail(ledger_path)
@@ -130,12 +130,12 @@ def run(
         held_out = eval_prompts(
             task_config(config), setup.task, setup.tokenizer, config.eval.num_prompts, config.eval.path
         )
-        prompts.update({p.prompt_id: p for p in held_out})
+        prompts.keep(held_out)
     leaks = LeakCounter(held_out)  # training prompts that are also evaluation prompts
 
     def next_prompt():
         prompt = setup.task.source.next()
-        prompts[prompt.prompt_id] = prompt
+        prompts.add(prompt)
         leaks.check(prompt)
         return prompt.prompt_id, prompt.prompt_ids
 
@@ -172,6 +172,7 @@ def run(
         on_slice_dropped=lambda sid, why: supervisor_ref[0].dropped(sid, why),
     )
     holder.append(coord)
+    prompts.live = coord.live_prompt_ids
     supervisor = SliceSupervisor(
         coord,
         threads,
@@ -383,14 +384,17 @@ def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
 # --------------------------------------------------------------------------- checkpoints
 def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, loop_alive) -> None:
     coord.wait_for_version(trainer.version)
-    # The loop thread takes the snapshot (it calls the ports); the trainer thread only waits.
-    future = coord.request_snapshot(extra=lambda: {"source": setup.task.source.state()})
+    # The loop thread takes the snapshot (it calls the ports) and the live prompts with it, under
+    # its lock (the prompt book forgets what is no longer live there); the trainer thread waits.
+    future = coord.request_snapshot(
+        extra=lambda: {"source": setup.task.source.state(), "prompts": prompts.as_json(coord.live_prompt_ids())}
+    )
     while not future.done():
         if not loop_alive():
             raise CheckpointError("the coordinator's loop has stopped: no snapshot for this checkpoint")
         concurrent.futures.wait([future], timeout=0.1)
     state = future.result()
-    meta = resume.meta(state, trainer.version, resume.live_prompts(state, prompts), fp)
+    meta = resume.meta(state, trainer.version, state["extra"].pop("prompts"), fp)
     versions = {v: store.get(v, trainer.param_shardings, copy=False) for v in meta["versions"]}
     faults.before_checkpoint_save()
     checkpointer.save(trainer.version, trainer.state, versions, meta)

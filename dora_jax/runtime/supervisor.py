@@ -7,7 +7,9 @@ or timed out, a store error while loading). Every dropped slice is treated alike
 abandoned (it decodes and posts nothing more, for its requests are re-dispatched), the drop is
 logged, and once the old thread has exited (a worker hung inside a step still holds its engine,
 and is never replaced while it does) a fresh worker on the slice's engine rejoins with nothing
-loaded, up to `max_rejoins` times per slice.
+loaded, up to `max_rejoins` times per slice. `dropped()` tells the coordinator whether the slice
+will come back, so that with every slice down at once the run waits for the restarts; one whose
+hung thread still holds its engine after GIVE_UP_HEARTBEATS heartbeat timeouts is given up on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+
+# A dropped slice whose hung thread still holds its engine after this many heartbeat timeouts is
+# given up on (the coordinator stops waiting for it).
+GIVE_UP_HEARTBEATS = 10
 
 
 class SliceSupervisor:
@@ -46,12 +53,15 @@ class SliceSupervisor:
         self._reported: set[int] = set()  # posted as failed, not dropped yet
         self._down: set[int] = set()  # dropped, not rejoined
         self._restart_at: dict[int, float] = {}
+        self._held_since: dict[int, float] = {}  # dropped, its hung thread still holds the engine
         self.rejoins: dict[int, int] = {}
         self.drops: list[tuple[int, str]] = []
 
-    def dropped(self, slice_id: int, reason: str) -> None:
-        """The coordinator's `on_slice_dropped`: runs inside `process()`, so only queues it."""
+    def dropped(self, slice_id: int, reason: str) -> bool:
+        """The coordinator's `on_slice_dropped`: runs inside `process()`, so only queues it; True
+        when the slice will be started again (`rollout.max_rejoins` not reached)."""
         self._dropped.put((slice_id, reason))
+        return self.rejoins.get(slice_id, 0) < self._max_rejoins
 
     def check(self) -> None:
         """One supervision turn: report dead or silent workers, handle drops, restart."""
@@ -93,8 +103,16 @@ class SliceSupervisor:
 
     def _restart(self, sid: int, now: float) -> None:
         if self.threads[sid].alive:  # hung inside a step: its engine is not free yet
-            self._restart_at[sid] = now + self._restart_delay_s
+            since = self._held_since.setdefault(sid, now)
+            if now - since < GIVE_UP_HEARTBEATS * self._heartbeat_timeout_s:
+                self._restart_at[sid] = now + self._restart_delay_s
+                return
+            del self._restart_at[sid]  # the coordinator stops counting on it (the run may end)
+            why = f"not restarted: its hung thread held the engine for {now - since:.0f}s"
+            log.warning("rollout slice %d %s", sid, why)
+            self._coord.post_slice_wont_rejoin(sid, why)
             return
+        self._held_since.pop(sid, None)
         del self._restart_at[sid]
         self.rejoins[sid] = self.rejoins.get(sid, 0) + 1
         self.threads[sid] = thread = self._start_slice(sid)

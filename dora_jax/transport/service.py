@@ -89,7 +89,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.finished = threading.Event()  # the trainer called Finish: the run is over
         self.generation = 0  # bumped when a restarted trainer sends the run back to its checkpoint
         self._snapshot_extra = None  # see attach()
-        self._live_prompts = None
         self.timing = timing
         self._log = log or (lambda message: print(f"[coordinator] {message}", file=sys.stderr, flush=True))
         self._cond = threading.Condition()
@@ -133,17 +132,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         resumed = not self.resume or self.resume_state is not None
         return slices and self.initial_version is not None and resumed
 
-    def attach(
-        self, backend, known_ports: Sequence[GrpcRolloutPort] = (), *, snapshot_extra=None, live_prompts=None
-    ) -> None:
+    def attach(self, backend, known_ports: Sequence[GrpcRolloutPort] = (), *, snapshot_extra=None) -> None:
         """Hands over the coordinator built from `known_ports` (what `wait_ready` returned); a
         slice that joined since then joins it now. What only the coordinator's process knows goes
-        into a `Snapshot`: `snapshot_extra()` (taken with the state: the prompt source's position)
-        as the state's `extra`, and `live_prompts(state)` (the prompts it still refers to) under
-        `extra["prompts"]`."""
+        into a `Snapshot`: `snapshot_extra()`, taken with the state under the coordinator's lock
+        (the prompt source's position, and under "prompts" the prompts the state still refers to),
+        as the state's `extra`."""
         with self._cond:
             self.backend = backend
-            self._snapshot_extra, self._live_prompts = snapshot_extra, live_prompts
+            self._snapshot_extra = snapshot_extra
             late = [p for p in self.ports.values() if p.connected.is_set() and p not in known_ports]
             self._cond.notify_all()
         for port in late:
@@ -432,7 +429,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         taken by its event loop (consistent with the ledger offset it records)."""
         self._session(request.session, context, pb.TRAINER)
         with self._cond:
-            backend, extra, live_prompts = self.backend, self._snapshot_extra, self._live_prompts
+            backend, extra = self.backend, self._snapshot_extra
         if backend is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no snapshot before the coordinator runs")
         try:
@@ -440,8 +437,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             state = backend.request_snapshot(extra).result(timeout=self.timing.command_timeout_s)
         except Exception as err:  # the trainer keeps its previous checkpoint and says why
             context.abort(grpc.StatusCode.UNAVAILABLE, f"no snapshot: {type(err).__name__}: {err}")
-        if live_prompts is not None:
-            state["extra"]["prompts"] = live_prompts(state)
         return pb.SnapshotReply(state_json=json.dumps(state))
 
     def Finish(self, request: pb.FinishRequest, context) -> pb.FinishReply:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import Ledger, read_ledger
-from tests.coordinator.fakes import DyingWorker, longtail, make_coordinator
+from tests.coordinator.fakes import DyingWorker, InstantScorer, config, longtail, make_coordinator
 
 make = make_coordinator
 
@@ -122,6 +122,59 @@ def test_every_slice_dead_stops_the_run_with_a_clear_error():
         coord.process()
 
 
+@pytest.mark.parametrize("mode", ["dora", "sync"])
+def test_every_slice_down_at_once_waits_for_the_restarts_it_was_promised(mode):
+    """A supervisor that will start a dropped slice again says so (`on_slice_dropped` returns
+    True): with every slice down at once the run waits for them instead of stopping (the embedded
+    run died so in CI when a hung slice held the loop past the others' restarts), then finishes
+    clean; a slice that will not come back still stops the run once none is left."""
+    ledger = Ledger(None)
+    promised = []
+    coord, workers = make(mode, ledger, slices=2, on_slice_dropped=lambda sid, why: promised.append(sid) or True)
+    coord.start()
+
+    def all_down_then_back(ticks, version):
+        if ticks == 30:
+            for sid, w in workers.items():
+                w.dead = True
+                coord.post_slice_failed(sid, "crashed")
+        if ticks == 31:
+            assert not coord.ports and coord.backlog  # nothing to run on; its requests wait
+        if ticks == 40:
+            for sid in (0, 1):
+                workers[sid] = DyingWorker(sid, 4, [coord], longtail(sid))
+                coord.post_slice_joined(workers[sid])
+
+    drive(coord, workers, 0, 8, random.Random(2), all_down_then_back)
+    assert sorted(promised) == [0, 1]
+    assert_clean(audit(ledger.memory), 8)
+
+    answers = {1: [False], 0: [True, False]}  # slice 0 comes back once; then its rejoins are spent
+    coord, workers = make(mode, Ledger(None), slices=2, on_slice_dropped=lambda sid, why: answers[sid].pop(0))
+    coord.start()
+    for w in workers.values():
+        w.dead = True
+    coord.post_slice_failed(1, "gone")
+    coord.post_slice_failed(0, "gone")
+    coord.process()  # slice 0 will be back: no error yet
+    coord.post_slice_joined(DyingWorker(0, 4, [coord], longtail(0)))
+    coord.process()
+    coord.ports[0].dead = True
+    coord.post_slice_failed(0, "gone again")
+    with pytest.raises(RuntimeError, match="every rollout slice has failed"):
+        coord.process()
+
+    # a promised restart that its supervisor gives up on (a hung thread never let go)
+    coord, workers = make(mode, Ledger(None), slices=1, on_slice_dropped=lambda sid, why: True)
+    coord.start()
+    workers[0].dead = True
+    coord.post_slice_failed(0, "hung")
+    coord.process()
+    coord.post_slice_wont_rejoin(0, "not restarted: its hung thread held the engine for 101s")
+    with pytest.raises(RuntimeError, match="slice 0: not restarted"):
+        coord.process()
+
+
 def test_a_rejoined_slice_gets_work_again():
     ledger = Ledger(None)
     coord, workers = make("dora", ledger)
@@ -213,3 +266,65 @@ def test_snapshot_keeps_tokens_so_far_and_they_are_not_regenerated():
     for r in requeued:  # each continues from its tokens so far, under its own version
         assert list(r.prefix_response_ids) == by_id[r.traj_id]["prefix_response_ids"]
         assert r.version == by_id[r.traj_id]["version"]
+
+
+class _BookScorer(InstantScorer):
+    """Scores only trajectories whose prompt the book still holds (as the reward pool needs it)."""
+
+    def __init__(self, book):
+        super().__init__()
+        self.book = book
+
+    def submit(self, trajectory):
+        assert trajectory.prompt_id in self.book, f"{trajectory.prompt_id} forgotten before its reward"
+        return super().submit(trajectory)
+
+
+def test_the_prompt_book_forgets_what_nothing_live_refers_to_and_a_checkpoint_keeps_the_rest(tmp_path):
+    """resume.PromptBook (the runner's and the gRPC coordinator's prompts) over a long-tailed dora
+    run with a slice dying: every reward finds its prompt, the book stays near what is in flight
+    instead of every prompt drawn, the held-out prompts stay, and a snapshot's prompts (taken under
+    the coordinator's lock) cover every request and unscored trajectory it holds."""
+    from dora_jax.coordinator.coordinator import Coordinator
+    from dora_jax.runtime import resume
+    from dora_jax.tasks.prompt import Prompt
+
+    book = resume.PromptBook(min_pass=8)
+    held_out = [Prompt("eval-0", "4 5", (4, 5), "42")]
+    book.keep(held_out)
+    counter = iter(range(10**9))
+
+    def next_prompt():
+        prompt = Prompt(f"p{next(counter)}", "1 2 3", (1, 2, 3), "7")
+        book.add(prompt)
+        return prompt.prompt_id, prompt.prompt_ids
+
+    ref, length_of = [None], longtail(3)
+    workers = {i: DyingWorker(i, 4, ref, length_of) for i in range(3)}
+    ledger = Ledger(str(tmp_path / "ledger.jsonl"))
+    coord = Coordinator(config("dora", k_max=2, tbs=8, rbs=16, g=4), workers, next_prompt, _BookScorer(book), ledger)
+    ref[0] = coord
+    book.live = coord.live_prompt_ids
+    coord.start()
+    sizes, states = [], []
+
+    def watch(ticks, version):
+        sizes.append(len(book))
+        if ticks == 40:
+            workers[1].dead = True
+            coord.post_slice_failed(1, "missed heartbeats")
+        if ticks % 10 == 0 and not workers[1].dead:  # (a dead fake raises even on hasattr)
+            states.append(coord.snapshot(extra=lambda: {"prompts": book.as_json(coord.live_prompt_ids())}))
+
+    drive(coord, workers, 0, 30, random.Random(3), watch)
+    ledger.close()
+    assert_clean(audit(read_ledger(str(tmp_path / "ledger.jsonl"))), 30)
+    drawn = next(counter)
+    assert book.forgotten > 0 and max(sizes) < drawn / 2, (max(sizes), drawn)
+    assert max(sizes) <= 2 * (16 + 8) + 1  # what is in flight (rbs 16 + a batch unscored) and one pass's growth
+    assert "eval-0" in book
+    assert states
+    for state in states:
+        referred = {r["prompt_id"] for r in state["dispatched"] + state["backlog"]}
+        referred |= {t["prompt_id"] for t in state["unscored"]}
+        assert referred <= set(state["extra"]["prompts"])
