@@ -244,6 +244,28 @@ def test_the_command_compiles_the_roles_in_two_processes_as_one_process_does(tmp
             assert (a["temp_bytes"], a["flops"]) == (b["temp_bytes"], b["flops"]), a["name"]
 
 
+@pytest.mark.slow  # a process that loads libtpu
+def test_the_command_names_a_role_that_does_not_fit_once(tmp_path):
+    """Roles compiled in processes of their own that do not fit: exit 1, each named once (by the
+    merged result, not again by its process)."""
+    from tests.helpers import CONFIG
+
+    huge = {"hidden_size": 16384, "intermediate_size": 65536, "num_heads": 128, "num_kv_heads": 16, "head_dim": 128}
+    result = subprocess.run(
+        [sys.executable, "-m", "dora_jax.tpu_compile", f"--config={CONFIG}", f"--out={tmp_path}", "--target=v5e:2x2"]
+        + ["--jobs=2", "--config.rollout.num_slices=2", "--config.rollout.cache_length=32"]
+        + ["--config.rollout.max_prefill_length=16", "--config.rollout.max_new_tokens=24"]
+        + [f"--config.model.{field}={value}" for field, value in huge.items()],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    for role in ("trainer", "rollout"):
+        assert result.stderr.count(f"{role} on v5e:2x2 does not fit") == 1, result.stderr[-3000:]
+        assert f"[{role}] {role} on v5e:2x2" in result.stderr
+
+
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
 def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel():
     """A model whose heads are 128 wide decodes with the TPU kernel: one page-table width (the

@@ -125,9 +125,15 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
         out = os.path.join(OUT.value, f"role-{role}")
         argv = [sys.executable, "-m", "dora_jax.tpu_compile", *base, f"--roles={role}", f"--out={out}", "--jobs=1"]
         child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        verdicts = []  # its own "tpu_compile: ..." lines: a failure's are printed, a misfit's the merge reports
         for line in child.stderr:
-            print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
+            if line.startswith("tpu_compile: "):
+                verdicts.append(line)
+            else:
+                print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
         if child.wait() not in (0, 1):  # 1: compiled, does not fit (the merged result says so)
+            for line in verdicts:
+                print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
             with lock:
                 failed.append(role)
             return
