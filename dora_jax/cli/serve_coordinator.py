@@ -137,7 +137,7 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
                 initial_version=version,
                 on_slice_dropped=service.slice_dropped,
             )
-            prompts.live = coord.live_prompt_ids
+            prompts.follow(coord)
             if service.resume:
                 state = service.resume_state
                 if state:
@@ -148,11 +148,7 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
             service.attach(
                 coord,
                 list(ports.values()),
-                # taken under the coordinator's lock: the prompt book forgets what is not live there
-                snapshot_extra=lambda task=task, prompts=prompts, coord=coord: {
-                    "source": task.source.state(),
-                    "prompts": prompts.as_json(coord.live_prompt_ids()),
-                },
+                snapshot_extra=lambda task=task, prompts=prompts: prompts.snapshot_extra(task.source),
             )
             _log(f"all roles joined; dispatching from version {version}")
             coord.start()

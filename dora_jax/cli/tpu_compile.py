@@ -128,12 +128,11 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
         verdicts = []  # its own "tpu_compile: ..." lines: a failure's are printed, a misfit's the merge reports
         for line in child.stderr:
             if line.startswith("tpu_compile: "):
-                verdicts.append(line)
+                verdicts.append(f"[{role}] {line}")
             else:
                 print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
         if child.wait() not in (0, 1):  # 1: compiled, does not fit (the merged result says so)
-            for line in verdicts:
-                print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
+            print("".join(verdicts), end="", file=sys.stderr, flush=True)
             with lock:
                 failed.append(role)
             return

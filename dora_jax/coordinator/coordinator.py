@@ -501,8 +501,12 @@ class Coordinator:
     def _on_slice_wont_rejoin(self, slice_id: int, reason: str) -> None:
         if slice_id in self._rejoining:
             self._rejoining.discard(slice_id)
-            if not self.ports and not self._rejoining:
-                raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
+            self._check_a_slice_is_left(slice_id, reason)
+
+    def _check_a_slice_is_left(self, slice_id: int, reason: str) -> None:
+        """The run stops when no slice is live and none is coming back."""
+        if not self.ports and not self._rejoining:
+            raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
 
     def _drop_slice(self, slice_id: int, reason: str) -> None:
         """Removes a dead slice; what it held goes back to the backlog under its own version."""
@@ -523,8 +527,7 @@ class Coordinator:
             self._redispatch.add(traj_id)
         if self._on_slice_dropped is not None and self._on_slice_dropped(slice_id, reason):
             self._rejoining.add(slice_id)
-        if not self.ports and not self._rejoining:
-            raise RuntimeError(f"every rollout slice has failed (last: slice {slice_id}: {reason})")
+        self._check_a_slice_is_left(slice_id, reason)
 
     def _on_slice_joined(self, port: RolloutPort) -> None:
         sid = port.slice_id

@@ -96,9 +96,15 @@ class PromptBook(dict):
             self._next_pass = max(self._min_pass, 2 * len(self))
         self[prompt.prompt_id] = prompt
 
-    def as_json(self, prompt_ids) -> dict[str, dict]:
-        """The prompts of `prompt_ids` (live ones: a checkpoint's) as JSON."""
-        return {pid: dataclasses.asdict(self[pid]) for pid in sorted(prompt_ids)}
+    def follow(self, coordinator) -> None:
+        """From now on, what is live is what `coordinator` (a Coordinator) still refers to."""
+        self.live = coordinator.live_prompt_ids
+
+    def snapshot_extra(self, source) -> dict:
+        """A checkpoint's `extra`, taken with the coordinator's snapshot under its lock: the
+        prompt source's position and the prompts the snapshot refers to (as JSON)."""
+        live = self.live() if self.live is not None else set(self)
+        return {"source": source.state(), "prompts": {pid: dataclasses.asdict(self[pid]) for pid in sorted(live)}}
 
 
 def prompts_from_json(data: Mapping[str, dict]) -> dict[str, Prompt]:

@@ -172,7 +172,7 @@ def run(
         on_slice_dropped=lambda sid, why: supervisor_ref[0].dropped(sid, why),
     )
     holder.append(coord)
-    prompts.live = coord.live_prompt_ids
+    prompts.follow(coord)
     supervisor = SliceSupervisor(
         coord,
         threads,
@@ -386,9 +386,7 @@ def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, lo
     coord.wait_for_version(trainer.version)
     # The loop thread takes the snapshot (it calls the ports) and the live prompts with it, under
     # its lock (the prompt book forgets what is no longer live there); the trainer thread waits.
-    future = coord.request_snapshot(
-        extra=lambda: {"source": setup.task.source.state(), "prompts": prompts.as_json(coord.live_prompt_ids())}
-    )
+    future = coord.request_snapshot(extra=lambda: prompts.snapshot_extra(setup.task.source))
     while not future.done():
         if not loop_alive():
             raise CheckpointError("the coordinator's loop has stopped: no snapshot for this checkpoint")

@@ -268,6 +268,11 @@ def test_snapshot_keeps_tokens_so_far_and_they_are_not_regenerated():
         assert r.version == by_id[r.traj_id]["version"]
 
 
+class _Source:
+    def state(self):
+        return {"next": 0}
+
+
 class _BookScorer(InstantScorer):
     """Scores only trajectories whose prompt the book still holds (as the reward pool needs it)."""
 
@@ -304,7 +309,7 @@ def test_the_prompt_book_forgets_what_nothing_live_refers_to_and_a_checkpoint_ke
     ledger = Ledger(str(tmp_path / "ledger.jsonl"))
     coord = Coordinator(config("dora", k_max=2, tbs=8, rbs=16, g=4), workers, next_prompt, _BookScorer(book), ledger)
     ref[0] = coord
-    book.live = coord.live_prompt_ids
+    book.follow(coord)
     coord.start()
     sizes, states = [], []
 
@@ -314,7 +319,7 @@ def test_the_prompt_book_forgets_what_nothing_live_refers_to_and_a_checkpoint_ke
             workers[1].dead = True
             coord.post_slice_failed(1, "missed heartbeats")
         if ticks % 10 == 0 and not workers[1].dead:  # (a dead fake raises even on hasattr)
-            states.append(coord.snapshot(extra=lambda: {"prompts": book.as_json(coord.live_prompt_ids())}))
+            states.append(coord.snapshot(extra=lambda: book.snapshot_extra(_Source())))
 
     drive(coord, workers, 0, 30, random.Random(3), watch)
     ledger.close()
