@@ -41,6 +41,12 @@ HEARTBEAT_TIMEOUT_S = flags.DEFINE_float(
     "a rollout worker silent this long is failed (default: rollout.heartbeat_timeout_s of the config)",
 )
 COMMAND_TIMEOUT_S = flags.DEFINE_float("command_timeout_s", 600.0, "a command unanswered this long fails its slice")
+REJOIN_TIMEOUT_S = flags.DEFINE_float(
+    "rejoin_timeout_s",
+    600.0,
+    "a dropped rollout slice is waited for this long to register again (restarted by its launcher); "
+    "with every slice down and none back by then, the run stops",
+)
 TRACE_LENGTHS = flags.DEFINE_bool(
     "trace_lengths",
     False,
@@ -96,7 +102,11 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
     resuming = fs.exists(ledger_path)
     service = CoordinatorService(
         identity,
-        Timing(heartbeat_timeout_s=heartbeat_timeout_s, command_timeout_s=COMMAND_TIMEOUT_S.value),
+        Timing(
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            command_timeout_s=COMMAND_TIMEOUT_S.value,
+            rejoin_timeout_s=REJOIN_TIMEOUT_S.value,
+        ),
         resume=resuming,
     )
     server, port = make_server(service, PORT.value)

@@ -58,6 +58,10 @@ class Timing:
     heartbeat_timeout_s: float = 30.0  # a rollout worker silent this long is failed
     command_timeout_s: float = 600.0  # a command unanswered this long fails its slice
     keepalive_s: float = 2.0  # an idle command stream carries a keepalive this often
+    # A dropped slice's worker is waited for this long to register again (a worker whose session
+    # ended re-registers by itself; a dead one is started again by `launch_local --max_restarts`
+    # or the pod's restart): with every slice down, the run stops only once this has passed.
+    rejoin_timeout_s: float = 600.0
     chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
 
 
@@ -67,6 +71,7 @@ class Backend(Protocol):
     def post_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None: ...
     def post_slice_failed(self, slice_id: int, reason: str) -> None: ...
     def post_slice_joined(self, port) -> None: ...
+    def post_slice_wont_rejoin(self, slice_id: int, reason: str) -> None: ...
     def record_behaviour(self, step: int, digests) -> None: ...
 
 
@@ -101,6 +106,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.backend = None
         self.failures: list[tuple[int, str]] = []
         self._retired_counters: dict[str, int] = {}  # counters of ended sessions (bubble ratio totals)
+        self._rejoins: dict[int, tuple[float, str]] = {}  # dropped slice -> (deadline to rejoin, why dropped)
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
         self._monitor.start()
@@ -282,14 +288,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if backend is not None:
             backend.post_slice_failed(port.slice_id, reason)
 
-    def slice_dropped(self, slice_id: int, reason: str) -> None:
+    def slice_dropped(self, slice_id: int, reason: str) -> bool:
         """The coordinator dropped this slice (a failed call, a store error while loading): its
         session ends, so the worker stops decoding what was re-dispatched, registers again and
-        rejoins with nothing loaded. Called on the coordinator's loop; never calls back in."""
+        rejoins with nothing loaded. Returns True, the coordinator's `on_slice_dropped` promise
+        that the slice will join again: a live worker registers again by itself and a dead one is
+        restarted by its launcher. The promise holds for `rejoin_timeout_s`; a slice that has not
+        registered again by then is posted as `post_slice_wont_rejoin` (with no slice left, the run
+        then stops). Called on the coordinator's loop; never calls back in."""
         with self._cond:
             port = self.ports.get(slice_id)
+            self._rejoins[slice_id] = (time.monotonic() + self.timing.rejoin_timeout_s, reason)
         if port is not None:
             port.fail(f"dropped by the coordinator: {reason}")
+        return True
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         session = self._session(request.session, context, pb.ROLLOUT)
@@ -316,6 +328,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 ]
             for port in late:
                 port.fail(f"no heartbeat for {self.timing.heartbeat_timeout_s:.0f}s")
+            self._post_missed_rejoins(now)
+
+    def _post_missed_rejoins(self, now: float) -> None:
+        with self._cond:
+            missed = {sid: why for sid, (deadline, why) in self._rejoins.items() if now > deadline}
+            for sid in missed:
+                del self._rejoins[sid]
+            backend = self.backend
+        for sid, why in missed.items():
+            if backend is not None:
+                backend.post_slice_wont_rejoin(
+                    sid, f"did not register again within rejoin_timeout_s={self.timing.rejoin_timeout_s:g}s ({why})"
+                )
 
     # ------------------------------------------------------------------ rollout streams
     def Commands(self, request: pb.CommandsRequest, context):
@@ -325,6 +350,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._cond:
             session.last_beat = time.monotonic()
             port.connected.set()
+            self._rejoins.pop(port.slice_id, None)
             backend = self.backend
             self._cond.notify_all()
         if backend is not None:  # a slice (re)joining a running coordinator

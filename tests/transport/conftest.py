@@ -17,7 +17,7 @@ class Sink:
     what arrives. The gRPC path in front of it is real."""
 
     def __init__(self):
-        self.finished, self.failed, self.joined = {}, [], []
+        self.finished, self.failed, self.joined, self.wont_rejoin = {}, [], [], []
         self.lock = threading.Lock()
 
     def post_finished(self, slice_id, trajectories):
@@ -30,6 +30,9 @@ class Sink:
 
     def post_slice_joined(self, port):
         self.joined.append(port.slice_id)
+
+    def post_slice_wont_rejoin(self, slice_id, reason):
+        self.wont_rejoin.append((slice_id, reason))
 
 
 @pytest.fixture(scope="session")

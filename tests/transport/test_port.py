@@ -196,6 +196,38 @@ def test_missed_heartbeats_and_unanswered_commands_fail_the_port():
         server.stop(0)
 
 
+def test_a_dropped_slice_is_promised_back_until_the_rejoin_timeout():
+    """The coordinator is told a dropped slice will join again (its worker registers again by
+    itself, or its launcher restarts it): with every slice down the run waits. A worker that
+    registers again within `rejoin_timeout_s` keeps the promise; one that does not is posted as
+    `post_slice_wont_rejoin`, naming the timeout and why the slice was dropped."""
+    service, server, address = _serve(num_slices=2, rejoin_timeout_s=0.6)
+    sink = Sink()
+    service.attach(sink)
+    client = Client(address)
+    streams = [
+        client.stub.Commands(
+            pb.CommandsRequest(session=client.register(pb.ROLLOUT, HASH, slice_id=sid, num_slots=4).session)
+        )
+        for sid in (0, 1)
+    ]
+    try:
+        _until(lambda: sorted(sink.joined) == [0, 1], what="the streams to open")
+        assert service.slice_dropped(0, "load_version failed") is True
+        assert service.slice_dropped(1, "load_version failed") is True
+        _until(lambda: len(sink.failed) == 2, what="both sessions to end")
+        session = client.register(pb.ROLLOUT, HASH, slice_id=1, num_slots=4).session
+        streams.append(client.stub.Commands(pb.CommandsRequest(session=session)))  # slice 1 comes back
+        _until(lambda: sorted(sink.joined) == [0, 1, 1], what="slice 1 to join again")
+        _until(lambda: sink.wont_rejoin, timeout=10, what="the rejoin deadline")
+        time.sleep(1.0)  # slice 1's promise, kept, is never reported
+        assert sink.wont_rejoin == [(0, "did not register again within rejoin_timeout_s=0.6s (load_version failed)")]
+    finally:
+        for stream in streams:
+            stream.cancel()
+        server.stop(0)
+
+
 def test_registration_refusals_name_the_mismatch():
     service, server, address = _serve()
     client = Client(address)
