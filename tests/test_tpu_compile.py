@@ -267,11 +267,13 @@ def test_the_command_names_a_role_that_does_not_fit_once(tmp_path):
 
 
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
-def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel():
-    """A model whose heads are 128 wide decodes with the TPU kernel: one page-table width (the
-    kernel reads only live pages), the kernel in the compiled program, and the pool sized from the
-    chip's HBM by kv_memory_fraction (capped at every slot full)."""
-    c = _config(hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=128, attention="pallas_tpu")
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel(head_dim):
+    """A model whose heads are 128 wide, or 64 wide and packed two to a row of the pool (as
+    Qwen2.5-0.5B's), decodes with the TPU kernel: one page-table width (the kernel reads only live
+    pages), the kernel in the compiled program, and the pool sized from the chip's HBM by
+    kv_memory_fraction (capped at every slot full)."""
+    c = _config(hidden_size=256, num_heads=2, num_kv_heads=2, head_dim=head_dim, attention="pallas_tpu")
     with c.unlocked():
         c.rollout.cache_length = 256
         c.rollout.max_prefill_length = 64
@@ -282,6 +284,8 @@ def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel()
     cfg = aot.model_config(config)
     engine = aot.RolloutEngine(cfg, config.rollout.engine_config(), target.mesh, hbm_bytes=16 * 2**30)
     assert engine.paged_kernel and engine.config.num_pages == 4 * 16 + 1
+    pool = engine.abstract_decode_state().cache[0]
+    assert pool.shape == (4 * 16 + 1, 16, 4 // (128 // head_dim), 128)  # [P, N, 2K', 128 lanes]
     (generate,) = [lowered for name, lowered in engine.lower_programs() if name.startswith("generate")]
     assert "ragged_paged_attention" in generate.as_text()
     compiled = generate.compile()

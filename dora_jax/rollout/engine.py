@@ -378,14 +378,15 @@ def _generate_step(
     return state, ResultTokens(data=data, log_prob=logp_B[:, None], sample_log_prob=sample_logp_B[:, None])
 
 
-def _read_slot(state: DecodeState, slot, pages_Q=None, *, rows: int):
-    """The slot's first `rows` KV rows (from its pages `pages_Q` when paged) and its vectors."""
+def _read_slot(head_dim: int, state: DecodeState, slot, pages_Q=None, *, rows: int):
+    """The slot's first `rows` KV rows (from its pages `pages_Q` when paged, heads `head_dim` wide)
+    and its vectors."""
     cut = lambda c: jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(c, slot, 1, False), 0, rows, 1)
     at = lambda v: jax.lax.dynamic_index_in_dim(v, slot, 0, False)
     if pages_Q is None:
         k_LRKD, v_LRKD = cut(state.cache.k_LBSKD), cut(state.cache.v_LBSKD)
     else:
-        k_LRKD, v_LRKD = paged.read_rows(state.cache, pages_Q)
+        k_LRKD, v_LRKD = paged.read_rows(state.cache, pages_Q, head_dim)
     return (
         k_LRKD,
         v_LRKD,
@@ -401,7 +402,10 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
     replicated = sharding_lib.replicated(mesh)
     result_shardings = ResultTokens(data=replicated, log_prob=replicated, sample_log_prob=replicated)
     return (
-        jax.jit(functools.partial(_zero_state, config, model_config, _combined(mesh)), out_shardings=state_shardings),
+        jax.jit(
+            functools.partial(_zero_state, config, model_config, _pool_pack(model_config, mesh, rules)),
+            out_shardings=state_shardings,
+        ),
         jax.jit(
             functools.partial(_prefill_step, graphdef, config, mesh, rules),
             static_argnames=("sampler",),
@@ -415,7 +419,9 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
             out_shardings=(state_shardings, result_shardings),
         ),
         # Replicated: every process of a multi-host slice can fetch the slot to host.
-        jax.jit(_read_slot, static_argnames=("rows",), out_shardings=replicated),
+        jax.jit(
+            functools.partial(_read_slot, model_config.head_dim), static_argnames=("rows",), out_shardings=replicated
+        ),
     )
 
 
@@ -448,12 +454,24 @@ def _combined(mesh: Mesh) -> bool:
     return mesh.devices.flat[0].platform == "tpu"
 
 
-def _zero_state(config: EngineConfig, model_config: ModelConfig, combined: bool = True) -> DecodeState:
-    """Every slot empty; a paged pool in the TPU kernel's combined layout, or split (keys, values)."""
+def _pool_pack(model_config: ModelConfig, mesh: Mesh, rules) -> int:
+    """0: a split pool (not TPU); else kv heads per row of the combined pool (`paged.lane_pack`,
+    each device's share of the heads whole)."""
+    if not _combined(mesh):
+        return 0
+    K = model_config.num_kv_heads
+    spec = sharding_lib.logical_to_spec(("kv_heads",), (K,), mesh, rules)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return paged.lane_pack(K, model_config.head_dim, int(np.prod([mesh.shape[a] for a in axes], dtype=int)))
+
+
+def _zero_state(config: EngineConfig, model_config: ModelConfig, pack: int = 1) -> DecodeState:
+    """Every slot empty; a paged pool in the TPU kernel's combined layout, `pack` heads to a row,
+    or (pack 0) split into keys and values."""
     B, cfg = config.num_slots, model_config
     if config.paged:
         shape = (cfg.num_layers, config.pool_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = paged.pool_zeros(*shape, cfg.dtype, combined=combined)
+        cache = paged.pool_zeros(*shape, cfg.dtype, combined=pack > 0, pack=pack or None)
     else:
         cache = KVCache.zeros(model_config, batch=B, length=config.cache_length)
     return DecodeState(
@@ -495,7 +513,7 @@ class RolloutEngine:
         self._param_structure = jax.tree.structure(abstract_params)
         self._param_shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract_params)]
         self._state_shardings = self._shardings_for(
-            jax.eval_shape(lambda: _zero_state(config, model_config, _combined(mesh)))
+            jax.eval_shape(lambda: _zero_state(config, model_config, _pool_pack(model_config, mesh, rules)))
         )
         self._prefix_shardings = self._prefix_sharding_tree()
         # Engines with the same model, sizes and mesh share compiled programs (a worker per
@@ -514,7 +532,10 @@ class RolloutEngine:
     def kv_bytes_per_page(self) -> int:
         """Bytes one KV page takes on each chip of the slice (the pool's kv heads split over devices)."""
         cfg, config = self.model_config, self.config
-        shape = (1, config.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        if pack := _pool_pack(cfg, self._mesh, self._rules):
+            shape = paged.combined_layer_shape(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, pack)
+        else:
+            shape = (1, config.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
         shard = self._spec(PAGED_KV_AXES, shape).shard_shape(shape)
         return cfg.num_layers * int(np.prod(shard)) * jnp.dtype(cfg.dtype).itemsize
 
@@ -555,7 +576,8 @@ class RolloutEngine:
             return False
         cfg, platform = self.model_config, self._mesh.devices.flat[0].platform
         with sharding_lib.activation_layout(self._mesh, self._rules):
-            return paged.uses_kernel(cfg.attention, cfg.dtype, cfg.head_dim, backend=platform)
+            pack = _pool_pack(cfg, self._mesh, self._rules)
+            return pack > 0 and paged.uses_kernel(cfg.attention, cfg.dtype, pack * cfg.head_dim, backend=platform)
 
     def _reset_pages(self) -> None:
         cfg = self.config
@@ -991,7 +1013,8 @@ class RolloutEngine:
 
     def abstract_decode_state(self) -> DecodeState:
         """`init_decode_state()` as ShapeDtypeStructs carrying the slice's shardings (no memory)."""
-        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config, _combined(self._mesh)))
+        pack = _pool_pack(self.model_config, self._mesh, self._rules)
+        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config, pack))
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), zero_state, self._state_shardings
         )

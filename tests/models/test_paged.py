@@ -38,6 +38,46 @@ def test_reference_attention_over_pages_equals_the_kernels_own_reference(combine
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("K,D,packed", [(2, 64, 2), (4, 32, 4), (2, 32, 1), (1, 128, 1)])
+def test_narrow_heads_packed_into_128_lane_rows_attend_as_unpacked(K, D, packed):
+    """A combined pool packs 128 / D neighbouring kv heads into one row of 128 lanes (as many as
+    divide K): the same bytes, rows the TPU kernel takes. Rows written and a token's write read back
+    as the heads they were; the reference over the packed pool, and the kernel's own reference
+    implementation on the packed queries and pool (`kernel_attend(reference=True)`, what the kernel
+    computes), equal the reference over the unpacked pool, GQA (2 query heads per kv head)
+    included."""
+    B, H, N, P, M = 4, 2 * K, 8, 24, 3
+    assert paged.lane_pack(K, D) == packed
+    # Split over devices, each device's rows hold its own heads only: packing needs p x shards | K.
+    assert paged.lane_pack(K, D, kv_shards=2) == (packed if K % (2 * packed) == 0 else 1)
+    assert paged.combined_layer_shape(P, N, K, D) == (P, N, 2 * K // packed, packed * D)
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.normal(size=(1, M * N, K, D)), jnp.float32) for _ in range(2))
+    pools = {combined: paged.pool_zeros(1, P, N, K, D, jnp.float32, combined=combined) for combined in (True, False)}
+    table_BM = jnp.asarray(rng.permutation(np.arange(1, P))[: B * M].reshape(B, M), jnp.int32)
+    for b in range(B):  # every slot holds the same rows, in its own pages
+        pools = {c: paged.write_rows(kv, k, v, table_BM[b]) for c, kv in pools.items()}
+    positions_B = jnp.array([0, 7, 8, 20], jnp.int32)
+    new_k, new_v = (jnp.asarray(rng.normal(size=(B, K, D)), jnp.float32) for _ in range(2))
+    pools = {c: (paged.write_token(kv[0], new_k, new_v, table_BM, positions_B),) for c, kv in pools.items()}
+    packed_pool, split_pool = pools[True][0], pools[False][0]
+    assert packed_pool.shape == (P, N, 2 * K // packed, packed * D)
+    for b in range(B):
+        k_back, v_back = paged.read_rows(pools[True], table_BM[b], D)
+        expect_k = k[0].at[positions_B[b]].set(new_k[b])
+        expect_v = v[0].at[positions_B[b]].set(new_v[b])
+        np.testing.assert_array_equal(np.asarray(k_back[0]), np.asarray(expect_k))
+        np.testing.assert_array_equal(np.asarray(v_back[0]), np.asarray(expect_v))
+    q_BHD = jnp.asarray(rng.normal(size=(B, H, D)), jnp.float32)
+    unpacked = paged.reference_attend(q_BHD, split_pool, table_BM, positions_B)
+    np.testing.assert_allclose(
+        np.asarray(paged.reference_attend(q_BHD, packed_pool, table_BM, positions_B)), np.asarray(unpacked), atol=1e-6
+    )
+    kernel_math = paged.kernel_attend(q_BHD, packed_pool, table_BM, positions_B, reference=True)
+    np.testing.assert_allclose(np.asarray(kernel_math), np.asarray(unpacked), atol=1e-5, rtol=1e-5)
+    assert paged.uses_kernel("pallas_tpu", jnp.bfloat16, packed_pool.shape[-1]) == (packed * D % 128 == 0)
+
+
 @pytest.mark.parametrize("combined", [True, False])
 def test_rows_written_into_pages_read_back_in_order_and_padding_goes_to_scratch(combined):
     L, K, D, N, P = 2, 2, 4, 4, 10
@@ -72,10 +112,10 @@ def test_a_decode_write_lands_in_each_slots_page_and_row(combined):
     assert sum(int((np.asarray(a) != 0).sum()) for a in jax.tree.leaves(kv)) == 3 * 2 * D
 
 
-@pytest.mark.parametrize("combined", [True, False])
-def test_a_paged_decode_step_equals_the_dense_cached_decode_step(combined):
+@pytest.mark.parametrize("combined,head_dim", [(True, 16), (False, 16), (True, 64)], ids=["combined", "split", "packed"])
+def test_a_paged_decode_step_equals_the_dense_cached_decode_step(combined, head_dim):
     cfg = ModelConfig(
-        vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128
+        vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim, intermediate_size=128
     )
     model = init_model(cfg, seed=3)
     B, S, N = 3, 16, 4
@@ -101,5 +141,5 @@ def test_a_paged_decode_step_equals_the_dense_cached_decode_step(combined):
         page, row = table[b, position // N], position % N
         for layer in range(cfg.num_layers):
             pool = pages.kv[layer]
-            k_new = paged.split_kv(pool[page, row])[0] if combined else pool[0][page, row]
+            k_new = paged.split_kv(pool[page, row], head_dim)[0] if combined else pool[0][page, row]
             np.testing.assert_allclose(np.asarray(k_new), np.asarray(dense.k_LBSKD[layer, b, position]), atol=1e-6)
