@@ -24,8 +24,9 @@ Attention over pages, for a decode step (one query per slot at `positions_B`, ke
   * "reference": gathers the slot's pages into [B, M * N] rows and masks by position (any backend;
     work grows with M, which the engine sizes to the live pages: `rollout.engine`).
   * "pallas_tpu": the ragged paged attention kernel, for a combined pool whose rows are a
-    multiple of 128 lanes wide (`uses_kernel`: heads 128 wide, or packed); it reads only the pages below each slot's length. On a mesh it runs under
-    `shard_map`, heads over the rule table's `kv_heads` axis, slots over its `batch` axis.
+    multiple of 128 lanes wide (`uses_kernel`: heads 128 wide, or packed); it reads only the
+    pages below each slot's length. On a mesh it runs under `shard_map`, heads over the rule
+    table's `kv_heads` axis, slots over its `batch` axis.
 The kernel cannot run in the Pallas interpreter on jax 0.10.2 (both interpreters fail inside it),
 so on CPU its numbers are checked through the reference implementation it ships with
 (`ref_ragged_paged_attention`, tests/models/test_paged.py) and it is compiled for TPU by

@@ -112,10 +112,18 @@ def test_a_decode_write_lands_in_each_slots_page_and_row(combined):
     assert sum(int((np.asarray(a) != 0).sum()) for a in jax.tree.leaves(kv)) == 3 * 2 * D
 
 
-@pytest.mark.parametrize("combined,head_dim", [(True, 16), (False, 16), (True, 64)], ids=["combined", "split", "packed"])
+@pytest.mark.parametrize(
+    "combined,head_dim", [(True, 16), (False, 16), (True, 64)], ids=["combined", "split", "packed"]
+)
 def test_a_paged_decode_step_equals_the_dense_cached_decode_step(combined, head_dim):
     cfg = ModelConfig(
-        vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim, intermediate_size=128
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        intermediate_size=128,
     )
     model = init_model(cfg, seed=3)
     B, S, N = 3, 16, 4
