@@ -97,7 +97,7 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
     json.dumps(result)  # compile.json's content
 
     # XLA's cost analysis counts a scan body once: with model.scan_layers the train step's cost is
-    # extrapolated from unrolled 0- and 1-block compiles, and matches the unrolled program's.
+    # extrapolated from unrolled 1- and 2-block compiles, and matches the unrolled program's.
     scanned = aot.compile_roles(run_config.parse(_config(scan_layers=True)), None, "v5e:2x2", roles=("trainer",))
     assert scanned["fits"] is True
     for plain, scan in zip(trainer["programs"], scanned["roles"][0]["programs"]):

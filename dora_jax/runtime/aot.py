@@ -26,7 +26,7 @@ times smaller) and its flops, bytes and time are XLA's figures times the U x M m
 (the optimizer update, U times in truth, is then counted U x M times: small next to a
 micro-batch's forward and backward). With `model.scan_layers` the blocks are one scan too: such a
 program is compiled whole for its memory, and its cost comes from two probe compiles with the
-blocks unrolled (0 blocks and 1, the vocabulary in one pass, no windowed einsum: nothing XLA
+blocks unrolled (1 and 2 blocks, the vocabulary in one pass, no windowed einsum: nothing XLA
 would count once), extrapolated to L blocks; only the widths in `estimate_lengths` get probes.
 The splash attention kernel is opaque to XLA's cost model: its flops are added at the chip's peak
 (the megablox expert kernels carry cost estimates, which XLA counts). `flops_due` is what the
@@ -443,10 +443,10 @@ PROBE_OPTIONS = {
 
 
 def compile_program(program: Program, chip: Chip | None, log=print, probes=None) -> dict:
-    """One program's record. `probes`: (layers, [lower the program without blocks, lower it with
-    one block], compiler options) for a program whose blocks run under `lax.scan`, whose body XLA's
+    """One program's record. `probes`: (layers, [lower the 1-layer program, lower the 2-layer
+    program], compiler options) for a program whose blocks run under `lax.scan`, whose body XLA's
     cost analysis counts once: its cost is then extrapolated from the two unrolled compiles,
-    c0 + L (c1 - c0)."""
+    c1 + (L - 1) (c2 - c1)."""
     start = time.perf_counter()
     record = {"name": program.name}
     try:
@@ -455,9 +455,9 @@ def compile_program(program: Program, chip: Chip | None, log=print, probes=None)
         estimate = "xla"
         if probes is not None:
             layers, lowerings, options = probes
-            (f0, b0, s0), (f1, b1, s1) = (_cost(lower().compile(compiler_options=options)) for lower in lowerings)
-            flops, accessed = f0 + layers * (f1 - f0), b0 + layers * (b1 - b0)
-            seconds = s0 + layers * (s1 - s0) if min(s0, s1) > 0 else -1.0
+            (f1, b1, s1), (f2, b2, s2) = (_cost(lower().compile(compiler_options=options)) for lower in lowerings)
+            flops, accessed = f1 + (layers - 1) * (f2 - f1), b1 + (layers - 1) * (b2 - b1)
+            seconds = s1 + (layers - 1) * (s2 - s1) if min(s1, s2) > 0 else -1.0
             estimate = "xla, layers extrapolated"
     except Exception as err:  # e.g. RESOURCE_EXHAUSTED where libtpu still refuses: report, go on
         record.update(error=f"{type(err).__name__}: {' '.join(str(err).split())[:600]}")
@@ -514,7 +514,7 @@ def compile_role(
     config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, log=print
 ) -> dict:
     """One role's record. With `model.scan_layers`, the trainer programs at `estimate_lengths`
-    (default: the one width nearest 4096) get cost estimates from unrolled 0- and 1-block probe
+    (default: the one width nearest 4096) get cost estimates from unrolled 1- and 2-block probe
     compiles; the other scanned programs are compiled for their memory only (estimate None)."""
     log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
     if cfg.attention == "auto" and target.mesh.devices.flat[0].platform == "tpu":
@@ -676,15 +676,14 @@ def _abstract_trainer(cfg: models.ModelConfig, mesh: Mesh, trainer_config) -> Tr
 
 
 def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estimate: set[int], options=None) -> dict:
-    """{program name: (layers, [lower it without blocks, with 1 block])} for the programs that run
+    """{program name: (layers, [lower it with 1 block, with 2 blocks])} for the programs that run
     the blocks under `lax.scan` (model.scan_layers): the probes unroll the blocks and take the
     vocabulary in one pass (no scan XLA would count once either), so their costs are XLA's whole
-    count: the first is everything but the blocks, the difference one block. (Probes of 1 and 2
-    blocks give the same figures at the cost of compiling two more blocks.)"""
+    count, and two of them give the cost of one more block."""
     trainer_config = dataclasses.replace(config.trainer, vocab_chunk=0)
     probe_config = dataclasses.replace(config, trainer=trainer_config)
     lowerings: dict[str, list] = {}
-    for layers in (0, 1):
+    for layers in (1, 2):
         small = cfg.replace(num_layers=layers, scan_layers=False)
         trainer = _abstract_trainer(small, mesh, trainer_config)
         for program in trainer_programs(probe_config, trainer, small, chips, lengths):
