@@ -4,8 +4,10 @@ a huge one is reported as not fitting with the program named, bad input is refus
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import ml_collections
 import pytest
@@ -217,10 +219,13 @@ def test_the_command_names_a_bad_target_without_a_traceback(tmp_path):
 @pytest.mark.slow  # both roles of the smoke model compiled twice: ~1 min on 2 cores
 def test_the_command_compiles_the_roles_in_two_processes_as_one_process_does(tmp_path):
     """--jobs=2 (the default): each role in a process of its own, progress lines prefixed with the
-    role; compile.json holds the roles in order with the records `compile_roles` makes in one process."""
+    role; the rollout's process also compiles the trainer's cost probes (scanned blocks) and hands
+    their costs over; compile.json holds the roles in order with the records `compile_roles` makes
+    in one process."""
     from tests.helpers import CONFIG, smoke_config
 
-    overrides = {"rollout.num_slices": 2, "trainer.length_bucket": 0}  # 2 + 2 chips; one train step shape
+    # 2 + 2 chips; one train step shape; blocks under scan, so the step's cost comes from probes
+    overrides = {"rollout.num_slices": 2, "trainer.length_bucket": 0, "model.scan_layers": True}
     result = subprocess.run(
         [sys.executable, "-m", "dora_jax.tpu_compile", f"--config={CONFIG}", f"--out={tmp_path}", "--target=v5e:2x2"]
         + [f"--config.{field}={value}" for field, value in overrides.items()],
@@ -230,6 +235,7 @@ def test_the_command_compiles_the_roles_in_two_processes_as_one_process_does(tmp
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[trainer]   train_step[" in result.stderr and "[rollout]   generate" in result.stderr
+    assert re.search(r"\[rollout\]   train_step\[\S+\]: cost probes \(1 and 2 blocks\) compiled", result.stderr)
     with open(tmp_path / "compile.json") as f:
         written = json.load(f)
     c = smoke_config()
@@ -241,7 +247,8 @@ def test_the_command_compiles_the_roles_in_two_processes_as_one_process_does(tmp
         assert [p["name"] for p in ours["programs"]] == [p["name"] for p in theirs["programs"]]
         assert ours["peak_bytes_per_chip"] == theirs["peak_bytes_per_chip"]
         for a, b in zip(ours["programs"], theirs["programs"], strict=True):
-            assert (a["temp_bytes"], a["flops"]) == (b["temp_bytes"], b["flops"]), a["name"]
+            assert (a["temp_bytes"], a["flops"], a["estimate"]) == (b["temp_bytes"], b["flops"], b["estimate"])
+    assert "layers extrapolated" in written["roles"][0]["programs"][0]["estimate"]
 
 
 @pytest.mark.slow  # a process that loads libtpu
@@ -290,3 +297,18 @@ def test_the_paged_decode_step_compiles_with_the_ragged_paged_attention_kernel(h
     assert "ragged_paged_attention" in generate.as_text()
     compiled = generate.compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 2**20  # no copy of the pool (4 x 256 rows)
+
+
+def test_probe_costs_handed_over_in_a_file_or_the_other_process_failure_named(tmp_path):
+    """The trainer's process waits for the cost probes another process writes (whole, by rename),
+    and stops waiting with the other process's failure, by file and reason."""
+    path = str(tmp_path / "probes.json")
+    costs = aot.read_probe_costs(path, poll_s=0.01)
+    writer = threading.Timer(0.2, lambda: aot.write_probe_costs(path, costs={"grad[T=8]": [[1, 2, 3], [4, 5, 6]]}))
+    writer.start()
+    assert costs("grad[T=8]") == [[1, 2, 3], [4, 5, 6]]  # waited for the file
+    with pytest.raises(RuntimeError, match=r"holds no cost probes for recompute\[T=8\]; it has \['grad\[T=8\]'\]"):
+        costs("recompute[T=8]")
+    aot.write_probe_costs(path, error="the rollout role's process exited with 2 first")
+    with pytest.raises(RuntimeError, match=r"failed in the other process \(.*probes.json\): the rollout role's"):
+        aot.read_probe_costs(path)("grad[T=8]")

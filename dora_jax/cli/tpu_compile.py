@@ -9,7 +9,9 @@ exits 1 naming the program and the bytes when a role does not fit. `--target=loc
 this machine's own devices (a TPU VM); `--target=v5e:2x2` for one host of that topology.
 With `--jobs=2` (the default) the two roles compile at once, each in its own process: the TPU
 compiler runs one program at a time per process (two threads crash libtpu) and leaves cores idle
-in its serial passes. Needs libtpu for TPU topologies: pip install -e ".[tpu]".
+in its serial passes. The trainer has more to compile: the rollout role's process also compiles
+the trainer's cost probes once its own programs are done, and hands their costs over in a file
+(`--probes_out` / `--probes_in`, set by the parent). Needs libtpu for TPU topologies: pip install -e ".[tpu]".
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ ESTIMATE_LENGTHS = flags.DEFINE_list(
 ROLES = flags.DEFINE_list("roles", ["trainer", "rollout"], "roles to compile")
 JOBS = flags.DEFINE_integer(
     "jobs", 2, "roles compiled at once, each in its own process (1: one after the other in this process)"
+)
+PROBES_OUT = flags.DEFINE_string(
+    "probes_out", None, "after its roles, compile the trainer's cost probes and write their costs to this file"
+)
+PROBES_IN = flags.DEFINE_string(
+    "probes_in", None, "take the trainer's cost probes from this file (written by another tpu_compile process)"
 )
 
 
@@ -90,6 +98,8 @@ def main(argv):
             estimate_lengths=estimate,
             roles=tuple(ROLES.value),
             on_role=write,
+            probes_in=PROBES_IN.value,
+            probes_out=PROBES_OUT.value,
         )
     except (ValueError, RuntimeError) as err:
         print(f"tpu_compile: {err}", file=sys.stderr)
@@ -112,18 +122,27 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
     `jobs` at a time, their progress lines prefixed with the role; their records merged in the
     order of `roles` (compile.json is rewritten as each finishes). None when one failed (its
     error has been printed)."""
+    from dora_jax.runtime import aot
     from dora_jax.runtime.aot import result_of
 
-    base = [a for a in sys.argv[1:] if not a.startswith(("--roles", "--out", "--jobs"))]
+    base = [a for a in sys.argv[1:] if not a.startswith(("--roles", "--out", "--jobs", "--probes_"))]
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # each process loads libtpu
     records: dict[str, list] = {}
     failed = []
     lock = threading.Lock()
     merged = lambda: result_of([r for role in roles for r in records.get(role, [])])  # noqa: E731
+    # Both roles at once: the rollout's process compiles the trainer's cost probes after its own.
+    os.makedirs(OUT.value, exist_ok=True)
+    probes = os.path.join(OUT.value, "probes.json")
+    share = {"trainer", "rollout"} <= set(roles[:jobs])
+    if share and os.path.exists(probes):
+        os.remove(probes)
+    handover = {"trainer": [f"--probes_in={probes}"], "rollout": [f"--probes_out={probes}"]} if share else {}
 
     def compile_one(role: str) -> None:
         out = os.path.join(OUT.value, f"role-{role}")
         argv = [sys.executable, "-m", "dora_jax.tpu_compile", *base, f"--roles={role}", f"--out={out}", "--jobs=1"]
+        argv += handover.get(role, [])
         child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         verdicts = []  # its own "tpu_compile: ..." lines: a failure's are printed, a misfit's the merge reports
         for line in child.stderr:
@@ -131,7 +150,10 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
                 verdicts.append(f"[{role}] {line}")
             else:
                 print(f"[{role}] {line}", end="", file=sys.stderr, flush=True)
-        if child.wait() not in (0, 1):  # 1: compiled, does not fit (the merged result says so)
+        code = child.wait()
+        if role == "rollout" and share and not os.path.exists(probes):  # or the trainer would wait forever
+            aot.write_probe_costs(probes, error=f"the rollout role's process exited with {code} first")
+        if code not in (0, 1):  # 1: compiled, does not fit (the merged result says so)
             print("".join(verdicts), end="", file=sys.stderr, flush=True)
             with lock:
                 failed.append(role)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -443,10 +444,10 @@ PROBE_OPTIONS = {
 
 
 def compile_program(program: Program, chip: Chip | None, log=print, probes=None) -> dict:
-    """One program's record. `probes`: (layers, [lower the 1-layer program, lower the 2-layer
-    program], compiler options) for a program whose blocks run under `lax.scan`, whose body XLA's
-    cost analysis counts once: its cost is then extrapolated from the two unrolled compiles,
-    c1 + (L - 1) (c2 - c1)."""
+    """One program's record. `probes`: (layers, costs) for a program whose blocks run under
+    `lax.scan`, whose body XLA's cost analysis counts once; `costs()` gives XLA's (flops, bytes,
+    seconds) of the program compiled with 1 and with 2 blocks unrolled (`_layer_probes`), and its cost is
+    extrapolated from those: c1 + (L - 1) (c2 - c1)."""
     start = time.perf_counter()
     record = {"name": program.name}
     try:
@@ -454,8 +455,8 @@ def compile_program(program: Program, chip: Chip | None, log=print, probes=None)
         flops, accessed, seconds = _cost(compiled)
         estimate = "xla"
         if probes is not None:
-            layers, lowerings, options = probes
-            (f1, b1, s1), (f2, b2, s2) = (_cost(lower().compile(compiler_options=options)) for lower in lowerings)
+            layers, costs = probes
+            (f1, b1, s1), (f2, b2, s2) = costs()
             flops, accessed = f1 + (layers - 1) * (f2 - f1), b1 + (layers - 1) * (b2 - b1)
             seconds = s1 + (layers - 1) * (s2 - s1) if min(s1, s2) > 0 else -1.0
             estimate = "xla, layers extrapolated"
@@ -510,16 +511,63 @@ def transient_bytes(record: dict) -> int:
     return record["temp_bytes"] + max(0, record["output_bytes"] - record["alias_bytes"])
 
 
-def compile_role(
-    config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, log=print
-) -> dict:
-    """One role's record. With `model.scan_layers`, the trainer programs at `estimate_lengths`
-    (default: the one width nearest 4096) get cost estimates from unrolled 1- and 2-block probe
-    compiles; the other scanned programs are compiled for their memory only (estimate None)."""
-    log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
+def _target_config(cfg, target: RoleTarget):
     if cfg.attention == "auto" and target.mesh.devices.flat[0].platform == "tpu":
         # "auto" reads the default backend, which is this host's CPU while compiling for TPU chips.
         cfg = cfg.replace(attention="pallas_tpu")
+    return cfg
+
+
+def _probes(config: RunConfig, target: RoleTarget, cfg, programs, train_lengths, estimate_lengths) -> dict:
+    """{program name: (layers, [probe with 1 block, with 2])} for the trainer's scanned programs
+    at `estimate_lengths` (default: the one width nearest 4096); {} without `model.scan_layers`."""
+    if not cfg.scan_layers:
+        return {}
+    widths = sorted({_width(p.name) for p in programs} - {None})
+    if estimate_lengths is None:  # the width nearest 4K tokens
+        estimate_lengths = [min(widths, key=lambda T: abs(math.log2(T / 4096)))] if widths else []
+    unknown = sorted(set(estimate_lengths) - set(widths))
+    if unknown:
+        raise ValueError(f"--estimate_lengths={unknown} are not widths the trainer compiles; expected some of {widths}")
+    options = PROBE_OPTIONS if target.mesh.devices.flat[0].platform == "tpu" else None
+    chips = int(target.mesh.devices.size)
+    return _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
+
+
+def probe_costs(
+    config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, log=print
+) -> dict:
+    """XLA's [flops, bytes, seconds] of the trainer's cost probes, {program name: [1 block, 2
+    blocks]}: the part of the trainer role that `compile_role(probe_costs=...)` takes from another
+    process (tpu_compile --jobs=2 has the rollout role's process compile them after its own)."""
+    cfg = _target_config(cfg, target)
+    trainer = _abstract_trainer(cfg, target.mesh, config.trainer)
+    programs = trainer_programs(config, trainer, cfg, int(target.mesh.devices.size), train_lengths)
+    costs = {}
+    for name, (_, pair) in _probes(config, target, cfg, programs, train_lengths, estimate_lengths).items():
+        start = time.perf_counter()
+        costs[name] = [list(probe()) for probe in pair]
+        log(f"  {name}: cost probes (1 and 2 blocks) compiled in {time.perf_counter() - start:.1f} s")
+    return costs
+
+
+def compile_role(
+    config: RunConfig,
+    target: RoleTarget,
+    cfg,
+    *,
+    train_lengths=(),
+    estimate_lengths=None,
+    log=print,
+    probe_costs: Callable[[str], list] | None = None,
+) -> dict:
+    """One role's record. With `model.scan_layers`, the trainer programs at `estimate_lengths`
+    (default: the one width nearest 4096) get cost estimates from unrolled 1- and 2-block probe
+    compiles; the other scanned programs are compiled for their memory only (estimate None).
+    `probe_costs(name)`: those probes' costs from elsewhere (`probe_costs`, in another process;
+    may wait for them), asked for after every other program has compiled."""
+    log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
+    cfg = _target_config(cfg, target)
     chips = int(target.mesh.devices.size)
     probes = {}
     kv = {}
@@ -535,17 +583,15 @@ def compile_role(
             f"param_versions_x{versions}": bytes_per_chip(_in_dtype(trainer.state.params, cfg.dtype)) * versions,
         }
         programs = trainer_programs(config, trainer, cfg, chips, train_lengths)
-        if cfg.scan_layers:
-            widths = sorted({_width(p.name) for p in programs} - {None})
-            if estimate_lengths is None:  # the width nearest 4K tokens
-                estimate_lengths = [min(widths, key=lambda T: abs(math.log2(T / 4096)))] if widths else []
-            unknown = sorted(set(estimate_lengths) - set(widths))
-            if unknown:
-                raise ValueError(
-                    f"--estimate_lengths={unknown} are not widths the trainer compiles; expected some of {widths}"
-                )
-            options = PROBE_OPTIONS if target.mesh.devices.flat[0].platform == "tpu" else None
-            probes = _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
+        probes = {
+            name: (
+                layers,
+                (lambda pair=pair: [probe() for probe in pair])
+                if probe_costs is None
+                else (lambda name=name: probe_costs(name)),
+            )
+            for name, (layers, pair) in _probes(config, target, cfg, programs, train_lengths, estimate_lengths).items()
+        }
     else:
         engine_config = config.rollout.engine_config()
         hbm = target.chip.hbm_bytes if target.chip else None  # sizes a paged pool of rollout.kv_pages 0
@@ -562,12 +608,16 @@ def compile_role(
         }
         kv = kv_capacity(config, engine)
         programs = [Program(name, lambda lowered=lowered: lowered) for name, lowered in engine.lower_programs()]
-    records = []
-    for program in programs:
+    records = {}
+    # Probes from another process are waited for last: everything else compiles meanwhile.
+    order = sorted(range(len(programs)), key=lambda i: probe_costs is not None and programs[i].name in probes)
+    for i in order:
+        program = programs[i]
         scanned_only = cfg.scan_layers and target.role == "trainer" and program.name not in probes
         if scanned_only and _width(program.name) is not None:
             program = dataclasses.replace(program, cost=False)  # XLA would count one block only
-        records.append(compile_program(program, target.chip, log, probes.get(program.name)))
+        records[i] = compile_program(program, target.chip, log, probes.get(program.name))
+    records = [records[i] for i in range(len(programs))]
     if kv and target.role == "rollout":
         kv |= _kernel_reads(engine, kv, records, target.chip)
         kv["migration_rule"] = migration_rule(config, engine, records)
@@ -676,20 +726,21 @@ def _abstract_trainer(cfg: models.ModelConfig, mesh: Mesh, trainer_config) -> Tr
 
 
 def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estimate: set[int], options=None) -> dict:
-    """{program name: (layers, [lower it with 1 block, with 2 blocks])} for the programs that run
-    the blocks under `lax.scan` (model.scan_layers): the probes unroll the blocks and take the
-    vocabulary in one pass (no scan XLA would count once either), so their costs are XLA's whole
-    count, and two of them give the cost of one more block."""
+    """{program name: (layers, [probe with 1 block, with 2 blocks])} for the programs that run the
+    blocks under `lax.scan` (model.scan_layers); a probe compiles the program with its blocks
+    unrolled and the vocabulary in one pass (no scan XLA would count once either) and returns XLA's
+    whole (flops, bytes, seconds), and two of them give the cost of one more block."""
     trainer_config = dataclasses.replace(config.trainer, vocab_chunk=0)
     probe_config = dataclasses.replace(config, trainer=trainer_config)
-    lowerings: dict[str, list] = {}
+    probes: dict[str, list] = {}
     for layers in (1, 2):
         small = cfg.replace(num_layers=layers, scan_layers=False)
         trainer = _abstract_trainer(small, mesh, trainer_config)
         for program in trainer_programs(probe_config, trainer, small, chips, lengths):
             if _width(program.name) in estimate:
-                lowerings.setdefault(program.name, []).append(program.lower)
-    return {name: (cfg.num_layers, pair, options) for name, pair in lowerings.items()}
+                probe = lambda lower=program.lower: _cost(lower().compile(compiler_options=options))  # noqa: E731
+                probes.setdefault(program.name, []).append(probe)
+    return {name: (cfg.num_layers, pair) for name, pair in probes.items()}
 
 
 def _role_record(target: RoleTarget, resident: dict, records: list[dict]) -> dict:
@@ -729,26 +780,79 @@ def compile_roles(
     roles=("trainer", "rollout"),
     log=None,
     on_role=None,
+    probes_in: str | None = None,
+    probes_out: str | None = None,
 ):
     """compile.json's content (without "config") for `config` on `target` (see `plan_roles`).
-    `on_role(partial_result)` is called after each role (big models compile for many minutes)."""
+    `on_role(partial_result)` is called after each role (big models compile for many minutes).
+    Two processes can share the trainer's work: the one given `probes_out` compiles the trainer's
+    cost probes after its own roles and writes their costs there (`write_probe_costs`); the one
+    given `probes_in` takes them from there, waiting for the file once everything else has compiled."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     cfg = model_config(config)
-    plans = [p for p in plan_roles(config, pod, target) if p.role in roles]
+    plans = plan_roles(config, pod, target)
     cache = jax.config.jax_enable_compilation_cache
     # A TPU executable compiled for a topology cannot be read back without a TPU client: no cache.
     jax.config.update("jax_enable_compilation_cache", target == "local" and cache)
     records = []
+    costs_in = None if probes_in is None else read_probe_costs(probes_in)
     try:
-        for plan in plans:
+        for plan in [p for p in plans if p.role in roles]:
             records.append(
-                compile_role(config, plan, cfg, train_lengths=train_lengths, estimate_lengths=estimate_lengths, log=log)
+                compile_role(
+                    config,
+                    plan,
+                    cfg,
+                    train_lengths=train_lengths,
+                    estimate_lengths=estimate_lengths,
+                    log=log,
+                    probe_costs=costs_in,
+                )
             )
             if on_role is not None:
                 on_role(result_of(records))
+        if probes_out is not None:
+            (trainer,) = [p for p in plans if p.role == "trainer"]
+            costs = probe_costs(
+                config, trainer, cfg, train_lengths=train_lengths, estimate_lengths=estimate_lengths, log=log
+            )
+            write_probe_costs(probes_out, costs=costs)
+    except BaseException as err:
+        if probes_out is not None and not os.path.exists(probes_out):
+            write_probe_costs(probes_out, error=f"{type(err).__name__}: {err}")
+        raise
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
     return result_of(records)
+
+
+def write_probe_costs(path: str, *, costs: dict | None = None, error: str | None = None) -> None:
+    """The trainer's cost probes, {"costs": {program: [[flops, bytes, s] x 2]}} or {"error": why},
+    written whole (a reader never sees half a file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({"costs": costs} if error is None else {"error": error}, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_probe_costs(path: str, poll_s: float = 1.0) -> Callable[[str], list]:
+    """`costs(program name)` from the file `write_probe_costs` writes, waiting for it to appear;
+    RuntimeError naming the file when the other process failed or did not probe that program."""
+    costs: dict = {}
+
+    def get(name: str) -> list:
+        if not costs:
+            while not os.path.exists(path):
+                time.sleep(poll_s)
+            with open(path) as f:
+                data = json.load(f)
+            if "error" in data:
+                raise RuntimeError(f"the trainer's cost probes failed in the other process ({path}): {data['error']}")
+            costs.update(data["costs"])
+        if name not in costs:
+            raise RuntimeError(f"{path} holds no cost probes for {name}; it has {sorted(costs)}")
+        return costs[name]
+
+    return get
 
 
 def result_of(records: list[dict]) -> dict:
