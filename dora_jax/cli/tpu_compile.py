@@ -123,14 +123,13 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
     order of `roles` (compile.json is rewritten as each finishes). None when one failed (its
     error has been printed)."""
     from dora_jax.runtime import aot
-    from dora_jax.runtime.aot import result_of
 
     base = [a for a in sys.argv[1:] if not a.startswith(("--roles", "--out", "--jobs", "--probes_"))]
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # each process loads libtpu
     records: dict[str, list] = {}
     failed = []
     lock = threading.Lock()
-    merged = lambda: result_of([r for role in roles for r in records.get(role, [])])  # noqa: E731
+    merged = lambda: aot.result_of([r for role in roles for r in records.get(role, [])])  # noqa: E731
     # Both roles at once: the rollout's process compiles the trainer's cost probes after its own.
     os.makedirs(OUT.value, exist_ok=True)
     probes = os.path.join(OUT.value, "probes.json")

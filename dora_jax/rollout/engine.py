@@ -465,7 +465,7 @@ def _pool_pack(model_config: ModelConfig, mesh: Mesh, rules) -> int:
     return paged.lane_pack(K, model_config.head_dim, int(np.prod([mesh.shape[a] for a in axes], dtype=int)))
 
 
-def _zero_state(config: EngineConfig, model_config: ModelConfig, pack: int = 1) -> DecodeState:
+def _zero_state(config: EngineConfig, model_config: ModelConfig, pack: int) -> DecodeState:
     """Every slot empty; a paged pool in the TPU kernel's combined layout, `pack` heads to a row,
     or (pack 0) split into keys and values."""
     B, cfg = config.num_slots, model_config
@@ -505,6 +505,7 @@ class RolloutEngine:
         # changes; bf16 serving holds half the bytes of fp32 master weights).
         model_config = model_config.replace(param_dtype=model_config.dtype)
         self.model_config, self._mesh, self._rules = model_config, mesh, rules
+        self._pack = _pool_pack(model_config, mesh, rules)  # 0: a split pool; else kv heads per row
         self.tokenizer = tokenizer
         abstract = abstract_model(model_config)
         self._graphdef, abstract_params = split(abstract)
@@ -513,7 +514,7 @@ class RolloutEngine:
         self._param_structure = jax.tree.structure(abstract_params)
         self._param_shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract_params)]
         self._state_shardings = self._shardings_for(
-            jax.eval_shape(lambda: _zero_state(config, model_config, _pool_pack(model_config, mesh, rules)))
+            jax.eval_shape(lambda: _zero_state(config, model_config, self._pack))
         )
         self._prefix_shardings = self._prefix_sharding_tree()
         # Engines with the same model, sizes and mesh share compiled programs (a worker per
@@ -532,10 +533,7 @@ class RolloutEngine:
     def kv_bytes_per_page(self) -> int:
         """Bytes one KV page takes on each chip of the slice (the pool's kv heads split over devices)."""
         cfg, config = self.model_config, self.config
-        if pack := _pool_pack(cfg, self._mesh, self._rules):
-            shape = paged.combined_layer_shape(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, pack)
-        else:
-            shape = (1, config.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        shape = paged.combined_layer_shape(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, self._pack or 1)
         shard = self._spec(PAGED_KV_AXES, shape).shard_shape(shape)
         return cfg.num_layers * int(np.prod(shard)) * jnp.dtype(cfg.dtype).itemsize
 
@@ -576,8 +574,8 @@ class RolloutEngine:
             return False
         cfg, platform = self.model_config, self._mesh.devices.flat[0].platform
         with sharding_lib.activation_layout(self._mesh, self._rules):
-            pack = _pool_pack(cfg, self._mesh, self._rules)
-            return pack > 0 and paged.uses_kernel(cfg.attention, cfg.dtype, pack * cfg.head_dim, backend=platform)
+            width = self._pack * cfg.head_dim
+            return self._pack > 0 and paged.uses_kernel(cfg.attention, cfg.dtype, width, backend=platform)
 
     def _reset_pages(self) -> None:
         cfg = self.config
@@ -1013,8 +1011,7 @@ class RolloutEngine:
 
     def abstract_decode_state(self) -> DecodeState:
         """`init_decode_state()` as ShapeDtypeStructs carrying the slice's shardings (no memory)."""
-        pack = _pool_pack(self.model_config, self._mesh, self._rules)
-        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config, pack))
+        zero_state = jax.eval_shape(lambda: _zero_state(self.config, self.model_config, self._pack))
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), zero_state, self._state_shardings
         )

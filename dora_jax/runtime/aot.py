@@ -518,33 +518,17 @@ def _target_config(cfg, target: RoleTarget):
     return cfg
 
 
-def _probes(config: RunConfig, target: RoleTarget, cfg, programs, train_lengths, estimate_lengths) -> dict:
-    """{program name: (layers, [probe with 1 block, with 2])} for the trainer's scanned programs
-    at `estimate_lengths` (default: the one width nearest 4096); {} without `model.scan_layers`."""
-    if not cfg.scan_layers:
-        return {}
-    widths = sorted({_width(p.name) for p in programs} - {None})
-    if estimate_lengths is None:  # the width nearest 4K tokens
-        estimate_lengths = [min(widths, key=lambda T: abs(math.log2(T / 4096)))] if widths else []
-    unknown = sorted(set(estimate_lengths) - set(widths))
-    if unknown:
-        raise ValueError(f"--estimate_lengths={unknown} are not widths the trainer compiles; expected some of {widths}")
-    options = PROBE_OPTIONS if target.mesh.devices.flat[0].platform == "tpu" else None
-    chips = int(target.mesh.devices.size)
-    return _layer_probes(config, target.mesh, cfg, chips, train_lengths, set(estimate_lengths), options)
-
-
 def probe_costs(
     config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, log=print
 ) -> dict:
     """XLA's [flops, bytes, seconds] of the trainer's cost probes, {program name: [1 block, 2
-    blocks]}: the part of the trainer role that `compile_role(probe_costs=...)` takes from another
+    blocks]}: the part of the trainer role that `compile_role(probes_from=...)` takes from another
     process (tpu_compile --jobs=2 has the rollout role's process compile them after its own)."""
     cfg = _target_config(cfg, target)
     trainer = _abstract_trainer(cfg, target.mesh, config.trainer)
     programs = trainer_programs(config, trainer, cfg, int(target.mesh.devices.size), train_lengths)
     costs = {}
-    for name, (_, pair) in _probes(config, target, cfg, programs, train_lengths, estimate_lengths).items():
+    for name, (_, pair) in _layer_probes(config, target, cfg, programs, train_lengths, estimate_lengths).items():
         start = time.perf_counter()
         costs[name] = [list(probe()) for probe in pair]
         log(f"  {name}: cost probes (1 and 2 blocks) compiled in {time.perf_counter() - start:.1f} s")
@@ -559,12 +543,12 @@ def compile_role(
     train_lengths=(),
     estimate_lengths=None,
     log=print,
-    probe_costs: Callable[[str], list] | None = None,
+    probes_from: Callable[[str], list] | None = None,
 ) -> dict:
     """One role's record. With `model.scan_layers`, the trainer programs at `estimate_lengths`
     (default: the one width nearest 4096) get cost estimates from unrolled 1- and 2-block probe
     compiles; the other scanned programs are compiled for their memory only (estimate None).
-    `probe_costs(name)`: those probes' costs from elsewhere (`probe_costs`, in another process;
+    `probes_from(name)`: those probes' costs from elsewhere (`probe_costs`, in another process;
     may wait for them), asked for after every other program has compiled."""
     log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
     cfg = _target_config(cfg, target)
@@ -587,10 +571,12 @@ def compile_role(
             name: (
                 layers,
                 (lambda pair=pair: [probe() for probe in pair])
-                if probe_costs is None
-                else (lambda name=name: probe_costs(name)),
+                if probes_from is None
+                else (lambda name=name: probes_from(name)),
             )
-            for name, (layers, pair) in _probes(config, target, cfg, programs, train_lengths, estimate_lengths).items()
+            for name, (layers, pair) in _layer_probes(
+                config, target, cfg, programs, train_lengths, estimate_lengths
+            ).items()
         }
     else:
         engine_config = config.rollout.engine_config()
@@ -610,7 +596,7 @@ def compile_role(
         programs = [Program(name, lambda lowered=lowered: lowered) for name, lowered in engine.lower_programs()]
     records = {}
     # Probes from another process are waited for last: everything else compiles meanwhile.
-    order = sorted(range(len(programs)), key=lambda i: probe_costs is not None and programs[i].name in probes)
+    order = sorted(range(len(programs)), key=lambda i: probes_from is not None and programs[i].name in probes)
     for i in order:
         program = programs[i]
         scanned_only = cfg.scan_layers and target.role == "trainer" and program.name not in probes
@@ -725,19 +711,29 @@ def _abstract_trainer(cfg: models.ModelConfig, mesh: Mesh, trainer_config) -> Tr
     return Trainer.abstract(graphdef, abstract_params, axes, mesh, trainer_config)
 
 
-def _layer_probes(config: RunConfig, mesh: Mesh, cfg, chips: int, lengths, estimate: set[int], options=None) -> dict:
-    """{program name: (layers, [probe with 1 block, with 2 blocks])} for the programs that run the
-    blocks under `lax.scan` (model.scan_layers); a probe compiles the program with its blocks
+def _layer_probes(config: RunConfig, target: RoleTarget, cfg, programs, train_lengths, estimate_lengths) -> dict:
+    """{program name: (layers, [probe with 1 block, with 2 blocks])} for the trainer's programs that
+    run the blocks under `lax.scan` (model.scan_layers), at `estimate_lengths` (default: the one
+    width nearest 4096); {} without scanned blocks. A probe compiles the program with its blocks
     unrolled and the vocabulary in one pass (no scan XLA would count once either) and returns XLA's
     whole (flops, bytes, seconds), and two of them give the cost of one more block."""
+    if not cfg.scan_layers:
+        return {}
+    widths = sorted({_width(p.name) for p in programs} - {None})
+    if estimate_lengths is None:  # the width nearest 4K tokens
+        estimate_lengths = [min(widths, key=lambda T: abs(math.log2(T / 4096)))] if widths else []
+    unknown = sorted(set(estimate_lengths) - set(widths))
+    if unknown:
+        raise ValueError(f"--estimate_lengths={unknown} are not widths the trainer compiles; expected some of {widths}")
+    options = PROBE_OPTIONS if target.mesh.devices.flat[0].platform == "tpu" else None
     trainer_config = dataclasses.replace(config.trainer, vocab_chunk=0)
     probe_config = dataclasses.replace(config, trainer=trainer_config)
     probes: dict[str, list] = {}
     for layers in (1, 2):
         small = cfg.replace(num_layers=layers, scan_layers=False)
-        trainer = _abstract_trainer(small, mesh, trainer_config)
-        for program in trainer_programs(probe_config, trainer, small, chips, lengths):
-            if _width(program.name) in estimate:
+        trainer = _abstract_trainer(small, target.mesh, trainer_config)
+        for program in trainer_programs(probe_config, trainer, small, int(target.mesh.devices.size), train_lengths):
+            if _width(program.name) in estimate_lengths:
                 probe = lambda lower=program.lower: _cost(lower().compile(compiler_options=options))  # noqa: E731
                 probes.setdefault(program.name, []).append(probe)
     return {name: (cfg.num_layers, pair) for name, pair in probes.items()}
@@ -806,7 +802,7 @@ def compile_roles(
                     train_lengths=train_lengths,
                     estimate_lengths=estimate_lengths,
                     log=log,
-                    probe_costs=costs_in,
+                    probes_from=costs_in,
                 )
             )
             if on_role is not None:
