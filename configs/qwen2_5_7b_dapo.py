@@ -28,7 +28,7 @@ KV: 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes = 57 KB/token; 256 slots x
 (fp32 params, AdamW moments, grads) = 122 GB over 16 chips; micro-batches hold 4K positions per
 chip (128 rows of 512 ... 16 rows of 4K; one 8K or 9K row per chip), the blocks run under one
 scan and keep their weight matmuls' outputs for the backward pass (`remat = "dots"`). Compiled
-for these chips with `python -m dora_jax.tpu_compile` (README, "Compiling for the pod").
+for these chips with `python -m dora_jax.tpu_compile` (docs/tpu_compile.md).
 """
 
 import ml_collections
@@ -109,7 +109,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.coordinator.rebalance_period_s = 5.0  # periodic orchestrator trigger
     # dora: new groups at an older version in that version's idle slots, only while the trainer can
     # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
-    # deadline rarely admits a group (README, Performance)
+    # deadline rarely admits a group (docs/performance.md)
     c.coordinator.legacy_fill = False
 
     c.trainer = ml_collections.ConfigDict()

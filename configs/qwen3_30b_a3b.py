@@ -30,7 +30,7 @@ in the megablox kernels, which keeps the experts split and gathers the tokens in
 Trainer: 30.5B params x 12 bytes (fp32 params, AdamW moments) + a bf16 version = 28.65 GiB per
 chip over 16; rows over fsdp x expert (one per chip at least), token-budget micro-batches of 32K
 positions (64 rows of 512; rows of 4K and longer one per chip), expert parallelism in the megablox
-kernels. `python -m dora_jax.tpu_compile` (README, "Compiling for the pod"): peak 76.86 of 95 GiB
+kernels. `python -m dora_jax.tpu_compile` (docs/tpu_compile.md): peak 76.86 of 95 GiB
 per chip (`grad[rows=16,T=9216]`); both roles compile in 18 min on a 2-core machine. The router stays as trained
 (no auxiliary load-balancing loss), as RL fine-tuning recipes do. Everything not set here (task,
 loss, optimizer, pod zone and types, K) is configs/qwen2_5_7b_dapo.py's.

@@ -98,7 +98,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.coordinator.rebalance_period_s = 0.5  # periodic orchestrator trigger
     # dora: new groups at an older version in that version's idle slots, only while the trainer can
     # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
-    # deadline rarely admits a group (README, Performance)
+    # deadline rarely admits a group (docs/performance.md)
     c.coordinator.legacy_fill = False
 
     c.trainer = ml_collections.ConfigDict()

@@ -7,16 +7,8 @@ import numpy as np
 import pytest
 
 from dora_jax.bench.disaggregated import read_run
-from dora_jax.bench.modes import (
-    bound,
-    busy_union,
-    median_of_rounds,
-    mode_row,
-    overlap,
-    ratios,
-    straggler_latency,
-    take_profile,
-)
+from dora_jax.bench.mode_row import busy_union, mode_row, overlap, straggler_latency, take_profile
+from dora_jax.bench.modes import bound, median_of_rounds, ratios
 from dora_jax.coordinator.trace import LengthDistribution
 from dora_jax.rollout import timeline
 from dora_jax.rollout.timeline import BusyTimeline

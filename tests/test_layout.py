@@ -103,3 +103,75 @@ def test_every_command_keeps_its_module_name_and_has_a_short_name():
     assert set(targets) == ENTRY_MODULES
     for name in ENTRY_MODULES:  # `python -m dora_jax.<name>` runs what the short name runs
         assert f"from dora_jax.cli.{name} import __doc__, run" in (ROOT / f"{name}.py").read_text()
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every dora_jax module -> the dora_jax modules it imports, at module level or inside functions
+    (`from pkg import name` counts `pkg.name` where that is a module, else `pkg` itself)."""
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_or_inside_packages():
+    """Modules inside one package too: a cycle through lazy imports is still a cycle."""
+    cycles = _cycles(_module_graph())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

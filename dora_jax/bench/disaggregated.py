@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from dora_jax.bench.mode_row import mode_row, schedule
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.rollout import timeline
@@ -51,7 +52,7 @@ def launch_mode(
 
 
 def read_run(workdir: str, num_slots: int) -> dict:
-    """The inputs of `modes.mode_row` from a finished job's workdir (wall-clock seconds), and its
+    """The inputs of `mode_row.mode_row` from a finished job's workdir (wall-clock seconds), and its
     timelines in the embedded run's shape (for the plot)."""
     events = list(read_ledger(os.path.join(workdir, "ledger.jsonl")))
     rows = _last_row_per_step(read_metrics(workdir))
@@ -93,7 +94,6 @@ def run_modes(cfg_dict, out_dir: str, modes, rounds: int, config_flags: list[str
     """Every mode `rounds` times as launch_local jobs, interleaved within each round, after one
     dora job that fills the persistent compilation cache (unless `bench.warmup` is False).
     Returns what `modes.run_modes` does."""
-    from dora_jax.bench.modes import mode_row, schedule
     from dora_jax.coordinator.trace import LengthDistribution
 
     trainer_cores = int(cfg_dict.bench.trainer_cores)
