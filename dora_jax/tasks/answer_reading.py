@@ -2,11 +2,12 @@
 
 `find_answer(text, fallback_last_number)` picks the stated answer, in this order:
 1. the content of the last complete `\\boxed{...}` / `\\fbox{...}` (braces balanced),
-2. the last `Answer: ...` line (DAPO-Math's form; `**Final Answer:**` too, any case), else the
-   last "the (final) answer is ..." phrase, up to the end of its sentence,
+2. the last `Answer: ...` line (DAPO-Math's form; `**Final Answer:**` too, any case),
 3. the rest of the line after the last GSM8K `####`, only when a number follows the marker
-   (`#### Step 2: ...` is a Markdown heading, not an answer),
-4. only with `fallback_last_number`: the last number anywhere in the text.
+   (`#### Step 2: ...` and `#### 1. Set up` are Markdown headings, not answers),
+4. the last "the (final) answer is ..." / "answer: ..." phrase inside a line, to the end of its
+   sentence (a statement a person reads as the answer, though not in one of the forms above),
+5. only with `fallback_last_number`: the last number anywhere in the text.
 The first form present decides: a stated answer that does not read is not rescued by a later one.
 
 `read_answer(span)` then reads that span as one number where it is one:
@@ -15,7 +16,7 @@ The first form present decides: a stated answer that does not read is not rescue
 - `{,}`, `\\,`, `\\!` and unicode thin / no-break spaces between digits are removed (`1{,}200` is 1200),
   a comma groups thousands only in groups of three (`1,2,3` is a list);
 - `$...$`, `\\(...\\)`, `\\[...\\]`, `**bold**`, a trailing full stop and a leading `x =` are dropped;
-  of `a = b = c` the last side is read;
+  of `a = b = c` the last side is read (not when a middle side holds a letter: `a = 2, b = 3`);
 - currency before the number (`\\$`, `$`, `£`, `€`, `¥`), a sign before or after it, the unicode minus;
 - `\\frac{a}{b}` / `\\dfrac` / `\\tfrac` / `\\frac12`, `a/b`, mixed numbers (`2\\frac{1}{2}` and `2 1/2`
   are 5/2), decimals, `1.2e3` and `1.2 \\times 10^{3}`;
@@ -78,9 +79,12 @@ _NUMBER_RE = re.compile(r"(" + _NUMBER + r")(?:\s*/\s*(" + _NUMBER + r"))?")
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|operatorname)\s*\{")
 _ANSWER_LINE_RE = re.compile(r"^[ \t>#*_-]*(?:final[ \t]+)?answer[ \t*_]*[:：][ \t*_]*(.*?)[ \t]*$", re.I | re.M)
-_ANSWER_PHRASE_RE = re.compile(r"\b(?:final\s+)?answer\s+is\s*:?\s*([^\n]*)", re.I)
-# `####` then a number: digits, a sign, currency, a decimal point or a LaTeX fraction.
-_GSM8K_RE = re.compile(r"####[ \t]*((?:[-+\u2212]|\\?\$)*[ \t]*(?:\d|\.\d|\\[dt]?frac)[^\n]*)")
+_ANSWER_PHRASE_RE = re.compile(r"\b(?:final\s+)?answer(?:\s+is\s*:?|\s*:)\s*([^\n]*)", re.I)
+# `####` then a number: digits, a sign, currency, a decimal point or a LaTeX fraction; not a
+# numbered Markdown heading (`#### 1. Understand the problem`).
+_GSM8K_RE = re.compile(
+    r"####(?![ \t]*\d+[.)][ \t]+\S*[A-Za-z])[ \t]*((?:[-+\u2212]|\\?\$)*[ \t]*(?:\d|\.\d|\\[dt]?frac)[^\n]*)"
+)
 # Spaces inside a number: `{,}` stands for a comma, thin spaces and `\!` join digit groups.
 _DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\\[,!;: ]|[\u2009\u202f\u00a0]|~)(?=\d)")
 _SPACING_RE = re.compile(r"\\[,;: ]|\\q?quad\b|~|[\u2009\u202f\u00a0]")
@@ -135,13 +139,13 @@ def find_answer(text: str, fallback_last_number: bool = False) -> StatedAnswer |
     lines = [m.group(1) for m in _ANSWER_LINE_RE.finditer(text) if m.group(1).strip()]
     if lines:
         return StatedAnswer(lines[-1], AnswerSource.ANSWER_LINE)
+    markers = _GSM8K_RE.findall(text)
+    if markers:
+        return StatedAnswer(markers[-1], AnswerSource.GSM8K)
     phrases = [_first_sentence(m.group(1)) for m in _ANSWER_PHRASE_RE.finditer(text)]
     phrases = [p for p in phrases if p.strip()]
     if phrases:
         return StatedAnswer(phrases[-1], AnswerSource.ANSWER_PHRASE)
-    markers = _GSM8K_RE.findall(text)
-    if markers:
-        return StatedAnswer(markers[-1], AnswerSource.GSM8K)
     if fallback_last_number:
         numbers = numbers_in(text)
         if numbers:
@@ -192,7 +196,8 @@ def normalise(span: str) -> str:
     span = _DROPPED_RE.sub("", _SPACING_RE.sub(" ", span))
     span = _strip_delimiters(span)
     sides = _SIDE_SEPARATOR_RE.split(span)
-    if len(sides) > 1 and sides[-1].strip():
+    # `48/2 = 24` reads 24, but `a = 2, b = 3` is not `3`: a middle side holding a letter ends the chain.
+    if len(sides) > 1 and sides[-1].strip() and not any(re.search("[A-Za-z]", side) for side in sides[1:-1]):
         span = sides[-1]
     span = _strip_delimiters(_ASSIGNMENT_RE.sub("", span.strip()))
     return span.strip()
@@ -249,4 +254,5 @@ def read_answer(span: str) -> Reading:
 def _is_compound(text: str) -> bool:
     """Two or more numbers with a word (two letters or more) between them: `5 hours and 30 minutes`."""
     plain = re.sub(r"\\[A-Za-z]+", " ", _EXPONENT_RE.sub("", text))  # `\frac` is not a word
-    return re.search(r"\d[^\d]*?\b[A-Za-z]{2,}\b[^\d]*?\d", plain) is not None
+    between_numbers = re.split(r"\d+", plain)[1:-1]
+    return any(re.search(r"[A-Za-z]{2,}", piece) for piece in between_numbers)

@@ -148,7 +148,7 @@ def math_verify_reward(prompt: Prompt, response_text: str, fallback_last_number:
 
 def math_verify_alone(response: str, reference: str, timeout_s: int | None = None) -> tuple[float, str]:
     """math-verify as it is used out of the box (its own extraction over the whole response):
-    the score and the answer it read ("" when it read none)."""
+    the score and the answer it read, as text and value ("" when it read none)."""
     import math_verify
 
     answer = reference.strip()
@@ -156,7 +156,10 @@ def math_verify_alone(response: str, reference: str, timeout_s: int | None = Non
         answer if "\\boxed" in answer or "$" in answer else f"${answer}$", parsing_timeout=timeout_s
     )
     predicted = math_verify.parse(response, parsing_timeout=timeout_s)
-    read = str(predicted[-1]) if predicted else ""
+    read = ""
+    if predicted:  # [its value, the text it read]: both, where they differ (`1\,200` is 201 to it)
+        value, text = str(predicted[0]), str(predicted[-1])
+        read = text if value == text else f"{text} = {value}"
     if not gold or not predicted:
         return 0.0, read
     return float(math_verify.verify(gold, predicted, timeout_seconds=timeout_s)), read

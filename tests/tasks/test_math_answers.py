@@ -77,6 +77,7 @@ GRADE_TABLE = [
     _case("\\boxed{1.2 \\times 10^{3}}", "1200", 1.0, "boxed", "scientific-times"),
     _case("\\boxed{2.5e-3}", "0.0025", 1.0, "boxed", "scientific-e"),
     _case("\\boxed{x = 5}", "5", 1.0, "boxed", "assignment"),
+    _case("\\boxed{a = 2, b = 3}", "3", 0.0, "boxed", "two-assignments"),
     _case("\\boxed{\\left(12\\right)}", "12", 0.0, "boxed", "parenthesised-is-an-expression"),
     _case("\\boxed{2x}", "2", 0.0, "boxed", "letter-glued-is-algebra"),
     _case("\\boxed{90^\\circ}", "90", 1.0, "boxed", "degrees"),
@@ -108,6 +109,7 @@ GRADE_TABLE = [
     _case("Therefore, the final answer is 17.", "17", 1.0, "answer_phrase", "answer-phrase"),
     _case("The answer is $12.50. Hope that helps.", "12.5", 1.0, "answer_phrase", "answer-phrase-dollars"),
     _case("Answer: 5\nthe answer is 6", "5", 1.0, "answer_line", "answer-line-beats-phrase"),
+    _case("Putting it together, the final answer: 42", "42", 1.0, "answer_phrase", "answer-colon-phrase"),
     # GSM8K ####.
     _case(GSM8K_ANSWER, GSM8K_ANSWER, 1.0, "gsm8k", "gsm8k-solution"),
     _case("She earns 10 * 3 = 30.\n#### 30", "30", 1.0, "gsm8k", "gsm8k-marker"),
@@ -118,6 +120,8 @@ GRADE_TABLE = [
     _case("#### Step 1: add\n3 + 4 = 7", "7", 0.0, None, "heading-only-no-answer"),
     _case("## Step 1\n#### Step 2: Compute 9 * 2\nResult 18\n#### 18", "18", 1.0, "gsm8k", "heading-then-marker"),
     _case("#### none", "0", 0.0, None, "gsm8k-no-number"),
+    _case("#### 1. Understand\nShe has 5.\n#### 2. Solve\nSo 18 in all.", "2", 0.0, None, "numbered-headings"),
+    _case("Maybe the answer is 5. Let me redo it.\n#### 7", "7", 1.0, "gsm8k", "gsm8k-beats-phrase"),
     # Truncated or answer-less responses.
     _case("Natalia sold 48/2 = 24 clips in May. Then she", "24", 0.0, None, "truncated-mid-sentence"),
     _case("She sold 24 in May, so 48 + 24 = 72 in total.", GSM8K_ANSWER, 0.0, None, "unstated-answer"),
@@ -282,11 +286,11 @@ def test_math_verify_reward_rejects_an_unparseable_reference():
 # what math-verify reads: docs/grading.md lists these.
 DISAGREEMENTS = [
     ("\\boxed{5\\text{ hours and }30\\text{ minutes}}", "5", 0.0, 1.0, "5"),
-    ("\\boxed{1\\,200}", "1200", 1.0, 0.0, "1\\,200"),
-    ("\\boxed{\\text{12 apples}}", "12", 1.0, 0.0, "\\text{12 apples}"),
+    ("\\boxed{1\\,200}", "1200", 1.0, 0.0, "1\\,200 = 201"),  # its thin space is a product
+    ("\\boxed{\\text{12 apples}}", "12", 1.0, 0.0, "\\text{12 apples} = 12apples"),
     ("We have 2 apples and then", "2", 0.0, 1.0, "2"),
-    ("\\boxed{3} or \\boxed{4}", "4", 1.0, 0.0, "3,4"),
-    ("\\boxed{2 1/2}", "2.5", 1.0, 0.0, "2 1/2"),
+    ("\\boxed{3} or \\boxed{4}", "4", 1.0, 0.0, "3,4 = {3, 4}"),  # every box, as a set
+    ("\\boxed{2 1/2}", "2.5", 1.0, 0.0, "2 1/2 = 3/2"),
     ("So she pays \\$1,200 in total.\n\nAnswer: \\$1,200", "1200", 1.0, 0.0, ""),
 ]
 
@@ -330,7 +334,7 @@ def test_cli_grades_a_file_and_lists_disagreements(tmp_path, capsys):
     assert out[6] == "  ours: no stated answer"
     assert out[9] == "line 4: ours 1, math-verify 0; reference '1200'"
     assert out[10] == "  ours: boxed '1\\\\,200' -> number = 1200, numeric"
-    assert out[11] == "  math-verify read: '1\\\\,200'"
+    assert out[11] == "  math-verify read: '1\\\\,200 = 201'"
     assert len(out) == 13
     assert main([f"--input={path}", "--fallback_last_number"]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "ours correct: 4/4"
