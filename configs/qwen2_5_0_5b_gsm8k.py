@@ -60,7 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.init.sft_lr = 1e-5  # (unused: sft_steps = 0)
 
     c.task = ml_collections.ConfigDict()
-    c.task.kind = "gsm8k"  # numeric final-answer reward (####, \boxed{}, or the last number)
+    c.task.kind = "gsm8k"  # numeric final-answer reward (the last \boxed{}, an Answer: line or #### N)
+    c.task.fallback_last_number = False  # True: an answer-less response is graded by its last number
     c.task.reward_workers = 8  # reward processes on the host
     c.task.reward_timeout_s = 10.0  # per-sample reward timeout
     c.task.source = ml_collections.ConfigDict()

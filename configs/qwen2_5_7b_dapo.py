@@ -65,6 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.task = ml_collections.ConfigDict()
     c.task.kind = "math"  # LaTeX / symbolic answers checked by math-verify
+    c.task.fallback_last_number = False  # DAPO-Math asks for an "Answer:" line; none stated scores 0
     c.task.reward_workers = 32  # reward processes (a v5p host has 208 vCPUs)
     c.task.reward_timeout_s = 10.0  # per-sample reward timeout (math-verify can hang on odd LaTeX)
     c.task.source = ml_collections.ConfigDict()

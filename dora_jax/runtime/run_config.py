@@ -316,13 +316,16 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
 
 def task_config(config: RunConfig) -> TaskConfig:
     t = config.task
+    # task.fallback_last_number: grade an answer-less response by its last number (gsm8k / math
+    # rewards only; TaskConfig refuses it for running_sums). Absent = False.
+    fallback_last_number = bool(t.get("fallback_last_number", False))
     if t.kind == "running_sums":
         rs = running_sums.RunningSumsConfig(
             median_k=t.median_k, sigma=t.sigma, k_max=t.k_max, max_term=int(t.get("max_term", 2)), seed=config.seed
         )
-        return TaskConfig(kind="running_sums", running_sums=rs)
+        return TaskConfig(kind="running_sums", running_sums=rs, fallback_last_number=fallback_last_number)
     fields = {k: v for k, v in t.source.items()}
     if config.eval.enabled and not config.eval.path:
         fields["hold_out"] = config.eval.num_prompts  # the eval prompts come from the file's last rows
     source = SourceConfig(**fields, seed=config.seed)
-    return TaskConfig(kind=t.kind, source=source)
+    return TaskConfig(kind=t.kind, source=source, fallback_last_number=fallback_last_number)

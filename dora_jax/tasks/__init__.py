@@ -3,7 +3,8 @@
 - `prompt`: the `Prompt` record and the `PromptSource` / `Tokenizer` interfaces.
 - `running_sums`: a synthetic task with long-tailed, verifiable responses for tiny models.
 - `sources`: JSONL / Parquet / HF-`datasets` prompt files, shuffled per epoch, resumable.
-- `math_answers`: numeric (GSM8K) and symbolic (math-verify) answer checking.
+- `answer_reading`: finding a response's stated answer and reading it as a number.
+- `math_answers`: numeric (GSM8K) and symbolic (math-verify) answer grading; its CLI grades a JSONL.
 - `reward_pool`: reward functions in worker processes, with per-sample timeouts.
 - `task`: `TaskConfig` and the one factory, `make_task`.
 

@@ -43,3 +43,16 @@ def test_real_experiment_configs_have_a_pod_and_their_sizes_hold():
         assert config.rollout.num_slices * config.rollout.slots == slots == config.coordinator.rollout_batch_size
         assert config.rollout.max_new_tokens + config.rollout.max_prefill_length <= config.rollout.cache_length
         assert c.task.source.max_prompt_tokens == config.rollout.max_prefill_length
+
+
+def test_task_fallback_last_number_reaches_the_task_config():
+    c = load("qwen2_5_0_5b_gsm8k.py")
+    assert task_config(run_config.parse(c)).fallback_last_number is False
+    c.task.fallback_last_number = True
+    assert task_config(run_config.parse(c)).fallback_last_number is True
+    smoke = load("smoke.py")
+    assert task_config(run_config.parse(smoke)).fallback_last_number is False  # absent: off
+    with smoke.unlocked():
+        smoke.task.fallback_last_number = True
+    with pytest.raises(ValueError, match="fallback_last_number=True: reward 'running_sums'"):
+        task_config(run_config.parse(smoke))

@@ -116,7 +116,9 @@ def test_close_fails_pending_samples():
 def test_real_rewards_through_the_pool():
     prompt = Prompt("gsm8k:0", "question", (1,), "#### 72")
     with RewardPool(math_answers.numeric_reward, num_workers=1, timeout_s=5.0) as pool:
-        results = pool.score_many([(prompt, "so 72"), (prompt, "so 71"), (Prompt("x", "q", (), "none"), "1")])
+        results = pool.score_many(
+            [(prompt, "so \\boxed{72}"), (prompt, "so \\boxed{71}"), (Prompt("x", "q", (), "none"), "1")]
+        )
     assert [r.value for r in results] == [1.0, 0.0, 0.0]
     assert results[2].error.startswith("ValueError: prompt 'x': no number")
     import math_verify  # noqa: F401  (a core dependency: the test must run)

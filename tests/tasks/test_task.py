@@ -29,8 +29,23 @@ def test_gsm8k_task(tmp_path):
     assert isinstance(task.source, FileSource)
     assert task.reward_fn is math_answers.numeric_reward
     prompt = task.source.next()
-    assert task.reward_fn(prompt, "36 + 36 = 72") == 1.0
-    assert task.reward_fn(prompt, "36 + 36 = 73") == 0.0
+    assert task.reward_fn(prompt, "36 + 36 = 72\n#### 72") == 1.0
+    assert task.reward_fn(prompt, "36 + 36 = \\boxed{73}") == 0.0
+    assert task.reward_fn(prompt, "36 + 36 = 72") == 0.0  # no stated answer, and no fallback
+
+
+def test_gsm8k_task_with_the_last_number_fallback_through_the_pool(tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "what is 36 + 36", "answer": "36 + 36 = 72\n#### 72"}) + "\n")
+    source = SourceConfig(path=str(path), chat_template=False)
+    task = make_task(
+        TaskConfig(kind="gsm8k", source=source, fallback_last_number=True), CharTokenizer("0123456789 +=whatis")
+    )
+    prompt = task.source.next()
+    items = [(prompt, "36 + 36 = 72"), (prompt, "36 + 36 = 73"), (prompt, "\\boxed{72} then 73")]
+    with task.make_reward_pool(num_workers=1, timeout_s=10.0) as pool:  # the bound reward pickles
+        results = pool.score_many(items)
+    assert [(r.value, r.error) for r in results] == [(1.0, None), (0.0, None), (1.0, None)]
 
 
 def test_math_task_uses_math_verify(tmp_path):
@@ -52,6 +67,9 @@ def test_config_errors():
     with pytest.raises(ValueError, match="reward='exact'"):
         TaskConfig(reward="exact")
     assert TaskConfig(kind="running_sums", reward="numeric").reward_name == "numeric"
+    with pytest.raises(ValueError, match="fallback_last_number=True: reward 'running_sums'"):
+        TaskConfig(kind="running_sums", fallback_last_number=True)
+    assert TaskConfig(kind="running_sums", reward="numeric", fallback_last_number=True).fallback_last_number
     assert set(REWARD_FUNCTIONS) == {"running_sums", "numeric", "math_verify"}
 
 
