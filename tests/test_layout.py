@@ -29,6 +29,7 @@ ENTRY_MODULES = {
     "audit",
     "chaos",
     "launch_local",
+    "launch_ray",
     "serve_coordinator",
     "trainer_worker",
     "rollout_worker",
@@ -175,3 +176,11 @@ def test_no_import_cycle_between_or_inside_packages():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_the_ray_placement_imports_ray():
+    """Ray is an optional extra (`.[ray]`): one command module uses it."""
+    users = {
+        str(path.relative_to(ROOT.parent)) for _, path, name in _imports() if name == "ray" or name.startswith("ray.")
+    }
+    assert users == {"dora_jax/cli/launch_ray.py"}

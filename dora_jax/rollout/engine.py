@@ -553,7 +553,7 @@ class RolloutEngine:
         self.config = config
         full = config.num_slots * config.pages_per_slot + 1
         if hbm_bytes is None:
-            hbm_bytes = (self._mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+            hbm_bytes = (self._mesh.local_devices[0].memory_stats() or {}).get("bytes_limit")
         if not hbm_bytes:
             return dataclasses.replace(config, num_pages=full)
         left = hbm_bytes - self.served_bytes_per_chip()

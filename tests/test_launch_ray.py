@@ -1,0 +1,173 @@
+"""The Ray placement end to end on a real local Ray cluster (`ray.cluster_utils.Cluster`, started
+here) whose nodes are fake TPU hosts (`launch_ray.fake_tpu_node_args`: the resources and labels
+Ray gives a TPU VM): `python -m dora_jax.launch_ray` places the roles on TPU slice placement groups
+(`ray.util.tpu.slice_placement_group`), a multi-host slice one actor per host forming one JAX job;
+a rollout actor and the trainer actor killed mid-run are restarted by Ray and the run finishes
+with a clean audit; a job stopped (SIGTERM, what `ray job stop` sends) and submitted again on its
+workdir resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from dora_jax.cli.launch_ray import fake_tpu_node_args, namespace
+from dora_jax.coordinator.audit import audit
+from dora_jax.coordinator.ledger import read_ledger
+from tests.transport.test_launch_local import TBS, TINY
+
+pytestmark = pytest.mark.slow  # a Ray cluster and multi-process jobs
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+# The cluster's fake TPU slices: three one-host v4-8 (4 chips) and one two-host v4-16.
+SLICES = {"a": ("v4-8", 1), "b": ("v4-8", 1), "c": ("v4-8", 1), "d": ("v4-16", 2)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    for name, (tpu_type, hosts) in SLICES.items():
+        for host in range(hosts):
+            c.add_node(**fake_tpu_node_args(tpu_type, f"slice-{name}", host))
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+def _command(cluster, workdir, *extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    argv = [
+        sys.executable,
+        "-m",
+        "dora_jax.launch_ray",
+        *TINY,
+        f"--workdir={workdir}",
+        f"--address={cluster.address}",
+        "--trainer_type=v4-8",
+        "--rollout_type=v4-8",
+        *extra,
+    ]
+    return dict(args=argv, cwd=ROOT, env=env, text=True)
+
+
+def _summary(out: str) -> dict:
+    return json.loads(out[out.index('{\n "workdir"') :])
+
+
+def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout_s: float = 400.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the job ended before {what}:\n{out[-4000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def _events(workdir) -> list[dict]:
+    path = workdir / "ledger.jsonl"
+    return list(read_ledger(str(path))) if path.exists() else []
+
+
+def test_a_two_host_rollout_slice_is_one_actor_per_fake_host(cluster, tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        **_command(
+            cluster,
+            workdir,
+            "--config.num_steps=2",
+            "--config.rollout.num_slices=1",
+            "--config.mesh.rollout.tensor=2",
+            "--rollout_type=v4-16",
+        ),
+        capture_output=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = _summary(proc.stdout)
+    assert summary["audit_ok"] and summary["roles"]["trainer"] == 0, summary
+    where = summary["placement"]
+    assert set(where) == {"coordinator", "trainer", "rollout_0", "rollout_0_h1"}
+    # The slice's two hosts: one actor on each fake host of the same two-host slice.
+    assert (where["rollout_0"]["slice"], where["rollout_0"]["host"]) == ("slice-d", "0")
+    assert (where["rollout_0_h1"]["slice"], where["rollout_0_h1"]["host"]) == ("slice-d", "1")
+    assert where["rollout_0"]["node"] != where["rollout_0_h1"]["node"]
+    assert where["trainer"]["slice"] in ("slice-a", "slice-b", "slice-c")
+    # One JAX job over the slice's two processes: host 0 served the coordinator, mirroring to host 1.
+    events = _events(workdir)
+    assert {e["slice"] for e in events if e["ev"] == "finish"} == {0}
+    assert audit(events).consumed == 2 * TBS
+
+
+def test_killed_rollout_and_trainer_actors_are_restarted_and_the_run_finishes(cluster, tmp_path):
+    """A rollout actor killed once its slice has finished work, then the trainer actor once step 3
+    is checkpointed: Ray restarts each (max_restarts), the slice rejoins, the trainer goes back
+    to its checkpoint, and the whole ledger audits clean with every sample trained once."""
+    steps = 10
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        **_command(cluster, workdir, f"--config.num_steps={steps}", "--config.checkpoint.every_steps=1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        ray.init(address=cluster.address, namespace=namespace(str(workdir)))
+        _wait_for(lambda: any(e["ev"] == "finish" and e.get("slice") == 1 for e in _events(workdir)), "work", proc)
+        killed_at = time.time()
+        ray.kill(ray.get_actor("rollout_1"), no_restart=False)
+        _wait_for(lambda: (workdir / "checkpoints" / "3").is_dir(), "the checkpoint of step 3", proc)
+        ray.kill(ray.get_actor("trainer"), no_restart=False)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        ray.shutdown()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    summary = _summary(out)
+    assert summary["audit_ok"] and summary["roles"]["trainer"] == 0, summary
+    events = _events(workdir)
+    report = audit(events)
+    assert report.ok and report.resumes == 1 and report.consumed == steps * TBS, report.summary()
+    failed = next(i for i, e in enumerate(events) if e["ev"] == "slice_failed" and e["slice"] == 1)
+    joined = next(e for e in events[failed:] if e["ev"] == "slice_joined" and e["slice"] == 1)
+    print(f"rollout actor killed -> its slice joined again: {joined['t'] - killed_at:.1f} s")
+    assert any(e["ev"] == "finish" and e.get("slice") == 1 for e in events[events.index(joined) :])
+    resumed = events.index(next(e for e in events if e["ev"] == "resume"))
+    assert events[resumed]["version"] >= 3
+    assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == list(range(steps))
+
+
+def test_a_stopped_job_resumes_when_submitted_again(cluster, tmp_path):
+    """SIGTERM to the driver (what `ray job stop` sends first): every role is stopped, the
+    coordinator first; the same command on the same workdir resumes from the newest checkpoint
+    and the audit over the whole ledger is clean, every step trained once."""
+    steps = 6
+    workdir = tmp_path / "run"
+    extra = (f"--config.num_steps={steps}", "--config.checkpoint.every_steps=1")
+    proc = subprocess.Popen(**_command(cluster, workdir, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: (workdir / "checkpoints" / "2").is_dir(), "the checkpoint of step 2", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = _summary(out)
+    assert first["roles"].get("trainer") != 0, "the run finished before it was stopped"
+    assert sum(e["ev"] == "publish" for e in _events(workdir)) < steps
+
+    again = subprocess.run(**_command(cluster, workdir, *extra), capture_output=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert _summary(again.stdout)["audit_ok"]
+    report = audit(_events(workdir))
+    assert report.ok and report.resumes == 1 and report.consumed == steps * TBS, report.summary()
+    assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == list(range(steps))
