@@ -32,6 +32,7 @@ from typing import Protocol
 
 import grpc
 
+from dora_jax.coordinator import intake
 from dora_jax.core.records import Group, Trajectory
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
@@ -50,6 +51,9 @@ class Identity:
     package_version: str
     num_slices: int
     num_slots: int
+    # Trainer hosts that may register: host 0 alone talks to the coordinator (the others follow
+    # it over JAX), so one trainer session at most, replaced by the next registration.
+    trainer_hosts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +271,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return f"num_slots={request.num_slots}; the config says rollout.slots={ident.num_slots}"
         elif request.role != pb.TRAINER:
             return f"role={request.role}; expected ROLLOUT or TRAINER"
+        elif not 0 <= request.host_id < ident.trainer_hosts:
+            return f"trainer host_id={request.host_id}; expected 0..{ident.trainer_hosts - 1}"
         return None
 
     def _end_session(self, session_id: str) -> None:
@@ -386,7 +392,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             backend = self.backend
         if backend is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "finished trajectories before the coordinator started")
-        backend.post_finished(session.slice_id, [codec.trajectory_from_proto(t) for t in request.trajectories])
+        try:
+            trajectories = [codec.trajectory_from_proto(t) for t in request.trajectories]
+        except ValueError as err:  # e.g. an unknown finish reason: the coordinator checks the rest
+            session.port.fail(f"posted a trajectory that does not decode: {intake.shown(err)}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a trajectory does not decode; the slice is failed")
+        backend.post_finished(session.slice_id, trajectories)
         return pb.FinishedReply()
 
     # ------------------------------------------------------------------ trainer
