@@ -80,7 +80,7 @@ def main(argv):
     try:  # one coordinator per workdir (dora_jax.coordinator.lease); a lost lease stops this one
         lease = WriterLease.acquire(workdir, on_lost=lambda why: (_log(f"stopping: {why}"), stop.set()))
     except LeaseHeld as err:
-        raise app.UsageError(str(err)) from None
+        roles.fail(str(err))
     with lease:
         with fs.open(fs.join(workdir, "config.json"), "w") as f:
             json.dump(roles.config_json(), f, indent=1, default=str)
