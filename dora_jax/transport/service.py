@@ -388,8 +388,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._cond:
             if request.seq <= session.finished_seq:
                 return pb.FinishedReply()  # a retry of a post already applied
+            skipped = request.seq != session.finished_seq + 1
             session.finished_seq = request.seq
             backend = self.backend
+        if skipped:  # the worker's next real post would be taken for a retry and lost: fail it now
+            session.port.fail(f"posted finished trajectories out of sequence (seq {request.seq})")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a post skipped sequence numbers; the slice is failed")
         if backend is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "finished trajectories before the coordinator started")
         try:
