@@ -510,8 +510,8 @@ class Coordinator:
 
     def _drop_slice(self, slice_id: int, reason: str) -> None:
         """Removes a dead slice; what it held goes back to the backlog under its own version."""
-        self._failing.pop(slice_id, None)
         self._absorb()  # what it finished before dying counts (unless it was refused a result)
+        self._failing.pop(slice_id, None)  # after: a result refused in that absorb fails it again
         self._refused.discard(slice_id)  # from here on, being dead, nothing it posts counts
         del self.ports[slice_id]
         self.dead.add(slice_id)

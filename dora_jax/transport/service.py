@@ -187,7 +187,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
         problem = self._refusal(request)
         if problem:
-            self._log(f"refused {pb.Role.Name(request.role).lower()} from {request.host}: {problem}")
+            role = pb.Role.Name(request.role).lower() if request.role in pb.Role.values() else f"role {request.role}"
+            self._log(f"refused {role} from {request.host}: {problem}")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         session_id = uuid.uuid4().hex
         rewind: list[GrpcRolloutPort] = []

@@ -286,3 +286,28 @@ def test_origin_holds_only_requests_in_flight():
             coord.post_published(version)
             coord.process()
     assert coord.stats.finished >= 25 * 8 and largest <= 16  # rollout_batch_size in flight at most
+
+
+def test_a_bad_post_absorbed_while_its_slice_is_dropped_does_not_fail_it_twice():
+    """Found by the service fuzz: a slice reported dead whose bad post is still in the inbox; the
+    drop absorbs that post, which refused it and marked the slice failing again once it was gone
+    (the loop then raised KeyError dropping it a second time). one_step_off: its switching pass
+    absorbs nothing before the drop does."""
+    ledger = Ledger(None)
+    coord, workers = make_coordinator("one_step_off", ledger, vocab_size=2)
+    coord.start()
+    rng = random.Random(1)
+    while not coord.slice_trajs[0]:
+        tick_some(workers, rng)
+        coord.process()
+    held = set(coord.slice_trajs[0])
+    bad = _result(_in_flight(coord, 0)[0], logprobs=(math.nan,) * 3)
+    workers[0].dead = True
+    coord.post_slice_failed(0, "process died")
+    coord.post_finished(0, [bad])
+    coord.process()
+    assert 0 not in coord.ports and coord.stats.slice_failures == 1 and coord.stats.result_violations == 1
+    failed = [e for e in ledger.memory if e["ev"] == "slice_failed"]
+    assert [(e["slice"], e["reason"], e["requests"]) for e in failed] == [(0, "process died", len(held))]
+    assert held <= {r.traj_id for r in coord.backlog} | set(coord.requests)
+    assert not any(e["ev"] == "finish" and e["traj"] == bad.traj_id for e in ledger.memory)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 
 import grpc
 
@@ -187,6 +188,7 @@ class RemoteRun:
             while not self._stop.is_set():
                 self.coord.process(timeout=0.005)
         except BaseException as err:
+            traceback.print_exc()
             self.loop_error.append(err)
 
     def in_flight(self, slice_id: int) -> list:
