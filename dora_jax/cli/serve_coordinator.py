@@ -17,6 +17,7 @@ finished). Uses no accelerator (JAX stays on the CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never take an accelerator a worker on this host needs
     cli.prepare_devices(cli.CONFIG.value)
     workdir = roles.require(cli.WORKDIR, "workdir")
+    from dora_jax.coordinator.lease import LeaseHeld, WriterLease
     from dora_jax.core import fs
     from dora_jax.runtime import run_config
 
@@ -74,12 +76,18 @@ def main(argv):
         except ValueError as err:
             raise app.UsageError(f"--trace_lengths: {err}") from None
     fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
-    with fs.open(fs.join(workdir, "config.json"), "w") as f:
-        json.dump(roles.config_json(), f, indent=1, default=str)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    sys.exit(serve(config, workdir, stop, trace=trace))
+    try:  # one coordinator per workdir (dora_jax.coordinator.lease); a lost lease stops this one
+        lease = WriterLease.acquire(workdir, on_lost=lambda why: (_log(f"stopping: {why}"), stop.set()))
+    except LeaseHeld as err:
+        roles.fail(str(err))
+    with lease:
+        with fs.open(fs.join(workdir, "config.json"), "w") as f:
+            json.dump(roles.config_json(), f, indent=1, default=str)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        code = serve(config, workdir, stop, trace=trace)
+    sys.exit(code)
 
 
 def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
@@ -90,7 +98,7 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
     from dora_jax.coordinator.trace import ConstantScorer
     from dora_jax.core import fs
     from dora_jax.runtime import resume
-    from dora_jax.runtime.build import make_tokenizer
+    from dora_jax.runtime.build import make_tokenizer, vocab_size
     from dora_jax.runtime.run_config import task_config
     from dora_jax.tasks.reward_scorer import RewardPoolScorer
     from dora_jax.tasks.task import make_task
@@ -112,6 +120,8 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
     server, port = make_server(service, PORT.value)
     _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
     tokenizer = make_tokenizer(config)
+    # Results are checked against the model's vocabulary (dora_jax.coordinator.intake).
+    coordinator_config = dataclasses.replace(config.coordinator, vocab_size=vocab_size(config, tokenizer))
     pool_task = make_task(task_config(config), tokenizer)
     pool = pool_task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
     if resuming:
@@ -136,7 +146,7 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
                 return prompt.prompt_id, prompt.prompt_ids
 
             coord = Coordinator(
-                config.coordinator,
+                coordinator_config,
                 ports,
                 next_prompt,
                 ConstantScorer() if trace else RewardPoolScorer(pool, prompts, tokenizer.decode),
@@ -211,8 +221,6 @@ def _wait_ready(service, stop: threading.Event):
 
 
 def _stats(coord, service) -> dict:
-    import dataclasses
-
     stats = dataclasses.asdict(coord.stats)
     stats["slice_failures_seen"] = [f"slice {s}: {r}" for s, r in service.failures if r != "stopped"]
     return stats

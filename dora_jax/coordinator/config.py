@@ -25,6 +25,10 @@ class CoordinatorConfig:
     # dora: new groups at an older version fill that version's idle slots while the trainer can
     # still consume them within C3 (dora_jax/coordinator/legacy_fill.py)
     legacy_fill: bool = False
+    # Token ids a worker's result may hold are < this (dora_jax/coordinator/intake.py); 0: not
+    # checked. The model's vocabulary, known once the model config is read: the runner and the
+    # coordinator's main set it (it is no field of the config file).
+    vocab_size: int = 0
 
     def validate(self, num_slices: int) -> None:
         """Rejects inconsistent settings, naming the field."""
@@ -55,6 +59,8 @@ class CoordinatorConfig:
                     f"train_batch_size={(self.k_max + 1) * self.train_batch_size}: the version window never lets "
                     "more samples than K + 1 steps can train on be unconsumed, so it could never be reached"
                 )
+        if self.vocab_size < 0:
+            raise ValueError(f"coordinator vocab_size={self.vocab_size}; expected >= 0 (0: unchecked)")
         if num_slices < 1:
             raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
         if self.legacy_fill and policy.switch != Switch.ORCHESTRATE:

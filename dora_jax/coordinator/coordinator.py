@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from dora_jax.coordinator import evaluation, events, legacy_fill, orchestrator, snapshot, switching
+from dora_jax.coordinator import evaluation, events, intake, legacy_fill, orchestrator, snapshot, switching
 from dora_jax.coordinator.config import CoordinatorConfig
 from dora_jax.coordinator.groups import Groups, GroupState
 from dora_jax.coordinator.ledger import Ledger
@@ -80,7 +80,7 @@ class Coordinator:
         self.slice_trajs: dict[int, dict[str, None]] = {sid: {} for sid in self.ports}
         self.requests: dict[str, Request] = {}  # in flight (dispatched, not finished)
         self.slice_of: dict[str, int] = {}
-        self.origin: dict[str, int] = {}
+        self.origin: dict[str, int] = {}  # in flight: the slice each was first sent to (the orchestrator's home)
         self.backlog: list[Request] = []  # dispatched, waiting for a slice serving their version
         self._pace = legacy_fill.Pace()  # observed group and step times (legacy fill's deadlines)
         self._groups = Groups(config, next_prompt, forced_length, clock, self._pace)
@@ -91,6 +91,7 @@ class Coordinator:
         self.draining: dict[int, int] = {}  # slice -> old version it loads once empty (re-dispatches)
         self._redispatch: set[str] = set()  # backlog ids that were dispatched before
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
+        self._refused: set[int] = set()  # failing for a result refused at intake: nothing more of theirs counts
         self._evaluation = evaluation.Rounds(config, ledger, self._count_eval)
         self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
         self._rewards = Rewards(scorer, self._inbox.put)
@@ -181,7 +182,7 @@ class Coordinator:
             # Finishes trigger once per batch of events, not once per event (the hot path).
             new = self._supply() if handled else []  # top up whenever the window allows, not only on a take
             finished = events.Finished in kinds and (self.policy.switch != Switch.ORCHESTRATE or self._pressure())
-            if new or finished:
+            if new or finished or self._failing:  # a slice failing (a refused result) is dropped there
                 self._apply_switching()  # pressure trigger; idle slices may switch and take the backlog
             if (
                 self.policy.switch == Switch.ORCHESTRATE
@@ -196,8 +197,7 @@ class Coordinator:
         """The one place events are dispatched (with the lock held, on the loop thread)."""
         match event:
             case events.Finished(slice_id, trajectories):
-                for traj in trajectories:
-                    self._on_finished(slice_id, traj)
+                self._on_finished(slice_id, trajectories)
             case events.Scored(traj, reward, error):
                 self._on_scored(traj, reward, error)
             case events.Published(version):
@@ -510,8 +510,9 @@ class Coordinator:
 
     def _drop_slice(self, slice_id: int, reason: str) -> None:
         """Removes a dead slice; what it held goes back to the backlog under its own version."""
-        self._failing.pop(slice_id, None)
-        self._absorb()  # what it finished before dying counts
+        self._absorb()  # what it finished before dying counts (unless it was refused a result)
+        self._failing.pop(slice_id, None)  # after: a result refused in that absorb fails it again
+        self._refused.discard(slice_id)  # from here on, being dead, nothing it posts counts
         del self.ports[slice_id]
         self.dead.add(slice_id)
         self.draining.pop(slice_id, None)
@@ -612,16 +613,51 @@ class Coordinator:
                 self._port_call(sid, "import_", requests)
 
     # ------------------------------------------------------------------ results
-    def _on_finished(self, slice_id: int, traj: Trajectory) -> None:
-        if slice_id in self.dead or self.slice_of.get(traj.traj_id, slice_id) != slice_id:
-            self.stats.late_finishes += 1  # re-dispatched already: its new run is the one that counts
-            self.ledger.write("late_finish", traj=traj.traj_id, slice=slice_id)
+    def _on_finished(self, slice_id: int, trajectories: Sequence[Trajectory]) -> None:
+        """A slice's post of finished trajectories: all of it counts, or, when one result fails
+        intake (dora_jax.coordinator.intake), none of it, and the slice fails."""
+        if slice_id not in self.ports or slice_id in self._refused:
+            for traj in trajectories:  # re-dispatched already: its new run is the one that counts
+                self.stats.late_finishes += 1
+                self.ledger.write("late_finish", traj=str(traj.traj_id)[: intake.MAX_SHOWN_CHARS], slice=slice_id)
             return
-        if traj.traj_id not in self.requests:
-            raise RuntimeError(f"slice {slice_id} finished unknown trajectory {traj.traj_id}")
+        results = self._intake(slice_id, trajectories)
+        if isinstance(results, str):
+            self.stats.result_violations += 1
+            self._refused.add(slice_id)
+            self._failing.setdefault(slice_id, f"refused its result: {results}")  # dropped at the end of the cycle
+            return
+        for traj in results:
+            self._finish(slice_id, traj)
+
+    def _intake(self, slice_id: int, trajectories: Sequence[Trajectory]) -> list[Trajectory] | str:
+        """The post's trajectories as they enter the run, or why it is refused: each must be one
+        this slice holds (dispatched to it, not finished), once, and pass `intake.check`."""
+        newest = self.slice_version[slice_id] if self.policy.keeps_c1 else self.latest
+        out: list[Trajectory] = []
+        ids: set[str] = set()
+        for traj in trajectories:
+            traj_id = traj.traj_id
+            request = self.requests.get(traj_id) if isinstance(traj_id, str) else None
+            if request is None:
+                return f"{intake.shown(traj_id)} is not in flight (never dispatched, or finished already)"
+            if self.slice_of[traj_id] != slice_id:
+                return f"{intake.shown(traj_id)} was dispatched to slice {self.slice_of[traj_id]}, not this one"
+            if traj_id in ids:
+                return f"{intake.shown(traj_id)} twice in one post"
+            ids.add(traj_id)
+            problem = intake.check(traj, request, newest_version=newest, vocab_size=self.config.vocab_size)
+            if problem:
+                return f"{intake.shown(traj_id)}: {problem}"
+            out.append(intake.accepted(traj, request, slice_id))
+        return out
+
+    def _finish(self, slice_id: int, traj: Trajectory) -> None:
+        """Books a result that passed intake: it leaves the slice, enters its group, is scored."""
         self.requests.pop(traj.traj_id)
-        sid = self.slice_of.pop(traj.traj_id)
-        del self.slice_trajs[sid][traj.traj_id]
+        del self.slice_of[traj.traj_id]
+        self.origin.pop(traj.traj_id, None)
+        del self.slice_trajs[slice_id][traj.traj_id]
         is_eval = traj.traj_id in self._evaluation
         if is_eval:
             self.stats.eval_finished += 1

@@ -21,6 +21,8 @@ class CoordinatorStats:
     slice_failures: int = 0
     redispatched: int = 0
     late_finishes: int = 0  # finished on a slice already declared dead (re-dispatched meanwhile)
+    # Posts of finished trajectories refused (dora_jax/coordinator/intake.py): each failed its slice.
+    result_violations: int = 0
     trainer_wait_s: float = 0.0
     max_versions_in_flight: int = 0
     eval_dispatched: int = 0  # evaluation requests (counted apart from the training samples above)

@@ -67,6 +67,13 @@ def fresh_model_config(config: RunConfig, vocab_size: int, eos_ids) -> models.Mo
     )
 
 
+def vocab_size(config: RunConfig, tokenizer) -> int:
+    """The model's vocabulary (every token id rollout can sample is below it) without building
+    the model: the HF checkpoint's config.json, or the tokenizer's (`fresh_model_config`)."""
+    start = config.init.checkpoint or config.model.hf_path
+    return models.read_config(start).vocab_size if start else tokenizer.vocab_size
+
+
 def build_setup(config: RunConfig, workdir: str, mesh: Mesh | None = None) -> Setup:
     """With `mesh` (the trainer's), a HF checkpoint is read straight into the trainer's shardings:
     each device receives only its own shards, never a whole tensor (a 7B model in fp32 is 30 GB)."""

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 from dora_jax.coordinator.audit import AuditReport, audit
 from dora_jax.coordinator.coordinator import Coordinator
+from dora_jax.coordinator.lease import WriterLease
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
 from dora_jax.core import fs
 from dora_jax.parallel import sharding
@@ -89,8 +90,24 @@ def run(
     preempt: threading.Event | None = None,
 ) -> RunResult:
     """Runs (or resumes) to `config.num_steps` training steps; see the module docstring. Setting
-    `preempt` stops the run at the next step boundary with a checkpoint."""
+    `preempt` stops the run at the next step boundary with a checkpoint. Holds the workdir's
+    writer lease throughout (dora_jax.coordinator.lease): a workdir another live coordinator runs
+    is refused (`LeaseHeld`), before anything is read or written."""
     fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
+    with WriterLease.acquire(workdir):
+        return _run(config, workdir, setup, progress, forced_length, scorer, write_config, preempt)
+
+
+def _run(
+    config: RunConfig,
+    workdir: str,
+    setup: Setup | None,
+    progress: bool,
+    forced_length: Callable[[str, int], int | None] | None,
+    scorer,
+    write_config: dict | None,
+    preempt: threading.Event | None,
+) -> RunResult:
     ledger_path = fs.join(workdir, "ledger.jsonl")
     resuming = fs.exists(ledger_path) and fs.size(ledger_path) > 0
     if write_config is not None and not resuming:
@@ -162,7 +179,7 @@ def run(
         threads[slice_id] = _start_slice(slice_parts[slice_id], holder, config)
     supervisor_ref: list[SliceSupervisor] = []
     coord = Coordinator(
-        config.coordinator,
+        dataclasses.replace(config.coordinator, vocab_size=setup.model_config.vocab_size),
         dict(threads),
         next_prompt,
         scorer,

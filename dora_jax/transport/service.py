@@ -32,6 +32,7 @@ from typing import Protocol
 
 import grpc
 
+from dora_jax.coordinator import intake
 from dora_jax.core.records import Group, Trajectory
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
@@ -50,6 +51,9 @@ class Identity:
     package_version: str
     num_slices: int
     num_slots: int
+    # Trainer hosts that may register: host 0 alone talks to the coordinator (the others follow
+    # it over JAX), so one trainer session at most, replaced by the next registration.
+    trainer_hosts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +187,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
         problem = self._refusal(request)
         if problem:
-            self._log(f"refused {pb.Role.Name(request.role).lower()} from {request.host}: {problem}")
+            role = pb.Role.Name(request.role).lower() if request.role in pb.Role.values() else f"role {request.role}"
+            self._log(f"refused {role} from {request.host}: {problem}")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         session_id = uuid.uuid4().hex
         rewind: list[GrpcRolloutPort] = []
@@ -267,6 +272,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return f"num_slots={request.num_slots}; the config says rollout.slots={ident.num_slots}"
         elif request.role != pb.TRAINER:
             return f"role={request.role}; expected ROLLOUT or TRAINER"
+        elif not 0 <= request.host_id < ident.trainer_hosts:
+            return f"trainer host_id={request.host_id}; expected 0..{ident.trainer_hosts - 1}"
         return None
 
     def _end_session(self, session_id: str) -> None:
@@ -382,11 +389,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._cond:
             if request.seq <= session.finished_seq:
                 return pb.FinishedReply()  # a retry of a post already applied
+            skipped = request.seq != session.finished_seq + 1
             session.finished_seq = request.seq
             backend = self.backend
+        if skipped:  # the worker's next real post would be taken for a retry and lost: fail it now
+            session.port.fail(f"posted finished trajectories out of sequence (seq {request.seq})")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a post skipped sequence numbers; the slice is failed")
         if backend is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "finished trajectories before the coordinator started")
-        backend.post_finished(session.slice_id, [codec.trajectory_from_proto(t) for t in request.trajectories])
+        try:
+            trajectories = [codec.trajectory_from_proto(t) for t in request.trajectories]
+        except ValueError as err:  # e.g. an unknown finish reason: the coordinator checks the rest
+            session.port.fail(f"posted a trajectory that does not decode: {intake.shown(err)}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a trajectory does not decode; the slice is failed")
+        backend.post_finished(session.slice_id, trajectories)
         return pb.FinishedReply()
 
     # ------------------------------------------------------------------ trainer

@@ -201,8 +201,9 @@ def longtail(seed, median=6, cap=80):
     return length_of
 
 
-def config(mode, *, k_max=2, tbs=8, rbs=16, g=4):
-    """The scripted tests' coordinator settings: no periodic rebalance, responses up to 200 tokens."""
+def config(mode, *, k_max=2, tbs=8, rbs=16, g=4, vocab_size=0):
+    """The scripted tests' coordinator settings: no periodic rebalance, responses up to 200 tokens
+    (of token id 1: a `vocab_size` of 2 or more admits them)."""
     from dora_jax.coordinator.coordinator import CoordinatorConfig
 
     return CoordinatorConfig(
@@ -213,11 +214,24 @@ def config(mode, *, k_max=2, tbs=8, rbs=16, g=4):
         group_size=g,
         max_new_tokens=200,
         rebalance_period_s=1e9,
+        vocab_size=vocab_size,
     )
 
 
 def make_coordinator(
-    mode, ledger, *, slices=3, slots=4, k_max=2, tbs=8, rbs=16, g=4, seed=0, initial_version=0, on_slice_dropped=None
+    mode,
+    ledger,
+    *,
+    slices=3,
+    slots=4,
+    k_max=2,
+    tbs=8,
+    rbs=16,
+    g=4,
+    seed=0,
+    initial_version=0,
+    on_slice_dropped=None,
+    vocab_size=0,
 ):
     """A coordinator over `slices` DyingWorkers with long-tailed lengths; returns (coord, workers)."""
     from dora_jax.coordinator.coordinator import Coordinator
@@ -225,7 +239,7 @@ def make_coordinator(
     ref = [None]
     length_of = longtail(seed)
     workers = {i: DyingWorker(i, slots, ref, length_of) for i in range(slices)}
-    cfg = config(mode, k_max=k_max, tbs=tbs, rbs=rbs, g=g)
+    cfg = config(mode, k_max=k_max, tbs=tbs, rbs=rbs, g=g, vocab_size=vocab_size)
     counter = iter(range(10**9))
     coord = Coordinator(
         cfg,
