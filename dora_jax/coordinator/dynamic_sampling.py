@@ -81,12 +81,14 @@ class FilterBudget:
         self.since_take += 1
         if self.limit and self.since_take > self.limit:
             cfg = self._config
+            per_batch = cfg.train_batch_size // cfg.group_size
+            since = f"since the trainer's take at version {taken_at}" if taken_at >= 0 else "before the first take"
             raise RuntimeError(
-                f"dynamic sampling: {self.since_take} groups filtered (no reward variance) since the trainer's "
-                f"take at version {taken_at}, more than coordinator.max_filtered_batches_per_step="
-                f"{cfg.max_filtered_batches_per_step} batches of {cfg.train_batch_size // cfg.group_size} groups: "
-                "the prompts are saturated for this policy (every answer right, or every answer wrong). Use "
-                "prompts of fitting difficulty, raise the limit (0: no limit), or set trainer.dynamic_sampling=False"
+                f"dynamic sampling: {self.since_take} groups filtered (no reward variance) {since}, more than "
+                f"coordinator.max_filtered_batches_per_step={cfg.max_filtered_batches_per_step} batches "
+                f"of {per_batch} groups: the prompts are saturated for this policy (every answer right, or every "
+                "answer wrong). Use prompts of fitting difficulty, raise the limit (0: no limit), or set "
+                "trainer.dynamic_sampling=False"
             )
 
     def taken(self) -> None:
