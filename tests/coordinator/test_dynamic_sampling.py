@@ -265,3 +265,21 @@ def test_restore_keeps_the_filtered_groups_accounted_and_the_counters(tmp_path, 
     assert report.ok and report.resumes == 1, report.summary()
     assert report.consumed == 5 * TBS
     assert report.filtered_groups == coord2.stats.filtered_groups
+
+
+def test_the_audit_cli_reports_the_filtered_groups_and_fails_a_tampered_ledger(tmp_path, capsys):
+    from dora_jax.cli.audit import main
+
+    events = _clean_ledger()
+    filtered = sum(e["ev"] == "filtered" for e in events)
+    scored = sum(e["ev"] == "score" for e in events)
+    path = tmp_path / "ledger.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main(["audit", str(path)]) == 0
+    assert f"{filtered} of {scored} completed groups filtered ({G * filtered} samples)" in capsys.readouterr().out
+    gone = next(e for e in events if e["ev"] == "filtered")
+    consume = next(e for e in events if e["ev"] == "consume")
+    events.append(dict(consume, traj=gone["trajs"][0], group=gone["group"], version=gone["version"]))
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main(["audit", str(path)]) == 1
+    assert "'exactly_once': 1" in capsys.readouterr().out
