@@ -112,6 +112,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
     # deadline rarely admits a group (docs/performance.md)
     c.coordinator.legacy_fill = False
+    # dynamic sampling: most batches' worth of groups filtered between two takes before the run stops as
+    # saturated (verl's DAPO recipe: max_num_gen_batches=10; 0: no limit)
+    c.coordinator.max_filtered_batches_per_step = 10
 
     c.trainer = ml_collections.ConfigDict()
     c.trainer.lr = 1e-6  # AdamW learning rate (DAPO's)
@@ -125,7 +128,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.loss_norm = "token_mean"  # DAPO's token-level loss
     c.trainer.kl_coef = 0.0  # no KL (DAPO drops it)
     c.trainer.advantage = "grpo"  # grpo | dr_grpo | rloo
-    c.trainer.dynamic_sampling = True  # DAPO: mask groups whose rewards are all equal
+    c.trainer.dynamic_sampling = True  # DAPO: the coordinator trains only groups with reward variance, drawing more
     c.trainer.num_updates = 2  # optimizer updates per batch (mini-batches of 256)
     c.trainer.micro_batch_size = 16  # rows per forward/backward (one per trainer chip)
     c.trainer.pad_to = 512  # sequence lengths are padded to a multiple of this (bounded compiles)

@@ -100,6 +100,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
     # deadline rarely admits a group (docs/performance.md)
     c.coordinator.legacy_fill = False
+    # with trainer.dynamic_sampling: most batches' worth of groups filtered between two takes before the
+    # run stops as saturated (0: no limit; docs/dynamic_sampling.md)
+    c.coordinator.max_filtered_batches_per_step = 10
 
     c.trainer = ml_collections.ConfigDict()
     c.trainer.lr = 5e-4  # AdamW peak learning rate (1e-3 collapsed the entropy to 0.15 and the reward with it)
@@ -122,6 +125,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.length_bucket = 16  # micro-batches sorted by length, each padded to 16 * 2^k (0 = batch-wide padding)
     c.trainer.micro_batch_tokens = 0  # with length_bucket: 0 = micro_batch_size rows each; N = rows fitting N positions
     c.trainer.reuse_current_logps = True  # current-version rows: behaviour log-probs from the step's own forward
+    c.trainer.dynamic_sampling = False  # DAPO: the coordinator trains only groups with reward variance, drawing more
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0 = no periodic checkpoints (SIGTERM still saves one)

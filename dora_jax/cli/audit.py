@@ -1,7 +1,8 @@
 """`python -m dora_jax.audit WORKDIR`: audits a run's ledger for C1, C2, C3 and exactly-once.
 
 Prints a JSON summary (staleness histogram, versions concurrently in flight, migrations with and
-without KV, evaluation rounds counted apart) and exits 1 on a violation of what the run's mode promises.
+without KV, evaluation rounds and dynamic sampling's filtered groups counted apart) and exits 1 on a
+violation of what the run's mode promises.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def main(argv: list[str]) -> int:
         f"max_versions_in_flight={report.max_versions_in_flight} migrations_kv={report.migrations_kv} "
         f"migrations_reprefill={report.migrations_reprefill}"
     )
+    if report.dynamic_sampling or report.filtered:
+        print(
+            f"dynamic sampling (filtered samples are accounted for, never trained on): {report.filtered_groups} of "
+            f"{report.scored_groups} completed groups filtered ({report.filtered} samples)"
+        )
     if report.eval_dispatched:
         greedy = [
             round(e["eval/reward_greedy"], 3) for e in report.evaluations if e.get("eval/reward_greedy") is not None

@@ -20,6 +20,12 @@ its last `load_version`.
      to C1 like any other, are counted apart (`eval_dispatched`, `eval_finished`,
      `eval_unfinished_at_end`: not C2 losses, they were never for training), and an evaluation
      trajectory that is consumed is an exactly-once violation (it must never be trained on).
+  dynamic sampling: a `filtered` group's samples (dora_jax.coordinator.dynamic_sampling) are
+     accounted for, as consumed ones are (never stranded, C2); filtering is terminal, so a
+     filtered sample that is consumed, or filtered twice, or before it finished, breaks exactly
+     once. From the `score` events (every completed group's rewards and which count), with the
+     run's `dynamic_sampling` on, every consumed group must have reward variance and every
+     filtered one none; with it off nothing may be filtered.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
+from dora_jax.coordinator.dynamic_sampling import why_uninformative
 from dora_jax.core.modes import policy_for
 
 
@@ -35,6 +42,7 @@ from dora_jax.core.modes import policy_for
 class AuditReport:
     mode: str = "?"
     k_max: int = 0
+    dynamic_sampling: bool = False  # the run's header says groups without reward variance are filtered
     dispatched: int = 0
     finished: int = 0
     consumed: int = 0
@@ -59,6 +67,10 @@ class AuditReport:
     eval_finished: int = 0
     eval_unfinished_at_end: int = 0  # evaluation requests lost (a preemption) or cut off by the run's end
     evaluations: list = dataclasses.field(default_factory=list)  # each `eval` event's summary
+    scored_groups: int = 0  # `score` events: completed training groups with their rewards
+    filtered: int = 0  # samples filtered by dynamic sampling (accounted for: never trained on, not lost)
+    filtered_groups: int = 0
+    dynamic_sampling_violations: list = dataclasses.field(default_factory=list)
 
     @property
     def max_staleness(self) -> int:
@@ -71,6 +83,7 @@ class AuditReport:
             "C3": len(self.c3_violations),
             "exactly_once": len(self.exactly_once_violations),
             "weights": len(self.weights_violations),
+            "dynamic_sampling": len(self.dynamic_sampling_violations),
         }
         if self.mode == "?" or policy_for(self.mode).keeps_c1:
             out["C1"] = len(self.c1_violations)
@@ -82,7 +95,14 @@ class AuditReport:
 
     def summary(self) -> dict:
         data = dataclasses.asdict(self)
-        for key in ("c1_violations", "c2_violations", "c3_violations", "exactly_once_violations", "weights_violations"):
+        for key in (
+            "c1_violations",
+            "c2_violations",
+            "c3_violations",
+            "exactly_once_violations",
+            "weights_violations",
+            "dynamic_sampling_violations",
+        ):
             data[key] = {"count": len(data[key]), "first": data[key][:3]}
         data["staleness_histogram"] = {str(k): v for k, v in sorted(self.staleness_histogram.items())}
         data["max_staleness"] = self.max_staleness
@@ -115,6 +135,7 @@ def audit(events: Iterable[dict], *, mode: str | None = None, k_max: int | None 
     for event in events:
         if event["ev"] == "run":
             report.mode, report.k_max = event["mode"], int(event["k_max"])
+            report.dynamic_sampling = bool(event.get("dynamic_sampling", False))
     report.mode = mode or report.mode
     report.k_max = report.k_max if k_max is None else k_max
     walk = _Walk(report, _staleness_bound(report))
@@ -142,6 +163,8 @@ class _Walk:
         self.trained_at = -1  # newest trainer version that consumed
         self.eval_trajs: set[str] = set()
         self.staleness = collections.Counter()
+        self.scores: dict[str, str | None] = {}  # scored group -> why it has no reward variance (None: it has)
+        self.filtered: set[str] = set()
 
     def on_resume(self, event: dict) -> None:
         self.report.resumes += 1
@@ -236,6 +259,8 @@ class _Walk:
             report.exactly_once_violations.append(f"{traj}: consumed twice")
         elif traj not in self.finished:
             report.exactly_once_violations.append(f"{traj}: consumed before it finished")
+        if traj in self.filtered:
+            report.exactly_once_violations.append(f"{traj}: consumed after it was filtered")
         self.consumed.add(traj)
         self._leaves(traj)
         report.consumed += 1
@@ -258,6 +283,33 @@ class _Walk:
     def on_eval(self, event: dict) -> None:
         self.report.evaluations.append({k: v for k, v in event.items() if k not in ("ev", "t")})
 
+    def on_score(self, event: dict) -> None:
+        group = event["group"]
+        if group in self.scores:
+            self.report.exactly_once_violations.append(f"group {group}: scored twice")
+        self.scores[group] = why_uninformative(event["rewards"], event["valid"])
+        self.report.scored_groups += 1
+
+    def on_filtered(self, event: dict) -> None:
+        report, group = self.report, event["group"]
+        report.filtered_groups += 1
+        if not report.dynamic_sampling:
+            report.dynamic_sampling_violations.append(f"group {group}: filtered, but the run has dynamic sampling off")
+        if group not in self.scores:
+            report.dynamic_sampling_violations.append(f"group {group}: filtered without a score")
+        elif self.scores[group] is None:
+            report.dynamic_sampling_violations.append(f"group {group}: filtered, but its rewards vary")
+        for traj in event["trajs"]:
+            if traj in self.filtered:
+                report.exactly_once_violations.append(f"{traj}: filtered twice")
+            elif traj in self.consumed:
+                report.exactly_once_violations.append(f"{traj}: filtered after it was consumed")
+            elif traj not in self.finished:
+                report.exactly_once_violations.append(f"{traj}: filtered before it finished")
+            self.filtered.add(traj)
+            self._leaves(traj)
+            report.filtered += 1
+
     def on_drop(self, event: dict) -> None:
         self.report.c2_violations.append(f"{event['traj']}: dropped ({event.get('reason', '?')})")
 
@@ -265,12 +317,21 @@ class _Walk:
         report = self.report
         report.eval_unfinished_at_end = len(self.eval_trajs - self.finished)
         report.in_flight_at_end = len(self.in_flight) - len(self.eval_trajs & set(self.in_flight))
-        report.unconsumed_finished_at_end = len(self.finished - self.consumed - self.eval_trajs)
+        report.unconsumed_finished_at_end = len(self.finished - self.consumed - self.eval_trajs - self.filtered)
         report.staleness_histogram = dict(self.staleness)
+        if report.dynamic_sampling:
+            for group in self.group_version:  # the consumed groups
+                if group not in self.scores:
+                    report.dynamic_sampling_violations.append(f"group {group}: consumed without a score")
+                elif self.scores[group] is not None:
+                    report.dynamic_sampling_violations.append(
+                        f"group {group}: consumed with no reward variance ({self.scores[group]})"
+                    )
         if self.bound is None or self.trained_at < 0:
             return
         for traj, version in self.version_of.items():
-            if traj not in self.consumed and traj not in self.eval_trajs and version + self.bound < self.trained_at + 1:
+            done = traj in self.consumed or traj in self.eval_trajs or traj in self.filtered
+            if not done and version + self.bound < self.trained_at + 1:
                 report.stranded += 1
                 report.c2_violations.append(
                     f"{traj} (v{version}): never consumed, and after the take at trainer version "

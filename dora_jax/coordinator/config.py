@@ -29,6 +29,13 @@ class CoordinatorConfig:
     # checked. The model's vocabulary, known once the model config is read: the runner and the
     # coordinator's main set it (it is no field of the config file).
     vocab_size: int = 0
+    # DAPO's dynamic sampling (from trainer.dynamic_sampling): a group whose rewards are all equal
+    # is filtered when it completes and more are drawn, so every batch holds TBS samples of groups
+    # with reward variance (dora_jax/coordinator/dynamic_sampling.py)
+    dynamic_sampling: bool = False
+    # with dynamic_sampling: most groups filtered between two takes, in batches (TBS / G groups),
+    # before the run stops as saturated (verl's DAPO recipe: max_num_gen_batches=10); 0: no limit
+    max_filtered_batches_per_step: int = 10
 
     def validate(self, num_slices: int) -> None:
         """Rejects inconsistent settings, naming the field."""
@@ -63,6 +70,11 @@ class CoordinatorConfig:
             raise ValueError(f"coordinator vocab_size={self.vocab_size}; expected >= 0 (0: unchecked)")
         if num_slices < 1:
             raise ValueError(f"rollout.num_slices={num_slices}; expected >= 1")
+        if self.max_filtered_batches_per_step < 0:
+            raise ValueError(
+                f"coordinator.max_filtered_batches_per_step={self.max_filtered_batches_per_step}; expected >= 0 "
+                "(0: no limit)"
+            )
         if self.legacy_fill and policy.switch != Switch.ORCHESTRATE:
             raise ValueError(f"coordinator.legacy_fill=True needs mode dora (the orchestrator), got mode {self.mode}")
 

@@ -27,7 +27,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from dora_jax.coordinator import evaluation, events, intake, legacy_fill, orchestrator, snapshot, switching
+from dora_jax.coordinator import (
+    dynamic_sampling,
+    evaluation,
+    events,
+    intake,
+    legacy_fill,
+    orchestrator,
+    snapshot,
+    switching,
+)
 from dora_jax.coordinator.config import CoordinatorConfig
 from dora_jax.coordinator.groups import Groups, GroupState
 from dora_jax.coordinator.ledger import Ledger
@@ -95,6 +104,8 @@ class Coordinator:
         self._evaluation = evaluation.Rounds(config, ledger, self._count_eval)
         self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
         self._rewards = Rewards(scorer, self._inbox.put)
+        self._filter_budget = dynamic_sampling.FilterBudget(config)  # groups filtered since the last take
+        self._replaced = False  # a filtered group was replaced since the last switching pass (sync, one_step_off)
         # A plain lock: `_port_call` releases it around each call, which a re-entrant lock held
         # twice would not do.
         self._cond = threading.Condition(threading.Lock())
@@ -165,6 +176,7 @@ class Coordinator:
                 tbs=cfg.train_batch_size,
                 group_size=cfg.group_size,
                 slices=len(self.ports),
+                dynamic_sampling=cfg.dynamic_sampling,
             )
             self._supply(initial=True)
             self._apply_switching()
@@ -182,7 +194,10 @@ class Coordinator:
             # Finishes trigger once per batch of events, not once per event (the hot path).
             new = self._supply() if handled else []  # top up whenever the window allows, not only on a take
             finished = events.Finished in kinds and (self.policy.switch != Switch.ORCHESTRATE or self._pressure())
-            if new or finished or self._failing:  # a slice failing (a refused result) is dropped there
+            if (
+                new or finished or self._replaced or self._failing
+            ):  # a failing slice (a refused result) is dropped there
+                self._replaced = False
                 self._apply_switching()  # pressure trigger; idle slices may switch and take the backlog
             if (
                 self.policy.switch == Switch.ORCHESTRATE
@@ -688,7 +703,28 @@ class Coordinator:
             self.stats.reward_failures += 1
             self.ledger.write("reward_error", traj=traj.traj_id, error=error)
         if group is not None:
+            self._completed(group)
+
+    def _completed(self, group: Group) -> None:
+        """A training group is whole and scored: its rewards go to the ledger; with dynamic sampling
+        a group without reward variance is filtered and replaced (dynamic_sampling.py), the rest
+        enter the TransferQueue."""
+        self.stats.scored_groups += 1
+        self.ledger.write("score", **dynamic_sampling.score_event(group))
+        why = dynamic_sampling.why_filtered(group) if self.config.dynamic_sampling else None
+        if why is None:
             self.queue.put(group)
+            return
+        self.stats.filtered_groups += 1
+        self.stats.filtered_samples += len(group.samples)
+        trajs = [s.trajectory.traj_id for s in group.samples]
+        self.ledger.write("filtered", group=group.group_id, version=group.version, why=why, trajs=trajs)
+        self._filter_budget.spend(self._taken_at)
+        if self.policy.supply != Supply.STREAM:  # streaming modes: `_supply` tops up by itself
+            # Not `_apply_switching` here: this may run inside one (`_absorb`); `process` runs it next.
+            self.backlog += self._groups.start(self.latest)
+            self._count_versions_in_flight()
+            self._replaced = True
 
     def _count_eval(self) -> None:
         self.stats.evals += 1  # told by `Rounds` as a round completes (`restore` replaces `stats`)
@@ -751,6 +787,7 @@ class Coordinator:
             stats=self.stats,
             ledger_offset=self.ledger.lines_written,
             extra=extra_state,
+            filtered_since_take=self._filter_budget.since_take,
         )
         return snapshot.to_json(saved)
 
@@ -771,6 +808,7 @@ class Coordinator:
             for group in saved.queue:
                 self.queue.put(group)
             self.stats = saved.stats
+            self._filter_budget.since_take = saved.filtered_since_take
             self.backlog = [*saved.dispatched, *saved.backlog]
             self._redispatch = set(saved.redispatch) | {r.traj_id for r in saved.dispatched}
             self._write_resume(
@@ -816,6 +854,7 @@ class Coordinator:
                 return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
             self._taken_at = trainer_version
+            self._filter_budget.taken()
             for group in batch:
                 for sample in group.samples:
                     self.ledger.write(

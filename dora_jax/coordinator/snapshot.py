@@ -31,6 +31,7 @@ class Saved:
     stats: CoordinatorStats
     ledger_offset: int
     extra: dict  # the caller's own (the prompt source's position)
+    filtered_since_take: int = 0  # dynamic sampling: groups filtered since the trainer's last take
 
 
 def with_progress(
@@ -66,6 +67,7 @@ def to_json(saved: Saved) -> dict:
         "stats": dataclasses.asdict(saved.stats),
         "ledger_offset": saved.ledger_offset,
         "extra": saved.extra,
+        "filtered_since_take": saved.filtered_since_take,
     }
 
 
@@ -87,4 +89,5 @@ def from_json(state: dict) -> Saved:
         stats=CoordinatorStats(**state["stats"]),
         ledger_offset=int(state["ledger_offset"]),
         extra=state.get("extra", {}),  # the caller's own: `restore` does not read it
+        filtered_since_take=int(state.get("filtered_since_take", 0)),  # absent before dynamic sampling filtered
     )

@@ -29,3 +29,6 @@ class CoordinatorStats:
     eval_finished: int = 0
     evals: int = 0  # evaluation rounds completed
     legacy_groups: int = 0  # groups started at an older version by legacy fill
+    scored_groups: int = 0  # training groups completed (every sample scored)
+    filtered_groups: int = 0  # of those, filtered by dynamic sampling (no reward variance; never trained on)
+    filtered_samples: int = 0  # their samples

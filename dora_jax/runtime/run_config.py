@@ -221,6 +221,9 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         seed=int(c.seed),
         rebalance_period_s=float(k.rebalance_period_s),
         legacy_fill=bool(k.legacy_fill),
+        # DAPO's dynamic sampling is the trainer's setting; the coordinator does the filtering and refilling
+        dynamic_sampling=bool(c.trainer.get("dynamic_sampling", False)),
+        max_filtered_batches_per_step=int(k.get("max_filtered_batches_per_step", 10)),
     )
     coordinator.validate(rollout.num_slices)
     t = dict(c.trainer)

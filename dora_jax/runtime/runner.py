@@ -377,6 +377,7 @@ class CoordinatorSource:
             "versions_in_flight": len(self._coord.versions_in_flight()),
             "migrations_kv": self._coord.stats.migrations_kv,
             "migrations_reprefill": self._coord.stats.migrations_reprefill,
+            **{k: getattr(self._coord.stats, k) for k in training_loop.DYNAMIC_SAMPLING_COUNTERS},
         }
 
 

@@ -28,6 +28,9 @@ COUNTERS = (
     "generated_tokens",
     "kv_preemptions",
 )  # rollout totals; rows show the step's delta
+# The coordinator's dynamic-sampling totals (CoordinatorStats); rows show the step's delta as the
+# `dynamic_sampling/` metrics.
+DYNAMIC_SAMPLING_COUNTERS = ("scored_groups", "filtered_groups", "filtered_samples")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +148,22 @@ def step_row(
         "migrations_kv": stats.get("migrations_kv", 0),
         "migrations_reprefill": stats.get("migrations_reprefill", 0),
     }
+    row.update(dynamic_sampling_row(stats, last, sum(1 for t in batch.traj_ids if t)))  # "": padding rows
     row.update({k: v for k, v in metrics.as_dict().items() if not k.startswith("staleness/")})
     row["train_tokens_per_s"] = row.pop("tokens_per_s")
     row["tokens_per_s"] = float(batch.loss_mask_BT.sum()) / max(wall / (step + 1), 1e-9)
     return row
+
+
+def dynamic_sampling_row(stats: Mapping[str, float], last: Mapping[str, float], trained: int) -> dict:
+    """The step's dynamic-sampling metrics, from the coordinator's totals at this take and the last:
+    the fraction of the training groups completed since then that were filtered (no reward variance),
+    and the samples generated but filtered per sample trained on (DAPO's over-sampling cost)."""
+    delta = {k: stats.get(k, 0) - last.get(k, 0) for k in DYNAMIC_SAMPLING_COUNTERS}
+    return {
+        "dynamic_sampling/filtered_groups": delta["filtered_groups"],
+        "dynamic_sampling/filtered_fraction": (
+            delta["filtered_groups"] / delta["scored_groups"] if delta["scored_groups"] else 0.0
+        ),
+        "dynamic_sampling/extra_samples_per_trained": delta["filtered_samples"] / trained if trained else 0.0,
+    }
