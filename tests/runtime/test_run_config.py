@@ -52,3 +52,15 @@ def test_reward_fields():
         parse_with(**{"task.reward_on_error": "masked"})
     with pytest.raises(ValueError, match=r"task.overlong_penalty_tokens=41; expected 0 \(off\) or at most rollout"):
         parse_with(**{"task.overlong_penalty_tokens": 41})
+
+
+def test_the_dapo_config_turns_on_the_papers_knobs():
+    from tests.launch.configs import load
+
+    config = run_config.parse(load("qwen2_5_7b_dapo.py"))
+    trainer, shaping = config.trainer, config.reward_shaping
+    assert (trainer.eps_low, trainer.eps_high, trainer.loss_norm) == (0.2, 0.28, "token_mean")
+    assert trainer.dynamic_sampling and trainer.overlong_filter and trainer.kl_coef == 0.0
+    # The paper's L_cache / L_max = 4096 / 20480, at this config's response cap.
+    assert shaping.overlong_penalty_tokens == int(config.rollout.max_new_tokens * 4096 / 20480) == 1638
+    assert shaping.reward_on_error == 0.0 and trainer.temperature == 1.0
