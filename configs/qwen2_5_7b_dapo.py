@@ -22,7 +22,8 @@ You provide (set the `YOUR_...` fields, here or with `--config.FIELD=VALUE`):
 
 Sizes: G 16 (DAPO's), TBS 512 = 32 prompts x 16, RBS 1024 = 4 slices x 256 slots, K 2; two
 optimizer updates per batch (DAPO's mini-batches). Responses up to 8K tokens (DAPO trains with
-up to 20K; raise rollout.max_new_tokens and cache_length together if the tail is cut). Rollout
+up to 20K; raise rollout.max_new_tokens and cache_length together if the tail is cut, and
+task.overlong_penalty_tokens to 20% of the new cap). The DAPO knobs are in docs/dapo.md. Rollout
 KV: 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes = 57 KB/token; 256 slots x 9216 tokens =
 134 GB per slice next to 15 GB of bf16 weights, out of 4 x 95 GB. Trainer: 7.6B params x 16 bytes
 (fp32 params, AdamW moments, grads) = 122 GB over 16 chips; micro-batches hold 4K positions per
@@ -68,6 +69,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.fallback_last_number = False  # DAPO-Math asks for an "Answer:" line; none stated scores 0
     c.task.reward_workers = 32  # reward processes (a v5p host has 208 vCPUs)
     c.task.reward_timeout_s = 10.0  # per-sample reward timeout (math-verify can hang on odd LaTeX)
+    # A grade that times out or raises scores 0 and stays in the loss (as verl scores a timeout), so a
+    # response that hangs the grader is not left unpunished; "mask" would drop it from the loss.
+    c.task.reward_on_error = 0.0
+    # DAPO's soft overlong punishment: a linear penalty from 0 to -1 over the last L_cache tokens before
+    # the response cap. The paper uses L_cache = 4096 of L_max = 20480 (20%); scaled to this config's
+    # rollout.max_new_tokens = 8192: 0.2 x 8192 = 1638 (responses past 6554 tokens are penalised).
+    c.task.overlong_penalty_tokens = 1638
     c.task.source = ml_collections.ConfigDict()
     c.task.source.path = "gs://YOUR_BUCKET/data/dapo-math-17k.parquet"  # DAPO-Math-17k (Parquet)
     c.task.source.format = "parquet"  # auto | jsonl | parquet | hf_disk
@@ -121,11 +129,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.warmup_steps = 10  # linear warm-up updates
     c.trainer.weight_decay = 0.1  # AdamW weight decay (DAPO's)
     c.trainer.clip_grad_norm = 1.0  # global-norm gradient clip
-    c.trainer.eps_low = 0.2  # PPO clip below
-    c.trainer.eps_high = 0.28  # PPO clip above (DAPO clip-higher)
+    c.trainer.eps_low = 0.2  # PPO clip below (DAPO's eps_low)
+    c.trainer.eps_high = 0.28  # PPO clip above: DAPO's clip-higher (eps_high 0.28 > eps_low 0.2)
     c.trainer.dual_clip = 3.0  # dual-clip bound for negative advantages
     c.trainer.tis_cap = 2.0  # truncated importance weight cap (0 = off)
-    c.trainer.loss_norm = "token_mean"  # DAPO's token-level loss
+    c.trainer.loss_norm = "token_mean"  # DAPO's token-level loss: every token of the batch weighs alike
+    c.trainer.overlong_filter = True  # DAPO: responses cut at max_new_tokens are masked from the loss
     c.trainer.kl_coef = 0.0  # no KL (DAPO drops it)
     c.trainer.advantage = "grpo"  # grpo | dr_grpo | rloo
     c.trainer.dynamic_sampling = True  # DAPO: the coordinator trains only groups with reward variance, drawing more

@@ -164,3 +164,26 @@ def test_a_gs_workdir_without_its_bucket_fails_before_anything_starts(gcs_emulat
     config = run_config.parse(tiny_config("dora"))
     with pytest.raises(fs.StorageError, match="gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"):
         runner.run(config, "gs://no-such-bucket/run", progress=False)
+
+
+@pytest.mark.slow
+def test_embedded_run_with_the_dapo_knobs(tmp_path):
+    """Overlong filtering, the soft punishment and failed grades scored, end to end: the rows carry
+    their metrics, and a truncated sample is masked exactly when the filter is on."""
+    c = tiny_config("sync", steps=2)
+    with c.unlocked():
+        c.trainer.overlong_filter = True
+        c.trainer.dynamic_sampling = True
+        c.task.overlong_penalty_tokens = 10  # of rollout.max_new_tokens = 40
+        c.task.reward_on_error = 0.0
+    config = run_config.parse(c)
+    result = runner.run(config, str(tmp_path), progress=False)
+    assert result.steps == 2 and result.audit.ok, result.audit.summary()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [r for r in rows if "reward_mean" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["overlong_masked"] == round(row["truncated_fraction"] * 8)  # TBS 8: every truncated one
+        assert -1.0 <= row["overlong_penalty_mean"] <= 0.0 and row["reward_errors"] == 0
+    # An untrained tiny model rarely stops by itself: samples are cut, masked and punished.
+    assert sum(r["overlong_masked"] for r in rows) > 0 and min(r["overlong_penalty_mean"] for r in rows) < 0

@@ -4,7 +4,8 @@ Loads a HF checkpoint onto a rollout mesh, generates one response through the ro
 worker (the same path RL rollout uses), and prints one JSON line last:
 `{"token_ids": [generated ids only], "logprobs": [...], "text": str | null, "finish_reason": str}`.
 `--prompt="text"` instead of `--prompt_ids` needs DIR/tokenizer.json. Log-probs are the model's
-temperature-1 log-probs of the generated tokens (see dora_jax.rollout.sampling).
+log-probs of the generated tokens at --temperature (1 when greedy), before top-k/top-p (see
+dora_jax.rollout.sampling).
 """
 
 from __future__ import annotations

@@ -132,7 +132,9 @@ class Trajectory:
 
 @dataclasses.dataclass(frozen=True)
 class ScoredTrajectory:
-    """A trajectory with its reward; `reward_error` set means the sample is masked out of the loss."""
+    """A trajectory with the grader's reward; `reward_error` set means grading failed (the trainer
+    scores it task.reward_on_error or masks it: dora_jax.tasks.reward_shaping). `valid`: graded and
+    not rejected."""
 
     trajectory: Trajectory
     reward: float
@@ -164,7 +166,10 @@ class TrainBatch:
     positions whose next-token log-prob enters the loss (aligned with the *predicted* token:
     position t holds the log-prob of tokens_BT[:, t]); `inference_logps_BT` are the engine's
     log-probs on those positions; `versions_B` the generating version of each sample;
-    `valid_B` 0 for samples masked out (reward failure); `group_ids_B` index groups in the batch.
+    `valid_B` 0 for samples masked out (rejected, or a failed grade under task.reward_on_error =
+    "mask"); `group_ids_B` index groups in the batch. The last three say, per sample, what went
+    into its reward and mask, for the step's metrics (`make_train_batch` fills them; None in a
+    batch built by hand).
     """
 
     tokens_BT: np.ndarray
@@ -175,6 +180,9 @@ class TrainBatch:
     versions_B: np.ndarray
     group_ids_B: np.ndarray
     traj_ids: tuple[str, ...]
+    truncated_B: np.ndarray | None = None  # 1 where the response was cut at the cap (finish reason "length")
+    overlong_penalty_B: np.ndarray | None = None  # DAPO's soft overlong punishment included in rewards_B
+    reward_error_B: np.ndarray | None = None  # 1 where grading failed (scored task.reward_on_error, or masked)
 
     @property
     def batch_size(self) -> int:

@@ -184,7 +184,7 @@ class Prefix:
     v_LRKD: jax.Array
     length: jax.Array  # int32: valid rows = position where `token` will be written
     token: jax.Array  # int32
-    logp: jax.Array  # float32: temperature-1 log-prob of `token` (0 when it was not sampled)
+    logp: jax.Array  # float32: log-prob of `token` at the temperature, unfiltered (0 when it was not sampled)
     key_data: jax.Array  # uint32[2]: the slot's base sampling key
     temperature: jax.Array
     top_p: jax.Array
@@ -211,7 +211,7 @@ class ResultTokens:
     """JetStream's ResultTokens layout (`data` = [token | valid | length] per slot) plus log-probs."""
 
     data: jax.Array  # [B, 3] int32
-    log_prob: jax.Array  # [B, 1] temperature-1 log-prob of each token
+    log_prob: jax.Array  # [B, 1] log-prob of each token at its temperature, unfiltered (sampling.sample)
     sample_log_prob: jax.Array  # [B, 1] log-prob under the sampling distribution
     tokens_idx: tuple[int, int] = flax.struct.field(pytree_node=False, default=(0, 1))
     valid_idx: tuple[int, int] = flax.struct.field(pytree_node=False, default=(1, 2))

@@ -10,10 +10,12 @@ one that never moved. Two requests with the same seed and prompt draw the same s
 dispatcher gives every sample of a group its own seed.
 
 Two log-probs come with every token:
-  * `logp`: log softmax of the model's raw logits (temperature 1, no top-k/top-p) at the token.
-    This is pi_w(y_t | x, y_<t), the quantity the trainer recomputes with version w's params for
-    the importance ratio and the truncated train/inference correction; a temperature- or
-    filter-modified value would make that ratio compare two different distributions.
+  * `logp`: log softmax of the logits divided by the row's temperature (1 for greedy rows), with
+    no top-k/top-p, at the token. This is pi_w(y_t | x, y_<t) at the sampling temperature, the
+    quantity the trainer recomputes with version w's params (`TrainerConfig.temperature`, the same
+    logits / T) for the importance ratio and the truncated train/inference correction: engine and
+    trainer compare one distribution. The filters are left out on both sides (a training run with
+    them states so: `trainer.truncated_sampling_ratio`).
   * `sample_logp`: the log-prob under the distribution actually sampled from (temperature and
     filters applied; 0 for greedy rows), for diagnostics and off-policy corrections that want it.
 
@@ -108,7 +110,8 @@ def sample(
     *,
     filters: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(tokens_B, logp_B, sample_logp_B) for the tokens that will occupy `position_B`.
+    """(tokens_B, logp_B, sample_logp_B) for the tokens that will occupy `position_B`: `logp` at
+    the row's temperature without filters, `sample_logp` with them (see the module docstring).
 
     Rows with temperature 0 take the argmax of the raw logits (HF's greedy rule). The sort behind
     top-k/top-p runs only when some row asks for a filter (`lax.cond`), so plain sampling and
@@ -126,13 +129,14 @@ def sample(
         uniform_B = token_uniforms(key_data_B2, position_B)
         rows = (temperature_B, top_p_B, top_k_B)
         return _sample_sharded(*layout, logits_BV, uniform_B, rows, needs_filter if filters else None)
-    scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+    unfiltered_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+    scaled_BV = unfiltered_BV
     if filters:
         scaled_BV = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k_B, top_p_B), lambda x: x, scaled_BV)
     sample_logps_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
     drawn_B = _inverse_cdf(jnp.exp(sample_logps_BV), token_uniforms(key_data_B2, position_B))
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
-    logp_B = _take(jax.nn.log_softmax(logits_BV, axis=-1), tokens_B)
+    logp_B = _take(jax.nn.log_softmax(unfiltered_BV, axis=-1), tokens_B)
     sample_logp_B = jnp.where(greedy_B, 0.0, _take(sample_logps_BV, tokens_B))
     return tokens_B, logp_B, sample_logp_B
 
@@ -177,13 +181,14 @@ def _sample_shard(axis, filters: bool, logits_BVs, uniform_B, rows, needs_filter
     temperature_B, top_p_B, top_k_B = rows
     first = jax.lax.axis_index(axis) * logits_BVs.shape[-1]  # global id of this shard's entry 0
     greedy_B = temperature_B <= 0
-    scaled_BVs = logits_BVs / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+    unfiltered_BVs = logits_BVs / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+    scaled_BVs = unfiltered_BVs
     if filters:
         scaled_BVs = _filter_shard(axis, scaled_BVs, top_k_B, top_p_B, needs_filter)
     sample_logps_BVs = _log_softmax_shard(axis, scaled_BVs)
     drawn_B = _inverse_cdf_shard(axis, jnp.exp(sample_logps_BVs), uniform_B, first)
     tokens_B = jnp.where(greedy_B, _argmax_shard(axis, logits_BVs, first), drawn_B).astype(jnp.int32)
-    logp_B = _take_shard(axis, _log_softmax_shard(axis, logits_BVs), tokens_B - first)
+    logp_B = _take_shard(axis, _log_softmax_shard(axis, unfiltered_BVs), tokens_B - first)
     sample_logp_B = jnp.where(greedy_B, 0.0, _take_shard(axis, sample_logps_BVs, tokens_B - first))
     return tokens_B, logp_B, sample_logp_B
 

@@ -16,6 +16,7 @@ from dora_jax.core.records import SamplingParams
 from dora_jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from dora_jax.parallel.sharding import MESH_AXES
 from dora_jax.tasks import running_sums
+from dora_jax.tasks.reward_shaping import RewardShaping, parse_reward_on_error
 from dora_jax.tasks.sources import SourceConfig
 from dora_jax.tasks.task import TaskConfig
 
@@ -153,6 +154,8 @@ class RunConfig:
     tensorboard: bool
     eval: EvalSpec = EvalSpec()
     log: LogSpec = LogSpec()
+    # task.overlong_penalty_tokens and task.reward_on_error, with rollout.max_new_tokens as L_max
+    reward_shaping: RewardShaping = RewardShaping()
 
 
 def _mesh_shape(group: ml_collections.ConfigDict, field: str) -> tuple[tuple[str, int], ...]:
@@ -230,7 +233,14 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
     pad_to = int(t.pop("pad_to"))
     if t.get("tis_cap") == 0:
         t["tis_cap"] = None
+    if "temperature" in t:
+        raise ValueError(
+            f"trainer.temperature={t['temperature']}; not a config field: the trainer takes rollout.temperature"
+        )
+    # The trainer's log-probs are of the distribution the rollout samples (greedy rows: the raw logits).
+    t["temperature"] = sampling.temperature if sampling.temperature > 0 else 1.0
     trainer = trainer_config_cls(**t)
+    _check_truncated_sampling(sampling, trainer.truncated_sampling_ratio)
     rows = trainer.micro_batch_size * trainer.num_updates
     if coordinator.train_batch_size % rows:
         raise ValueError(
@@ -297,6 +307,11 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         raise ValueError(f"log.wandb_mode={log.wandb_mode!r}; expected 'online', 'offline' or 'disabled'")
     i = c.init
     init = InitSpec(str(i.checkpoint), int(i.sft_steps), int(i.sft_batch_size), float(i.sft_lr))
+    shaping = RewardShaping(
+        max_response_tokens=rollout.max_new_tokens,
+        overlong_penalty_tokens=int(c.task.get("overlong_penalty_tokens", 0)),
+        reward_on_error=parse_reward_on_error(c.task.get("reward_on_error", 0.0)),
+    )
     return RunConfig(
         mode=mode,
         num_steps=int(c.num_steps),
@@ -314,7 +329,21 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         tensorboard=bool(c.log.tensorboard),
         eval=evaluation,
         log=log,
+        reward_shaping=shaping,
     )
+
+
+def _check_truncated_sampling(sampling: SamplingParams, treatment: str) -> None:
+    """A training run that samples with top-p/top-k says how its ratio treats the truncation
+    (trainer.truncated_sampling_ratio): engine and trainer both give log-probs of the untruncated
+    temperature-scaled distribution, which is not the one a filtered token was drawn from."""
+    if treatment == "refuse" and (sampling.top_p < 1 or sampling.top_k > 0):
+        raise ValueError(
+            f"rollout.top_p={sampling.top_p}, rollout.top_k={sampling.top_k}: a training run that samples "
+            "from a truncated distribution must say how the importance ratio treats it; expected rollout.top_p=1 "
+            "and rollout.top_k=0, or trainer.truncated_sampling_ratio='ignore' (the ratio then uses the "
+            "untruncated temperature-scaled distribution; docs/dapo.md)"
+        )
 
 
 def task_config(config: RunConfig) -> TaskConfig:

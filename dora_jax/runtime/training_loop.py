@@ -17,9 +17,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from dora_jax.core.records import Group, TrainBatch
 from dora_jax.runtime import faults
 from dora_jax.runtime.metrics import MetricsWriter
+from dora_jax.tasks.reward_shaping import RewardShaping
 from dora_jax.trainer import Trainer, make_train_batch
 
 COUNTERS = (
@@ -60,12 +63,13 @@ class LoopResult:
 
 
 def sizes(config, pad_id: int) -> dict:
-    """`train`'s batch-shape arguments from a RunConfig (the same for every caller)."""
+    """`train`'s batch-shape and packing arguments from a RunConfig (the same for every caller)."""
     return {
         "num_steps": config.num_steps,
         "pad_to": config.pad_to,
         "pad_id": pad_id,
         "max_length": config.rollout.cache_length,
+        "shaping": config.reward_shaping,
     }
 
 
@@ -82,10 +86,12 @@ def train(
     on_row: Callable[[dict], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     start: float | None = None,
+    shaping: RewardShaping = RewardShaping(),
 ) -> LoopResult:
     """Trains from the trainer's version to `num_steps`. `after_step(step)` runs once the step is
     published (checkpoints, faults) and returns extra row fields; `on_row(row)` sees each row;
-    `should_stop()` (a preemption) ends the loop after a step."""
+    `should_stop()` (a preemption) ends the loop after a step. `shaping` turns graded rewards into
+    training rewards as batches are packed (with the trainer's `overlong_filter`)."""
     start = time.perf_counter() if start is None else start
     result = LoopResult([], 0.0, [], stopped_early=False)
     last = dict(source.counters())
@@ -96,7 +102,14 @@ def train(
             result.stopped_early = True
             break
         t0, wall0 = time.perf_counter(), time.time()
-        batch = make_train_batch(list(taken.groups), pad_to, pad_id, max_length=max_length)
+        batch = make_train_batch(
+            list(taken.groups),
+            pad_to,
+            pad_id,
+            max_length=max_length,
+            shaping=shaping,
+            overlong_filter=trainer.config.overlong_filter,
+        )
         metrics = trainer.train_step(batch)
         faults.reached("train_step")
         trainer.publish()
@@ -149,6 +162,7 @@ def step_row(
         "migrations_reprefill": stats.get("migrations_reprefill", 0),
     }
     row.update(dynamic_sampling_row(stats, last, sum(1 for t in batch.traj_ids if t)))  # "": padding rows
+    row.update(reward_metrics(batch))
     row.update({k: v for k, v in metrics.as_dict().items() if not k.startswith("staleness/")})
     row["train_tokens_per_s"] = row.pop("tokens_per_s")
     row["tokens_per_s"] = float(batch.loss_mask_BT.sum()) / max(wall / (step + 1), 1e-9)
@@ -166,4 +180,21 @@ def dynamic_sampling_row(stats: Mapping[str, float], last: Mapping[str, float], 
             delta["filtered_groups"] / delta["scored_groups"] if delta["scored_groups"] else 0.0
         ),
         "dynamic_sampling/extra_samples_per_trained": delta["filtered_samples"] / trained if trained else 0.0,
+    }
+
+
+def reward_metrics(batch: TrainBatch) -> dict:
+    """What went into the batch's rewards and masks (dora_jax.tasks.reward_shaping), over its
+    samples (padding rows left out); {} for a batch built without that record."""
+    if batch.truncated_B is None or batch.overlong_penalty_B is None or batch.reward_error_B is None:
+        return {}
+    real = np.asarray([bool(t) for t in batch.traj_ids])
+    valid = (batch.valid_B > 0) & real
+    truncated = (batch.truncated_B > 0) & real
+    return {
+        "reward_errors": int(((batch.reward_error_B > 0) & real).sum()),  # failed grades, scored or masked
+        "truncated_fraction": float(truncated.sum() / max(real.sum(), 1)),  # cut at rollout.max_new_tokens
+        # truncated samples without loss tokens (trainer.overlong_filter; a truncated response is never empty)
+        "overlong_masked": int((truncated & (batch.loss_mask_BT.sum(1) == 0)).sum()),
+        "overlong_penalty_mean": float(batch.overlong_penalty_B[valid].mean()) if valid.any() else 0.0,
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dora_jax.core.records import Group, TrainBatch
+from dora_jax.tasks.reward_shaping import RewardShaping
 
 
 def bucket_length(longest: int, pad_to: int, cap: int | None = None) -> int:
@@ -27,14 +28,24 @@ def bucket_length(longest: int, pad_to: int, cap: int | None = None) -> int:
 
 
 def make_train_batch(
-    groups: list[Group], pad_to: int, pad_id: int, *, num_rows: int | None = None, max_length: int | None = None
+    groups: list[Group],
+    pad_to: int,
+    pad_id: int,
+    *,
+    num_rows: int | None = None,
+    max_length: int | None = None,
+    shaping: RewardShaping = RewardShaping(),
+    overlong_filter: bool = False,
 ) -> TrainBatch:
     """Packs `groups` (each G samples of one prompt and one version) into a TrainBatch, as wide as
     `pad_to * 2^k` over its longest row, or `max_length` (the longest row rollout can make) where
     that is narrower.
 
-    Samples whose reward failed or that were rejected get valid = 0 (kept in place, masked out of
-    the loss); `group_ids_B` number the groups 0..len(groups)-1 in order.
+    Rewards are the training rewards of `shaping` (DAPO's overlong punishment, a failed grade's
+    score): rejected samples, and failed grades under reward_on_error "mask", get valid = 0 (kept in
+    place, masked out of the loss). `overlong_filter` (DAPO): a sample cut at the length cap keeps
+    its reward in its group's statistics but has no loss tokens. `group_ids_B` number the groups
+    0..len(groups)-1 in order.
     """
     samples = [(g, s) for g, group in enumerate(groups) for s in group.samples]
     B = len(samples) if num_rows is None else num_rows
@@ -55,17 +66,18 @@ def make_train_batch(
     loss_mask = np.zeros((B, T), np.float32)
     inference_logps = np.zeros((B, T), np.float32)
     rewards, valid = np.zeros(B, np.float32), np.zeros(B, np.float32)
+    truncated, penalties, errors = np.zeros(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32)
     versions, group_ids = np.zeros(B, np.int64), np.zeros(B, np.int32)
     traj_ids = []
     for b, (g, s) in enumerate(samples):
-        traj = s.trajectory
+        traj, shaped = s.trajectory, shaping.shape(s)
         P, R = len(traj.prompt_ids), traj.num_tokens
         tokens[b, :P] = traj.prompt_ids
         tokens[b, P : P + R] = traj.response_ids
-        loss_mask[b, P : P + R] = 1.0
+        loss_mask[b, P : P + R] = 0.0 if overlong_filter and shaped.truncated else 1.0
         inference_logps[b, P : P + R] = traj.logprobs
-        rewards[b] = s.reward if s.valid else 0.0
-        valid[b] = float(s.valid)
+        rewards[b], valid[b], penalties[b] = shaped.reward, float(shaped.valid), shaped.penalty
+        truncated[b], errors[b] = float(shaped.truncated), float(shaped.reward_error)
         versions[b] = traj.version
         group_ids[b] = g
         traj_ids.append(traj.traj_id)
@@ -82,4 +94,7 @@ def make_train_batch(
         versions_B=versions,
         group_ids_B=group_ids,
         traj_ids=tuple(traj_ids),
+        truncated_B=truncated,
+        overlong_penalty_B=penalties,
+        reward_error_B=errors,
     )

@@ -25,6 +25,9 @@ import jax
 import jax.numpy as jnp
 
 LOSS_NORMS = ("token_mean", "seq_mean_token_mean", "constant")
+# verl's low_var_kl bounds: the log-ratio before exp (overflow) and the k3 estimate itself.
+KL_LOG_RATIO_CLIP = 20.0
+KL_CLIP = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class LossConfig:
     # >= V: one [B, T, V] float32 log-softmax. 8192: 19 slices for Qwen's 152,064 (a [T, 8192] fp32
     # slice is 128 MiB per 4K-token row against 2.3 GiB whole), each a matmul wide enough for the MXU.
     vocab_chunk: int = 8192
+    # Every log-prob of the loss (current, behaviour, reference) is of softmax(logits / temperature):
+    # the rollout's sampling temperature, so the ratio compares the distributions actually sampled.
+    temperature: float = 1.0
 
     def __post_init__(self):
         if not 0 <= self.eps_low < 1:
@@ -58,16 +64,22 @@ class LossConfig:
             raise ValueError(f"t_max={self.t_max}; expected > 0")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef={self.kl_coef}; expected >= 0")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}; expected > 0 (the rollout's sampling temperature)")
         if self.vocab_chunk < 0:
             raise ValueError(f"vocab_chunk={self.vocab_chunk}; expected 0 (off) or a slice width >= 1")
 
 
-def token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Log-prob and entropy of each token given the ones before it; position 0 gets 0.
 
-    logp_bt = log softmax(logits_b,t-1)[tokens_bt];  H_bt = -sum_v p_v log p_v of that softmax.
+    logp_bt = log softmax(logits_b,t-1 / temperature)[tokens_bt];  H_bt = -sum_v p_v log p_v of
+    that softmax (the distribution the rollout samples from, `rollout.sampling`).
     """
-    logprobs_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
+    logits_BTV = logits_BTV[:, :-1].astype(jnp.float32)
+    if temperature != 1.0:
+        logits_BTV = logits_BTV / temperature
+    logprobs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
     picked_BT = jnp.take_along_axis(logprobs_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
     entropy_BT = -jnp.sum(jnp.exp(logprobs_BTV) * logprobs_BTV, axis=-1)
     zeros_B1 = jnp.zeros((tokens_BT.shape[0], 1), jnp.float32)
@@ -75,9 +87,15 @@ def token_logps(logits_BTV: jax.Array, tokens_BT: jax.Array) -> tuple[jax.Array,
 
 
 def hidden_token_logps(
-    unembed: Callable[..., jax.Array], x_BTE: jax.Array, tokens_BT: jax.Array, vocab_size: int, chunk: int
+    unembed: Callable[..., jax.Array],
+    x_BTE: jax.Array,
+    tokens_BT: jax.Array,
+    vocab_size: int,
+    chunk: int,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
-    """`token_logps(unembed(x_BTE), tokens_BT)` without a [B, T, V] array, forward or backward.
+    """`token_logps(unembed(x_BTE), tokens_BT, temperature)` without a [B, T, V] array, forward or
+    backward; the logits z below are already divided by `temperature`.
 
     `unembed(x_BTE, start, size)` returns the float32 logits z of vocabulary entries
     [start, start + size). The vocabulary is walked in slices of `chunk` under `lax.scan`, each slice
@@ -88,7 +106,9 @@ def hidden_token_logps(
     A last slice narrower than `chunk` takes the remainder. `chunk` 0 or >= V: one unsliced pass.
     """
     if chunk <= 0 or chunk >= vocab_size:
-        return token_logps(unembed(x_BTE), tokens_BT)
+        return token_logps(unembed(x_BTE), tokens_BT, temperature)
+    if temperature != 1.0:
+        unembed = functools.partial(_scaled, unembed, temperature)
     x_BTE, targets_BT = x_BTE[:, :-1], tokens_BT[:, 1:]
 
     def add_slice(carry, start, size):
@@ -120,6 +140,11 @@ def hidden_token_logps(
     zeros_B1 = jnp.zeros((tokens_BT.shape[0], 1), jnp.float32)
     logps_BT = jnp.concatenate([zeros_B1, picked_BT - lse_BT], 1)
     return logps_BT, jnp.concatenate([zeros_B1, lse_BT - dot_BT / sum_BT], 1)
+
+
+def _scaled(unembed: Callable[..., jax.Array], temperature: float, *args) -> jax.Array:
+    """`unembed(*args) / temperature`: a slice of temperature-scaled logits."""
+    return unembed(*args) / temperature
 
 
 def token_weights(mask_BT: jax.Array, loss_norm: str, t_max: int) -> jax.Array:
@@ -214,7 +239,10 @@ def policy_loss(
     l^pg   = max(-A_b r_bt, -A_b clip(r_bt, 1 - eps_low, 1 + eps_high))
     dual clip (A_b < 0 only): l^pg = min(l^pg, -c A_b)              (bounds the loss when r >> 1)
     TIS:   rho_bt = min(exp(logp^w_bt - logp^inf_bt), C), no gradient; l^pg <- rho_bt l^pg
-    KL:    k3 = exp(d) - d - 1 with d = logp^ref_bt - logp_bt;      l = l^pg + kl_coef * k3
+    KL:    k3 = clip(exp(d) - d - 1, -10, 10) with d = clip(logp^ref_bt - logp_bt, -20, 20);
+           l = l^pg + kl_coef * k3   (verl's low_var_kl: both clips bound a token whose policy has
+           moved far from the reference, whose unclipped k3 grows as exp(d); a clipped token gets no
+           KL gradient)
     Clip counts (tokens whose gradient is cut): low  = A<0 and r < 1 - eps_low,
     high = A>0 and r > 1 + eps_high, dual = A<0 and r > c.
     `mask_BT` (= loss_mask * valid) selects tokens; off the mask nothing is read, so garbage
@@ -240,8 +268,8 @@ def policy_loss(
     if config.kl_coef > 0:
         if ref_logps_BT is None:
             raise ValueError(f"kl_coef={config.kl_coef} needs ref_logps_BT")
-        d_BT = jnp.where(on_BT, ref_logps_BT - logps_BT, zero)
-        kl_BT = jnp.exp(d_BT) - d_BT - 1.0
+        d_BT = jnp.clip(jnp.where(on_BT, ref_logps_BT - logps_BT, zero), -KL_LOG_RATIO_CLIP, KL_LOG_RATIO_CLIP)
+        kl_BT = jnp.clip(jnp.exp(d_BT) - d_BT - 1.0, -KL_CLIP, KL_CLIP)
     loss_BT = jnp.where(on_BT, pg_BT + config.kl_coef * kl_BT, zero)
     loss = jnp.sum(weights_BT * loss_BT)
 

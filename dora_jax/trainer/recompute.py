@@ -26,10 +26,10 @@ import numpy as np
 from dora_jax.trainer.step import sequence_logps
 
 
-def _fill_chunk(params, out_UMCT, tokens_UMCT, src_C3, dst_C3, *, graphdef):
-    """Forward of the C rows at (u, m, c) = src_C3 and write their log-probs at dst_C3."""
+def _fill_chunk(params, out_UMCT, tokens_UMCT, src_C3, dst_C3, *, graphdef, temperature: float = 1.0):
+    """Forward of the C rows at (u, m, c) = src_C3 and write their log-probs (at `temperature`) at dst_C3."""
     rows_CT = tokens_UMCT[src_C3[:, 0], src_C3[:, 1], src_C3[:, 2]]
-    logps_CT, _ = sequence_logps(graphdef, params, rows_CT)
+    logps_CT, _ = sequence_logps(graphdef, params, rows_CT, temperature=temperature)
     # Padding rows point at u = U, out of range: dropped.
     return out_UMCT.at[dst_C3[:, 0], dst_C3[:, 1], dst_C3[:, 2]].set(logps_CT, mode="drop")
 
@@ -64,7 +64,8 @@ def _unravel(rows_C: np.ndarray, lead: tuple[int, int, int]) -> np.ndarray:
 
 
 class BehaviourLogps:
-    """Computes behaviour log-probs per version group with one compiled chunk function."""
+    """Computes behaviour log-probs per version group with one compiled chunk function, at the
+    rollout's sampling `temperature` (softmax of logits / temperature, as the loss's)."""
 
     def __init__(
         self,
@@ -76,6 +77,7 @@ class BehaviourLogps:
         on_trace: Callable[[], None],
         compiler_options=None,
         layout: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        temperature: float = 1.0,
     ):
         self._chunk = chunk
         self._rows_sharding = rows_sharding  # the sharding of a [U, M, C, T] array
@@ -87,7 +89,7 @@ class BehaviourLogps:
                 return _fill_chunk(*args, **kwargs)
 
         self._fill = jax.jit(
-            functools.partial(traced, graphdef=graphdef),
+            functools.partial(traced, graphdef=graphdef, temperature=temperature),
             in_shardings=(param_shardings, rows_sharding, rows_sharding, replicated, replicated),
             out_shardings=rows_sharding,
             donate_argnums=(1,),

@@ -120,18 +120,20 @@ def init_state(params, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(params=params, opt_state=tx.init(params), updates=jnp.zeros((), jnp.int32))
 
 
-def model_token_logps(model, tokens_BT, vocab_chunk: int, *, return_routing: bool = False):
-    """(logps_BT, entropy_BT) of a full forward of `model`, the vocabulary taken `vocab_chunk`
-    entries at a time (`hidden_token_logps`); with `return_routing`, also the MoE routing."""
+def model_token_logps(model, tokens_BT, vocab_chunk: int, *, return_routing: bool = False, temperature: float = 1.0):
+    """(logps_BT, entropy_BT) of a full forward of `model` at `temperature` (softmax of logits /
+    temperature), the vocabulary taken `vocab_chunk` entries at a time (`hidden_token_logps`);
+    with `return_routing`, also the MoE routing."""
     out = model(tokens_BT, return_hidden=True, return_routing=return_routing)
     x_BTE, routing = out if return_routing else (out, None)
-    logps = hidden_token_logps(model.unembed, x_BTE, tokens_BT, model.config.vocab_size, vocab_chunk)
+    logps = hidden_token_logps(model.unembed, x_BTE, tokens_BT, model.config.vocab_size, vocab_chunk, temperature)
     return (logps, routing) if return_routing else logps
 
 
-def sequence_logps(graphdef, params, tokens_BT, vocab_chunk: int = LossConfig.vocab_chunk):
-    """(logps_BT, entropy_BT) of a full forward of the model `nnx.merge(graphdef, params)`."""
-    return model_token_logps(nnx.merge(graphdef, params), tokens_BT, vocab_chunk)
+def sequence_logps(graphdef, params, tokens_BT, vocab_chunk: int = LossConfig.vocab_chunk, temperature: float = 1.0):
+    """(logps_BT, entropy_BT) of a full forward of the model `nnx.merge(graphdef, params)` at
+    `temperature`."""
+    return model_token_logps(nnx.merge(graphdef, params), tokens_BT, vocab_chunk, temperature=temperature)
 
 
 def _micro_loss(
@@ -150,7 +152,7 @@ def _micro_loss(
     (a Python int, or a traced count where the number of micro-batches varies per update)."""
     model = nnx.merge(graphdef, params)
     (logps_CT, entropy_CT), routing = model_token_logps(
-        model, micro["tokens"], loss_config.vocab_chunk, return_routing=True
+        model, micro["tokens"], loss_config.vocab_chunk, return_routing=True, temperature=loss_config.temperature
     )
     behaviour_CT = micro["behaviour"]
     if "current" in micro:
@@ -159,7 +161,9 @@ def _micro_loss(
         behaviour_CT = jnp.where(micro["current"][:, None] > 0, jax.lax.stop_gradient(logps_CT), behaviour_CT)
     ref_CT = None
     if ref_params is not None:
-        ref_logps_CT = sequence_logps(graphdef, ref_params, micro["tokens"], loss_config.vocab_chunk)[0]
+        ref_logps_CT = sequence_logps(
+            graphdef, ref_params, micro["tokens"], loss_config.vocab_chunk, loss_config.temperature
+        )[0]
         ref_CT = jax.lax.stop_gradient(ref_logps_CT)
     loss, stats = policy_loss(
         logps_CT,

@@ -49,6 +49,9 @@ from dora_jax.trainer.step import (
     train_step,
 )
 
+# trainer.truncated_sampling_ratio: what a training run with top-p/top-k filtering does (see TrainerConfig).
+TRUNCATED_SAMPLING_RATIOS = ("refuse", "ignore")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
@@ -86,12 +89,27 @@ class TrainerConfig:
     max_nonfinite_in_a_row: int = 3  # raise after this many skipped updates in a row
     reuse_current_logps: bool = True  # rows the current version generated take their behaviour log-probs
     #                                   from the step's own forward (first update only), not a recompute
+    # The rollout's sampling temperature T: every log-prob the trainer takes (current policy,
+    # behaviour recompute, KL reference) is of softmax(logits / T), as the engine's inference
+    # log-probs are. Set by dora_jax.runtime.run_config from rollout.temperature, not by hand.
+    temperature: float = 1.0
+    # How the ratio treats rollout.top_p < 1 or rollout.top_k > 0 (checked by run_config, which knows
+    # the sampling): "refuse" = such a training run is refused; "ignore" = the ratio uses the
+    # untruncated temperature-scaled distribution (engine and trainer alike), the filter's truncation
+    # left out of the importance weights.
+    truncated_sampling_ratio: str = "refuse"
+    overlong_filter: bool = False  # DAPO: samples cut at rollout.max_new_tokens are masked from the loss
 
     def __post_init__(self):
         self.loss_config()  # validates the loss fields
         make_optimizer(self.optimizer_config())  # validates the schedule fields
         if self.advantage not in ESTIMATORS:
             raise ValueError(f"trainer.advantage={self.advantage!r}; expected one of {ESTIMATORS}")
+        if self.truncated_sampling_ratio not in TRUNCATED_SAMPLING_RATIOS:
+            raise ValueError(
+                f"trainer.truncated_sampling_ratio={self.truncated_sampling_ratio!r}; expected one of "
+                f"{TRUNCATED_SAMPLING_RATIOS}"
+            )
         if self.router_aux_coef < 0:
             raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
         if self.length_bucket < 0:
@@ -115,6 +133,7 @@ class TrainerConfig:
             t_max=self.t_max,
             kl_coef=self.kl_coef,
             vocab_chunk=self.vocab_chunk,
+            temperature=self.temperature,
         )
 
     def optimizer_config(self) -> OptimizerConfig:
@@ -288,6 +307,7 @@ class Trainer:
             on_trace=lambda: self.trace_counts.update(["recompute"]),
             compiler_options=self._compiler_options,
             layout=self._layout,
+            temperature=config.temperature,
         )
         self._step = self._compile_step(graphdef)
         self._bucketed = None

@@ -12,6 +12,7 @@ from flax import nnx
 from dora_jax.core.records import Request, SamplingParams
 from dora_jax.models import split
 from dora_jax.rollout.worker import RolloutWorker, as_redispatch
+from dora_jax.trainer.step import sequence_logps
 from tests.rollout.conftest import TINY, run_to_end
 
 
@@ -19,7 +20,10 @@ def _request(i, prompt, max_new, sampling=SamplingParams(temperature=0.0), **kw)
     return Request(f"t{i}", "g", f"p{i}", tuple(prompt), 0, max_new, sampling, **kw)
 
 
-def test_logprobs_equal_full_forward_log_softmax(warm_engine, tiny_model, tiny_params):
+def test_logprobs_equal_full_forward_log_softmax_at_the_temperature(warm_engine, tiny_model, tiny_params):
+    """The engine's inference log-probs are log_softmax(logits / T) of a full forward (T = 1 for
+    greedy rows, no top-k/top-p), and equal the trainer's log-probs at the same temperature
+    (`sequence_logps`, the recompute and the loss's forward): the ratio compares one distribution."""
     worker = RolloutWorker(warm_engine, eos_ids=())
     worker.load_version(0, tiny_params)
     samplings = [
@@ -36,12 +40,20 @@ def test_logprobs_equal_full_forward_log_softmax(warm_engine, tiny_model, tiny_p
     for b, traj in enumerate(done):
         ids_BT[b, : len(traj.prompt_ids) + len(traj.response_ids)] = traj.prompt_ids + traj.response_ids
     graphdef, _ = split(tiny_model)
-    logits_BTV = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(tiny_params, ids_BT)  # full forward, fp32
-    logp_BTV = np.asarray(jax.nn.log_softmax(logits_BTV, axis=-1))
-    for b, traj in enumerate(done):
+    logits_BTV = np.asarray(jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(tiny_params, ids_BT), np.float64)
+    trainer_logps = jax.jit(
+        lambda p, x, t: sequence_logps(graphdef, p, x, vocab_chunk=0, temperature=t)[0], static_argnums=2
+    )
+    for b, (traj, sampling) in enumerate(zip(done, samplings, strict=True)):
         start, n = len(traj.prompt_ids), len(traj.response_ids)
-        expected = logp_BTV[b, np.arange(start - 1, start + n - 1), list(traj.response_ids)]
+        temperature = sampling.temperature or 1.0
+        shifted_TV = logits_BTV[b] / temperature
+        shifted_TV -= shifted_TV.max(-1, keepdims=True)
+        logp_TV = shifted_TV - np.log(np.exp(shifted_TV).sum(-1, keepdims=True))  # float64 log_softmax(z / T)
+        expected = logp_TV[np.arange(start - 1, start + n - 1), list(traj.response_ids)]
         np.testing.assert_allclose(traj.logprobs, expected, atol=2e-5, rtol=0)
+        trainer = np.asarray(trainer_logps(tiny_params, ids_BT[b : b + 1], temperature))[0, start : start + n]
+        np.testing.assert_allclose(traj.logprobs, trainer, atol=2e-5, rtol=0)
         assert n == 14 and traj.finish_reason.value == "length"
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dora_jax.core.records import FinishReason, Group, ScoredTrajectory, Trajectory
+from dora_jax.tasks.reward_shaping import RewardShaping
 from dora_jax.trainer.batching import bucket_length, make_train_batch
 from dora_jax.trainer.bucketed import batch_widths
 
@@ -50,8 +51,13 @@ def test_layout_and_masks():
     np.testing.assert_allclose(batch.inference_logps_BT[0], [0, 0, 0, -0.1, -0.2, 0, 0, 0])
     np.testing.assert_array_equal(batch.tokens_BT[2], [4, 11, 12, 13, 14, 0, 0, 0])
     np.testing.assert_array_equal(batch.loss_mask_BT[2], [0, 1, 1, 1, 1, 0, 0, 0])
-    np.testing.assert_array_equal(batch.valid_B, [1, 0, 1, 0])  # reward error, rejected
+    # a1's grade failed: scored task.reward_on_error (0 by default) and kept; b1 was rejected: masked
+    np.testing.assert_array_equal(batch.valid_B, [1, 1, 1, 0])
     np.testing.assert_array_equal(batch.rewards_B, [1.0, 0.0, 0.5, 0.0])
+    np.testing.assert_array_equal(batch.reward_error_B, [0, 1, 0, 0])
+    masked = make_train_batch(GROUPS, pad_to=4, pad_id=0, shaping=RewardShaping(reward_on_error=None))
+    np.testing.assert_array_equal(masked.valid_B, [1, 0, 1, 0])  # task.reward_on_error = "mask"
+    np.testing.assert_array_equal(masked.reward_error_B, [0, 1, 0, 0])
     np.testing.assert_array_equal(batch.versions_B, [3, 3, 1, 1])
     np.testing.assert_array_equal(batch.group_ids_B, [0, 0, 1, 1])
     assert batch.traj_ids == ("a0", "a1", "b0", "b1")
@@ -74,3 +80,31 @@ def test_a_batch_is_no_wider_than_the_longest_row_rollout_can_make():
     assert make_train_batch(GROUPS, pad_to=4, pad_id=0, max_length=64).tokens_BT.shape == (4, 8)
     assert batch_widths(9216, 512) == (512, 1024, 2048, 4096, 8192, 9216)
     assert batch_widths(1024, 128) == (128, 256, 512, 1024)
+
+
+def test_overlong_filter_and_soft_punishment():
+    """L_max = 4, L_cache = 2: a 4-token response cut at the cap gets -1 and, with the overlong
+    filter, no loss tokens (its reward still counts in its group); a 3-token one ending in EOS gets
+    -0.5 and keeps its tokens."""
+    groups = [
+        Group(
+            "c",
+            0,
+            (
+                ScoredTrajectory(traj("c0", [5], [8, 9, 10, 11], 0, FinishReason.LENGTH), 1.0),
+                ScoredTrajectory(traj("c1", [5], [8, 9, 10], 0), 1.0),
+                ScoredTrajectory(traj("c2", [5], [8], 0), 0.0),
+            ),
+        )
+    ]
+    shaping = RewardShaping(max_response_tokens=4, overlong_penalty_tokens=2)
+    batch = make_train_batch(groups, pad_to=8, pad_id=0, shaping=shaping, overlong_filter=True)
+    np.testing.assert_allclose(batch.rewards_B, [0.0, 0.5, 0.0])
+    np.testing.assert_allclose(batch.overlong_penalty_B, [-1.0, -0.5, 0.0])
+    np.testing.assert_array_equal(batch.truncated_B, [1, 0, 0])
+    np.testing.assert_array_equal(batch.valid_B, [1, 1, 1])
+    np.testing.assert_array_equal(batch.loss_mask_BT.sum(1), [0, 3, 1])
+    np.testing.assert_allclose(batch.inference_logps_BT[0, 1:5], [-0.1, -0.2, -0.3, -0.4])  # still packed
+    unfiltered = make_train_batch(groups, pad_to=8, pad_id=0, shaping=shaping)
+    np.testing.assert_array_equal(unfiltered.loss_mask_BT.sum(1), [4, 3, 1])
+    np.testing.assert_array_equal(unfiltered.rewards_B, batch.rewards_B)

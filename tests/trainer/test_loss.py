@@ -40,8 +40,8 @@ def reference_loss(logp, beh, inf, adv, loss_mask, valid, cfg: LossConfig, ref=N
             if cfg.tis_cap is not None:
                 loss *= min(math.exp(beh[b, t] - inf[b, t]), cfg.tis_cap)
             if cfg.kl_coef:
-                d = ref[b, t] - logp[b, t]
-                loss += cfg.kl_coef * (math.exp(d) - d - 1)
+                d = min(max(ref[b, t] - logp[b, t], -20.0), 20.0)
+                loss += cfg.kl_coef * min(max(math.exp(d) - d - 1, -10.0), 10.0)
             per_token[b, t] = loss
     if cfg.loss_norm == "token_mean":
         total = per_token.sum() / m.sum()
@@ -238,3 +238,82 @@ def test_bad_config_errors():
         LossConfig(tis_cap=0)
     with pytest.raises(ValueError, match=r"vocab_chunk=-1; expected 0 \(off\)"):
         LossConfig(vocab_chunk=-1)
+    with pytest.raises(ValueError, match=r"temperature=0.0; expected > 0"):
+        LossConfig(temperature=0.0)
+
+
+def test_k3_is_clamped_as_verls_low_var_kl():
+    """k3 = clip(exp(d) - d - 1, -10, 10), d = clip(ref - logp, -20, 20) (verl's low_var_kl): golden
+    values, and no KL gradient on a clipped token."""
+    d = np.array([[0.0, -25.0, -3.0, 0.5, 2.0, 2.5, 3.0, 12.0, 25.0]])
+    logp = np.full(d.shape, -1.0)
+    ref = logp + d
+    golden = [0.0, 10.0, math.exp(-3) + 2, math.exp(0.5) - 1.5, math.exp(2) - 3, math.exp(2.5) - 3.5, 10.0, 10.0, 10.0]
+    np.testing.assert_allclose(golden[2:6], [2.049787068, 0.148721271, 4.389056099, 8.682493961], rtol=1e-8)
+    mask = np.ones(d.shape)
+    mask[:, 0] = 0  # position 0 is never in the loss
+    cfg = LossConfig(kl_coef=0.5, loss_norm="constant", t_max=1)
+    zeros = np.zeros(d.shape, np.float32)
+
+    def loss_fn(logp_BT):
+        return policy_loss(
+            logp_BT, logp_BT, logp_BT, jnp.zeros(1), jnp.asarray(mask, jnp.float32),
+            token_weights(jnp.asarray(mask, jnp.float32), "constant", 1), cfg,
+            ref_logps_BT=jnp.asarray(ref, jnp.float32), entropy_BT=jnp.asarray(zeros),
+        )  # fmt: skip
+
+    (loss, stats), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp, jnp.float32))
+    k3 = np.asarray(golden)[1:]
+    np.testing.assert_allclose(float(stats.kl_sum), k3.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), 0.5 * k3.sum(), rtol=1e-5)  # weights m / (B * t_max) = m
+    # d/dlogp k3 = 1 - exp(d) inside the clips (A = 0: the policy term has no gradient), 0 where clipped.
+    want_grad = np.where(np.abs(np.exp(d) - d - 1) < 10, 1 - np.exp(np.clip(d, -20, 20)), 0.0) * mask * 0.5
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-7)
+
+
+def _log_softmax_at(logits, temperature):
+    z = logits.astype(np.float64) / temperature
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_token_logps_at_a_temperature_equal_numpy_log_softmax_of_logits_over_t():
+    rng = np.random.default_rng(2)
+    logits = 3 * rng.normal(size=(2, 6, 11)).astype(np.float32)
+    tokens = rng.integers(0, 11, (2, 6))
+    logsm = _log_softmax_at(logits[:, :-1], 0.7)
+    want = np.zeros((2, 6))
+    want[:, 1:] = np.take_along_axis(logsm, tokens[:, 1:, None], -1)[..., 0]
+    want_h = np.zeros((2, 6))
+    want_h[:, 1:] = -(np.exp(logsm) * logsm).sum(-1)
+    logps, entropy = token_logps(jnp.asarray(logits), jnp.asarray(tokens), 0.7)
+    np.testing.assert_allclose(np.asarray(logps), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), want_h, rtol=1e-5, atol=1e-5)
+    plain = np.asarray(token_logps(jnp.asarray(logits), jnp.asarray(tokens))[0])
+    assert np.abs(plain - want).max() > 0.1  # T = 1 is another distribution
+
+
+@pytest.mark.parametrize("chunk", [0, 4, 5])
+def test_vocab_chunked_logps_at_a_temperature(chunk):
+    """The sliced pass (slices of 4 or 5 over V = 11, with a tail) at T = 0.7 equals the numpy
+    log_softmax(logits / T) and its entropy."""
+    from dora_jax.trainer.loss import hidden_token_logps
+
+    rng = np.random.default_rng(6)
+    B, T, E, V = 2, 7, 5, 11
+    head_EV = rng.normal(size=(E, V)).astype(np.float32)
+    x_BTE = rng.normal(size=(B, T, E)).astype(np.float32)
+    tokens = rng.integers(0, V, (B, T))
+
+    def unembed(x, start=0, size=None):
+        head = head_EV if size is None else jax.lax.dynamic_slice_in_dim(jnp.asarray(head_EV), start, size, 1)
+        return jnp.einsum("bte,ev->btv", x, head)
+
+    logps, entropy = jax.jit(lambda x, t: hidden_token_logps(unembed, x, t, V, chunk, temperature=0.7))(
+        jnp.asarray(x_BTE), jnp.asarray(tokens)
+    )
+    logsm = _log_softmax_at(np.einsum("bte,ev->btv", x_BTE, head_EV)[:, :-1], 0.7)
+    want = np.zeros((B, T))
+    want[:, 1:] = np.take_along_axis(logsm, tokens[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(logps), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy)[:, 1:], -(np.exp(logsm) * logsm).sum(-1), rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dora_jax.core.records import TrainBatch
@@ -270,3 +271,50 @@ def test_current_version_rows_take_their_behaviour_logps_from_the_step(model, le
     for a, b in zip(jax.tree.leaves(params_r), jax.tree.leaves(params_c)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)  # as the sharded check, same reason
         assert np.abs(a - b).mean() < 1e-7
+
+
+def _reference_at(logits_BTV: np.ndarray, tokens_BT: np.ndarray, temperature: float):
+    """float64 numpy (logps_BT, entropy_BT) of softmax(logits / T), aligned on the predicted token."""
+    z = logits_BTV[:, :-1].astype(np.float64) / temperature
+    z -= z.max(-1, keepdims=True)
+    logsm = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    logps, entropy = np.zeros(tokens_BT.shape), np.zeros(tokens_BT.shape)
+    logps[:, 1:] = np.take_along_axis(logsm, tokens_BT[:, 1:, None], -1)[..., 0]
+    entropy[:, 1:] = -(np.exp(logsm) * logsm).sum(-1)
+    return logps, entropy
+
+
+@pytest.mark.parametrize(
+    "length_bucket, reuse", [(0, False), (0, True), (8, False)], ids=["recompute", "own_forward", "bucketed"]
+)
+def test_every_log_prob_is_at_the_rollout_temperature(model, length_bucket, reuse):
+    """At T = 0.7 (TrainerConfig.temperature): the behaviour recompute equals a numpy
+    log_softmax(logits / T); the step's current-policy forward equals the recompute (ratio 1), its
+    entropy is that of softmax(logits / T), its KL reference is at T too (k3 = 0 at the first update),
+    and inference log-probs given as the numpy reference at T make every TIS weight 1. A trainer at
+    T = 1 on the same batch misses all of these."""
+    graphdef, params, axes = model
+    temperature = 0.7
+    batch = make_batch(5, 0)
+    batch = dataclasses.replace(batch, valid_B=np.ones(B, np.float32), rewards_B=np.tile(np.float32([1, 0]), B // 2))
+    logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, batch.tokens_BT))
+    want_logps, want_entropy = _reference_at(logits, batch.tokens_BT, temperature)
+    on = batch.loss_mask_BT > 0
+    batch = dataclasses.replace(batch, inference_logps_BT=np.where(on, want_logps, 0.0).astype(np.float32))
+    mesh1 = sharding.make_mesh(jax.devices()[:1], {})
+    config = dataclasses.replace(
+        CONFIG, num_updates=1, temperature=temperature, length_bucket=length_bucket, reuse_current_logps=reuse
+    )
+    trainer = Trainer(graphdef, params, axes, mesh1, config, compiler_options=FAST_COMPILE)
+    np.testing.assert_allclose(trainer.behaviour_logps(batch)[on], want_logps[on], atol=2e-5, rtol=0)
+    metrics = trainer.train_step(batch)
+    assert metrics.recomputed_rows == (0 if reuse else B)
+    for field in ("ratio_min", "ratio_max", "tis_mean", "tis_max"):
+        np.testing.assert_allclose(getattr(metrics, field), 1.0, atol=5e-5, err_msg=field)
+    np.testing.assert_allclose(metrics.entropy, want_entropy[on].mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics.kl, 0.0, atol=1e-6)
+    if length_bucket == 0 and not reuse:  # the control: temperature-1 log-probs are another distribution
+        plain = Trainer(graphdef, params, axes, mesh1, dataclasses.replace(config, temperature=1.0))
+        assert np.abs(plain.behaviour_logps(batch)[on] - want_logps[on]).mean() > 0.01  # vs 2e-5 above
+        control = plain.train_step(batch)
+        assert abs(control.tis_mean - 1.0) > 0.01 and abs(control.entropy - want_entropy[on].mean()) > 5e-3
