@@ -36,6 +36,9 @@ class CoordinatorConfig:
     # with dynamic_sampling: most groups filtered between two takes, in batches (TBS / G groups),
     # before the run stops as saturated (verl's DAPO recipe: max_num_gen_batches=10); 0: no limit
     max_filtered_batches_per_step: int = 10
+    # with dynamic_sampling: the reward a sample whose grading failed counts with (task.reward_on_error,
+    # as the trainer scores it: dora_jax/tasks/reward_shaping.py); None ("mask"): it does not count
+    reward_on_error: float | None = None
 
     def validate(self, num_slices: int) -> None:
         """Rejects inconsistent settings, naming the field."""

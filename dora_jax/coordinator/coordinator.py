@@ -710,8 +710,10 @@ class Coordinator:
         a group without reward variance is filtered and replaced (dynamic_sampling.py), the rest
         enter the TransferQueue."""
         self.stats.scored_groups += 1
-        self.ledger.write("score", **dynamic_sampling.score_event(group))
-        why = dynamic_sampling.why_filtered(group) if self.config.dynamic_sampling else None
+        self.ledger.write("score", **dynamic_sampling.score_event(group, self.config.reward_on_error))
+        why = (
+            dynamic_sampling.why_filtered(group, self.config.reward_on_error) if self.config.dynamic_sampling else None
+        )
         if why is None:
             self.queue.put(group)
             return

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dora_jax.coordinator.config import CoordinatorConfig
-from dora_jax.core.records import Group
+from dora_jax.core.records import FinishReason, Group, ScoredTrajectory
 
 NO_VALID_REWARD = "no valid reward"  # every sample's reward failed or its request was rejected
 ONE_VALID_REWARD = "one valid reward"  # a group of one valid sample has no variance
@@ -51,20 +51,30 @@ def why_uninformative(rewards: Sequence[float], valid: Sequence[bool]) -> str | 
     return None
 
 
-def score_event(group: Group) -> dict:
+def counted(sample: ScoredTrajectory, reward_on_error: float | None) -> tuple[float, bool]:
+    """(reward, counts) of a sample as the trainer sees it: a failed grade scores `reward_on_error`
+    (task.reward_on_error) and counts, or is masked (None, "mask"); a rejected request never counts."""
+    if sample.reward_error is not None and reward_on_error is not None:
+        return float(reward_on_error), sample.trajectory.finish_reason != FinishReason.REJECTED
+    return float(sample.reward), sample.valid
+
+
+def score_event(group: Group, reward_on_error: float | None = None) -> dict:
     """The ledger's `score` fields of a whole, scored group: its samples in order with their
-    rewards and whether each counts (a failed reward or a rejected request is masked)."""
+    rewards and whether each counts, as the trainer counts them (`counted`)."""
+    scores = [counted(s, reward_on_error) for s in group.samples]
     return {
         "group": group.group_id,
         "version": group.version,
         "trajs": [s.trajectory.traj_id for s in group.samples],
-        "rewards": [float(s.reward) for s in group.samples],
-        "valid": [s.valid for s in group.samples],
+        "rewards": [reward for reward, _ in scores],
+        "valid": [ok for _, ok in scores],
     }
 
 
-def why_filtered(group: Group) -> str | None:
-    return why_uninformative([s.reward for s in group.samples], [s.valid for s in group.samples])
+def why_filtered(group: Group, reward_on_error: float | None = None) -> str | None:
+    scores = [counted(s, reward_on_error) for s in group.samples]
+    return why_uninformative([reward for reward, _ in scores], [ok for _, ok in scores])
 
 
 class FilterBudget:

@@ -227,6 +227,8 @@ def parse(c: ml_collections.ConfigDict, *, trainer_config_cls=None) -> RunConfig
         # DAPO's dynamic sampling is the trainer's setting; the coordinator does the filtering and refilling
         dynamic_sampling=bool(c.trainer.get("dynamic_sampling", False)),
         max_filtered_batches_per_step=int(k.get("max_filtered_batches_per_step", 10)),
+        # the filter counts a failed grade as the trainer does (task.reward_on_error; "mask": not at all)
+        reward_on_error=parse_reward_on_error(c.task.get("reward_on_error", 0.0)),
     )
     coordinator.validate(rollout.num_slices)
     t = dict(c.trainer)

@@ -283,3 +283,36 @@ def test_the_audit_cli_reports_the_filtered_groups_and_fails_a_tampered_ledger(t
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
     assert main(["audit", str(path)]) == 1
     assert "'exactly_once': 1" in capsys.readouterr().out
+
+
+def test_a_failed_grade_counts_as_the_trainer_scores_it():
+    """task.reward_on_error=0 (the default): a group of three right answers and one whose grading
+    timed out has reward variance for the trainer (1, 1, 1, 0), so the filter keeps it and the
+    ledger's score says what the trainer trains on; with "mask" (None) the failed grade does not
+    count and the group, all right, is filtered. A rejected request never counts."""
+    from dora_jax.core.records import FinishReason, Group, ScoredTrajectory, Trajectory
+
+    def sample(i, reward, error=None, reason=FinishReason.EOS):
+        traj = Trajectory(
+            traj_id=f"g/{i}",
+            group_id="g",
+            prompt_id="p",
+            prompt_ids=(1,),
+            response_ids=(2,),
+            logprobs=(-0.5,),
+            version=0,
+            versions_seen=(0,),
+            finish_reason=reason,
+        )
+        return ScoredTrajectory(traj, reward, error)
+
+    group = Group("g", 0, (sample(0, 1.0), sample(1, 1.0), sample(2, 1.0), sample(3, 0.0, "timeout")))
+    assert dynamic_sampling.why_filtered(group, 0.0) is None
+    assert dynamic_sampling.score_event(group, 0.0)["rewards"] == [1.0, 1.0, 1.0, 0.0]
+    assert dynamic_sampling.score_event(group, 0.0)["valid"] == [True, True, True, True]
+    assert dynamic_sampling.why_filtered(group, None) == dynamic_sampling.ALL_REWARDS_EQUAL
+    assert dynamic_sampling.score_event(group, None)["valid"] == [True, True, True, False]
+    rejected = Group(
+        "g", 0, (sample(0, 1.0), sample(1, 0.0, "rejected", FinishReason.REJECTED), sample(2, 1.0), sample(3, 1.0))
+    )
+    assert dynamic_sampling.why_filtered(rejected, 0.0) == dynamic_sampling.ALL_REWARDS_EQUAL
