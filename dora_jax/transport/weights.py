@@ -10,8 +10,10 @@ and axis names, with the rollout sharding rules, in the served dtype: one copy p
 those devices, shared by every slice, held for the last `keep_versions` versions (a slice loads
 a version within C3's window, soon after its publish) and offered for `keep_s` at most.
 
-Rendezvous: the trainer writes its server's address to WORKDIR/weights_server.json; each
-(version, slice) pair is one transfer id, pulled once. Single-process trainer and rollout slices
+Rendezvous: the trainer writes its server's address to WORKDIR/weights_server.json, with one
+random 64-bit transfer id per (version, slice), pulled once. The transfer server checks no
+credential: the ids are what keeps a version from being pulled by someone on the network who
+cannot read the workdir (who can read it can read the versions' files there anyway). Single-process trainer and rollout slices
 only (a multi-host slice's shards live in several processes); others use the tensorstore tier.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import datetime
 import json
+import secrets
 import socket
 import time
 from collections.abc import Sequence
@@ -32,11 +35,11 @@ from dora_jax.models.params import in_compute_dtype
 from dora_jax.parallel import sharding
 
 ADDRESS_FILE = "weights_server.json"
-_SLICES_PER_VERSION = 1 << 16  # transfer id = version * this + slice id
 
 
-def transfer_id(version: int, slice_id: int) -> int:
-    return int(version) * _SLICES_PER_VERSION + int(slice_id)
+def new_transfer_id() -> int:
+    """A transfer id no one can guess (the KV offers of kv_transfer.py draw theirs here too)."""
+    return secrets.randbits(64)
 
 
 def host_address() -> str:
@@ -98,7 +101,7 @@ class WeightOffer:
         self._server = transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
         self.address = self._server.address()
         self._path = fs.join(workdir, ADDRESS_FILE)
-        self._offered: collections.deque[int] = collections.deque(maxlen=64)
+        self._offered: collections.deque[tuple[int, list[int]]] = collections.deque(maxlen=64)  # (version, ids)
         self._write()
         self._shardings = None
         self._held: collections.deque = collections.deque(maxlen=keep_versions)
@@ -107,7 +110,14 @@ class WeightOffer:
     def _write(self) -> None:
         # whole or not at all: every slice reads it while the trainer rewrites it at each offer
         with fs.open(self._path, "w", atomic=True) as f:
-            json.dump({"address": self.address, "versions": list(self._offered)}, f)
+            json.dump(
+                {
+                    "address": self.address,
+                    "versions": [version for version, _ in self._offered],
+                    "ids": {str(version): ids for version, ids in self._offered},  # per slice
+                },
+                f,
+            )
 
     def offer(self, version: int, params) -> float:
         """Lays `params` out as a slice's shards and offers them to every slice; returns the
@@ -121,9 +131,10 @@ class WeightOffer:
         arrays = jax.block_until_ready(jax.device_put(jax.tree.map(jnp.copy, params), self._shardings))
         self.bytes_per_version = sum(x.nbytes for x in jax.tree.leaves(arrays))
         expires = datetime.datetime.now() + datetime.timedelta(seconds=self._keep_s)
-        for slice_id in range(self._num_slices):
-            self._server.await_pull(transfer_id(version, slice_id), arrays, timeout=expires)
-        self._offered.append(int(version))
+        ids = [new_transfer_id() for _ in range(self._num_slices)]
+        for transfer in ids:
+            self._server.await_pull(transfer, arrays, timeout=expires)
+        self._offered.append((int(version), ids))
         self._held.append(arrays)  # the server does not keep them alive until they are pulled
         self._write()
         return time.perf_counter() - start
@@ -153,7 +164,8 @@ class WeightPull:
             self._connection, self._address = self._server.connect(address), address
         self._pulled.add((address, version))
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-        params = self._connection.pull(transfer_id(version, self._slice_id), abstract_params, timeout=deadline)
+        transfer = int(offers["ids"][str(version)][self._slice_id])
+        params = self._connection.pull(transfer, abstract_params, timeout=deadline)
         return jax.block_until_ready(params)
 
 
