@@ -34,7 +34,6 @@ from dora_jax.rollout.worker import as_redispatch
 from dora_jax.transport import weights
 
 
-
 class KVTransfer:
     """One rollout slice process's KV offers and pulls, on its engine's devices and layout."""
 

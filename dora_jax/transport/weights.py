@@ -13,8 +13,9 @@ a version within C3's window, soon after its publish) and offered for `keep_s` a
 Rendezvous: the trainer writes its server's address to WORKDIR/weights_server.json, with one
 random 64-bit transfer id per (version, slice), pulled once. The transfer server checks no
 credential: the ids are what keeps a version from being pulled by someone on the network who
-cannot read the workdir (who can read it can read the versions' files there anyway). Single-process trainer and rollout slices
-only (a multi-host slice's shards live in several processes); others use the tensorstore tier.
+cannot read the workdir (who can read it can read the versions' files there anyway).
+Single-process trainer and rollout slices only (a multi-host slice's shards live in several
+processes); others use the tensorstore tier.
 """
 
 from __future__ import annotations
