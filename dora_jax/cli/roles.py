@@ -38,6 +38,12 @@ TRANSFER_HOST = flags.DEFINE_string(
     "address this process's JAX transfer servers (weights, KV migration) listen on; empty: this host's own "
     "address (its name's, the VM's internal address on Cloud TPU). launch_local passes 127.0.0.1",
 )
+TRANSFER_PORT = flags.DEFINE_integer(
+    "transfer_port",
+    0,
+    "control port of this process's transfer server (its bulk port is the next one); 0: any free ports. "
+    "A pod passes pod.transfer_port, which its firewall rule opens between the run's VMs",
+)
 CALL_TIMEOUT_S = flags.DEFINE_float("call_timeout_s", 30.0, "deadline of one call to the coordinator")
 NUM_HOSTS = flags.DEFINE_integer(
     "num_hosts",
@@ -99,6 +105,10 @@ def client_credentials() -> auth.ClientCredentials:
 
 def transfer_host() -> str | None:
     return TRANSFER_HOST.value or None
+
+
+def transfer_port() -> int:
+    return TRANSFER_PORT.value
 
 
 def initialize_distributed(role: str) -> int:

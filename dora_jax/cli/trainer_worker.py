@@ -118,6 +118,7 @@ def train(config, workdir: str, client) -> None:
                 workdir,
                 keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
                 host=roles.transfer_host(),
+                port=roles.transfer_port(),
             )
             _log(f"offering every version device to device at {offer.address}")
         except Exception as err:  # the slices read the tensorstore tier, as without the option

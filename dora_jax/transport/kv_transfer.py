@@ -37,8 +37,10 @@ from dora_jax.transport import weights
 class KVTransfer:
     """One rollout slice process's KV offers and pulls, on its engine's devices and layout."""
 
-    def __init__(self, engine, *, host: str | None = None, keep_s: float = 10.0, pull_timeout_s: float = 20.0):
-        self._server = weights.transfer_server(list(engine.mesh.devices.flat), host)
+    def __init__(
+        self, engine, *, host: str | None = None, port: int = 0, keep_s: float = 10.0, pull_timeout_s: float = 20.0
+    ):
+        self._server = weights.transfer_server(list(engine.mesh.devices.flat), host, port)
         self.address = self._server.address()
         self._prefix = engine.get_prefix_destination_sharding()
         self._keep_s, self._pull_timeout_s = keep_s, pull_timeout_s

@@ -55,19 +55,25 @@ def host_address() -> str:
         return "127.0.0.1"
 
 
-_SERVERS: dict[tuple[int, str], object] = {}
+_SERVERS: dict[tuple[int, str, int], object] = {}
 
 
-def transfer_server(devices: Sequence[jax.Device], host: str | None = None):
-    """This process's transfer server for `devices`' client on `host` (started on first use, then
-    shared: the weights' pull and the KV migration of a rollout slice use one)."""
+def start_server(client, host: str | None, port: int = 0):
+    """A transfer server on `host` (default: this host's address): its control port `port` and
+    its bulk port `port + 1`, or any free ones with port 0 (a pod's firewall opens fixed ones)."""
     from jax.experimental import transfer
 
     host = host or host_address()
+    return transfer.start_transfer_server(client, f"{host}:{port}", [f"{host}:{port + 1 if port else 0}"])
+
+
+def transfer_server(devices: Sequence[jax.Device], host: str | None = None, port: int = 0):
+    """This process's transfer server for `devices`' client on `host` and `port` (started on first
+    use, then shared: the weights' pull and the KV migration of a rollout slice use one)."""
     client = devices[0].client
-    key = (id(client), host)
+    key = (id(client), host or "", port)
     if key not in _SERVERS:
-        _SERVERS[key] = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+        _SERVERS[key] = start_server(client, host, port)
     return _SERVERS[key]
 
 
@@ -86,6 +92,7 @@ class WeightOffer:
         keep_s: float = 600.0,
         keep_versions: int = 4,
         host: str | None = None,
+        port: int = 0,
     ):
         size = sharding.mesh_size(rollout_mesh_shape)
         if size > len(devices):
@@ -93,13 +100,10 @@ class WeightOffer:
                 f"mesh.rollout={rollout_mesh_shape} has {size} devices but the trainer has {len(devices)}: "
                 "no room to lay a version out as a slice's shards"
             )
-        from jax.experimental import transfer
-
         self._mesh = sharding.make_mesh(list(devices)[:size], rollout_mesh_shape)
         self._axes, self._dtype = axes, dtype
         self._num_slices, self._keep_s = num_slices, keep_s
-        host = host or host_address()
-        self._server = transfer.start_transfer_server(devices[0].client, f"{host}:0", [f"{host}:0"])
+        self._server = start_server(devices[0].client, host, port)
         self.address = self._server.address()
         self._path = fs.join(workdir, ADDRESS_FILE)
         self._offered: collections.deque[tuple[int, list[int]]] = collections.deque(maxlen=64)  # (version, ids)
@@ -145,8 +149,10 @@ class WeightPull:
     """Rollout side: pulls a version offered by the trainer onto this slice's devices, laid out
     as `shardings` (the engine's param shardings) in `dtype`."""
 
-    def __init__(self, devices: Sequence[jax.Device], workdir: str, slice_id: int, *, host: str | None = None):
-        self._server = transfer_server(devices, host)
+    def __init__(
+        self, devices: Sequence[jax.Device], workdir: str, slice_id: int, *, host: str | None = None, port: int = 0
+    ):
+        self._server = transfer_server(devices, host, port)
         self._path, self._slice_id = fs.join(workdir, ADDRESS_FILE), slice_id
         self._connection, self._address = None, None
         self._pulled: set[tuple[str, int]] = set()
