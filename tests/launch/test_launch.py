@@ -951,3 +951,57 @@ def test_run_then_waits_in_a_dry_run():
     assert len(shell.commands) == 2  # the start, then one poll of the roles on every worker
     assert shell.commands[1][5:7] == ["dora-qwen05-gsm8k", "--worker=all"] and "ps -o stat=" in shell.commands[1][-1]
     assert "then every 30 s the same, until no role runs" in shell.out.getvalue()
+
+
+# Security: the network, tag, firewall and service account; credentials never on a command line.
+
+
+def test_create_puts_the_nodes_on_the_runs_network_behind_its_firewall_rule():
+    pod = pod_lib.from_config(dapo_config())
+    shell = dry("create", pod)
+    rule = shell.commands[0]
+    assert rule[:4] == ["gcloud", "compute", "firewall-rules", "create"]
+    assert "--source-tags=dora-qwen7b-dapo-dora" in rule and "--target-tags=dora-qwen7b-dapo-dora" in rule
+    assert "--rules=tcp:8470,tcp:8480-8481,tcp:8476" in rule  # only the run's ports
+    printed = shell.out.getvalue()  # one request of mixed types: the TPU API's body
+    assert '"enableExternalIps": false' in printed and '"tags": ["dora-qwen7b-dapo-dora"]' in printed
+    assert f'"serviceAccount": {{"email": "{SA}"' in printed and '"network": "dora-net"' in printed
+    c = dapo_config()
+    c.pod.queued_together = False
+    printed = dry("create", pod_lib.from_config(c)).out.getvalue()  # gcloud, one request per node
+    for option in ("--network=dora-net", "--internal-ips", "--tags=dora-qwen7b-dapo-dora", f"--service-account={SA}"):
+        assert printed.count(option) == 5, option
+
+
+def test_a_default_network_or_no_service_account_is_refused():
+    c = dapo_config()
+    c.pod.network = "default"
+    _refuse(c, "pod.network='default'", "default-allow-internal")
+    c = dapo_config()
+    c.pod.service_account = ""
+    _refuse(c, "pod.service_account=''")
+    c = dapo_config()
+    c.pod.transfer_port = 8469  # its bulk port would be the coordinator's
+    _refuse(c, "pod.transfer_port=8469")
+
+
+@pytest.mark.parametrize("config", [dapo_config, multislice_config], ids=["slices", "multislice"])
+def test_run_hands_each_node_only_its_credentials_and_prints_no_secret(config, tmp_path):
+    pod = pod_lib.from_config(config())
+    shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP, credentials_dir=str(tmp_path))
+    secret = (tmp_path / "run_secret").read_text()
+    tokens = [p.read_text() for p in tmp_path.glob("*.token")]
+    key = (tmp_path / "server.key").read_text()
+    assert len(secret) == 64 and len(tokens) == len(pod.nodes)
+    printed = shell.out.getvalue() + repr(shell.commands)
+    for value in (secret, *tokens, key, *(t.split(".")[1] for t in tokens)):
+        assert value not in printed
+    copied = {
+        c[-2].split(":")[0]: {os.path.basename(f) for f in c[5:-2]}
+        for c in shell.commands
+        if c[3:5] == ["tpu-vm", "scp"]
+    }
+    trainer, *rollouts = (n.name for n in pod.nodes)
+    assert copied[trainer] == {"run_secret", "server.pem", "server.key", "trainer.token", "ca.pem"}
+    for i, name in enumerate(rollouts):
+        assert copied[name] == {f"rollout-{i}.token", "ca.pem"}  # never the secret or another role's token
