@@ -826,7 +826,9 @@ def test_command_line_dry_run(monkeypatch):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    [line] = [line for line in out.stdout.splitlines() if not line.startswith("#")]  # one queued resource
+    # the run's firewall rule, then one queued resource
+    rule, line = [line for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert rule.startswith("gcloud compute firewall-rules create dora-qwen7b-dapo-dora-ports --project=p1")
     body = json.loads(shlex.split(shlex.split(line)[2])[10])
     assert [spec["nodeId"] for spec in body["tpu"]["nodeSpec"]] == [
         "dora-qwen7b-dapo-trainer",
