@@ -152,5 +152,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pod.python = "3.12"  # Python of the uv environment setup makes on every worker (the images ship 3.10)
     c.pod.jax_tpu = "jax[tpu]==0.10.2"  # installed on every worker before the package
     c.pod.stage_model_from = "gs://YOUR_BUCKET/models/Qwen2.5-0.5B-Instruct"  # copied to model.hf_path at setup
+    # Network and identity (docs/security.md): the nodes join this VPC network and subnetwork with no
+    # public IP, under the tag `NAME-dora`; `create` opens the coordinator and transfer ports between
+    # the run's tagged VMs only. Not "default": its default-allow-internal rule opens every port.
+    c.pod.network = "dora-net"  # a VPC network without a broad allow-internal rule
+    c.pod.subnetwork = "dora-subnet"  # its subnetwork in the zone's region, Private Google Access on
+    c.pod.internal_ips = True  # no public IP (ssh through IAP; the subnet reaches GCS and PyPI via Cloud NAT)
+    c.pod.service_account = "YOUR_SERVICE_ACCOUNT@YOUR_GCP_PROJECT.iam.gserviceaccount.com"  # the nodes' identity
+    c.pod.tls = True  # coordinator over TLS with a per-run CA (False: plaintext inside the VPC)
+    c.pod.transfer_port = 8480  # JAX transfer servers (weights, KV): this control port and the next (bulk)
     c.lock()
     return c

@@ -6,15 +6,26 @@ relative workdir or checkpoint path is relative to it) and writes its log and pi
 started with `setsid nohup` so they outlive the ssh session; `stop` kills each recorded process
 group; `roles` prints one line per process of a node's workers: running, its exit status, or gone
 (killed without one: SIGKILL, a preempted VM).
+
+Security (docs/security.md): every node joins `pod.network`/`pod.subnetwork` under the run's tag,
+with no public IP (`pod.internal_ips`) and `pod.service_account`; for a run of several nodes
+`create` first adds a firewall rule that opens the coordinator port, the transfer ports and the
+JAX distributed runtime's port between the run's tagged VMs only. `run` copies each node only its
+role's credentials (the coordinator's node the run secret, every other node its role token, and
+with `pod.tls` the CA, the coordinator's node its certificate and key) into AUTH_DIR (mode 0700,
+files 0600) with scp, and names the files in each role's environment: no command line holds a
+secret.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 from collections.abc import Sequence
 
+from dora_jax.transport import auth
 from launch.pod import Layout, Node, Pod, Provisioning, Role
 
 SRC_DIR = "~/dora_jax"  # the source tree on every worker
@@ -22,6 +33,10 @@ VENV_PYTHON = ".venv/bin/python"  # the environment `setup` makes in SRC_DIR; ev
 UV = "~/.local/bin/uv"  # where `pip install --user uv` puts uv
 ARCHIVE = "~/dora_jax_src.tar.gz"  # what `setup` copies there
 LOG_DIR = "~/dora_logs"
+AUTH_DIR = "~/dora_auth"  # a role's credentials on a worker (0700)
+AUTH_FROM_SRC = "../dora_auth"  # the same, as the role processes (started in SRC_DIR) name it
+SCOPES = "--scopes=https://www.googleapis.com/auth/cloud-platform"  # access is the service account's IAM roles
+JAX_DISTRIBUTED_PORT = 8476  # jax.distributed's coordination service inside a multi-host slice (Cloud TPU)
 JAX_TPU_FIND_LINKS = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
 IP_FORMAT = "--format=value(networkEndpoints[0].ipAddress)"  # worker 0's internal IP
 
@@ -54,11 +69,43 @@ def _provisioning_flags(pod: Pod) -> list[str]:
     return flags[pod.provisioning]
 
 
+def _network_flags(pod: Pod) -> list[str]:
+    """Where a node lives and as whom: the run's network, its tag, no public IP, its service account."""
+    flags = [f"--network={pod.network}"] + ([f"--subnetwork={pod.subnetwork}"] if pod.subnetwork else [])
+    flags += ["--internal-ips"] if pod.internal_ips else []
+    return flags + [f"--tags={pod.tag}", f"--service-account={pod.service_account}", SCOPES]
+
+
+def firewall_rule(pod: Pod) -> str:
+    return f"{pod.name}-dora-ports"
+
+
+def firewall_create(pod: Pod) -> list[str]:
+    """Opens the run's ports (coordinator, transfer servers, jax.distributed) between its tagged VMs only."""
+    ports = f"tcp:{pod.port},tcp:{pod.transfer_port}-{pod.transfer_port + 1},tcp:{JAX_DISTRIBUTED_PORT}"
+    return [
+        "gcloud",
+        "compute",
+        "firewall-rules",
+        "create",
+        firewall_rule(pod),
+        f"--project={pod.project}",
+        f"--network={pod.network}",
+        "--direction=INGRESS",
+        "--action=ALLOW",
+        f"--rules={ports}",
+        f"--source-tags={pod.tag}",
+        f"--target-tags={pod.tag}",
+        f"--description=dora_jax run {pod.name}: coordinator, transfer and jax.distributed ports between its VMs",
+    ]
+
+
 def create(pod: Pod) -> list[list[str]]:
-    """One `queued-resources create` per request (a POST to the TPU API for a request of mixed
-    types), or one `tpu-vm create` per node."""
+    """The firewall rule (several nodes), then one `queued-resources create` per request (a POST to
+    the TPU API for a request of mixed types), or one `tpu-vm create` per node."""
+    commands = [] if pod.layout is Layout.SINGLE_HOST else [firewall_create(pod)]
     if not pod.queued:
-        return [
+        return commands + [
             gcloud(
                 pod,
                 "tpu-vm",
@@ -68,9 +115,9 @@ def create(pod: Pod) -> list[list[str]]:
                 f"--version={node.runtime_version}",
             )
             + _provisioning_flags(pod)
+            + _network_flags(pod)
             for node in pod.nodes
         ]
-    commands = []
     for request in pod.requests:
         if request.node_specs:
             commands.append(_create_node_specs(pod, request))
@@ -91,6 +138,7 @@ def create(pod: Pod) -> list[list[str]]:
                 *nodes,
             )
             + _provisioning_flags(pod)
+            + _network_flags(pod)
         )
     return commands
 
@@ -107,7 +155,17 @@ def node_specs_body(pod: Pod, request) -> dict:
                 {
                     "parent": parent,
                     "nodeId": node.name,
-                    "node": {"acceleratorType": node.tpu.name, "runtimeVersion": node.runtime_version},
+                    "node": {
+                        "acceleratorType": node.tpu.name,
+                        "runtimeVersion": node.runtime_version,
+                        "networkConfig": {
+                            "network": pod.network,
+                            **({"subnetwork": pod.subnetwork} if pod.subnetwork else {}),
+                            "enableExternalIps": not pod.internal_ips,
+                        },
+                        "tags": [pod.tag],
+                        "serviceAccount": {"email": pod.service_account, "scope": [SCOPES.partition("=")[2]]},
+                    },
                 }
                 for node in request.nodes
             ]
@@ -214,22 +272,31 @@ def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_
     def env(role: Role, *more: tuple[str, str]) -> tuple[tuple[str, str], ...]:
         return (("DORA_ROLE", role.value), ("DORA_COORDINATOR", address), *more, *extra_env)
 
+    def secured(role: Role, node: Node) -> tuple[tuple[str, str], ...]:
+        """`env` plus the variables naming the role's credential files (paths, never contents)."""
+        principal = None if role is Role.COORDINATOR else _principal(node)
+        files = {key: f"{AUTH_FROM_SRC}/{name}" for key, name in _credential_env(pod, principal).items()}
+        more = (("DORA_SLICE_ID", str(node.slice_id)),) if role is Role.ROLLOUT else ()
+        return env(role, *more) + tuple(files.items())
+
+    transfer = f"--transfer_port={pod.transfer_port}"
+
     result = [
         Process(
             pod.trainer,
             "0",
             Role.COORDINATOR,
             "coordinator",
-            env(Role.COORDINATOR),
-            argv(Role.COORDINATOR, f"--port={pod.port}"),
+            secured(Role.COORDINATOR, pod.trainer),
+            argv(Role.COORDINATOR, f"--port={pod.port}", f"--host={coordinator_host}"),
         ),
         Process(
             pod.trainer,
             "all",
             Role.TRAINER,
             "trainer",
-            env(Role.TRAINER),
-            argv(Role.TRAINER, f"--coordinator={address}", *_hosts(pod.trainer)),
+            secured(Role.TRAINER, pod.trainer),
+            argv(Role.TRAINER, f"--coordinator={address}", transfer, *_hosts(pod.trainer)),
         ),
     ]
     for node in pod.rollout_nodes:
@@ -239,11 +306,46 @@ def processes(pod: Pod, config_path: str, overrides: Sequence[str], coordinator_
                 "all",
                 Role.ROLLOUT,
                 f"rollout-{node.slice_id}",
-                env(Role.ROLLOUT, ("DORA_SLICE_ID", str(node.slice_id))),
-                argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}", *_hosts(node)),
+                secured(Role.ROLLOUT, node),
+                argv(Role.ROLLOUT, f"--coordinator={address}", f"--slice_id={node.slice_id}", transfer, *_hosts(node)),
             )
         )
     return result
+
+
+def _principal(node: Node) -> auth.Principal:
+    return auth.TRAINER if node.role is Role.TRAINER else auth.rollout(node.slice_id)
+
+
+def _credential_env(pod: Pod, principal: auth.Principal | None) -> dict[str, str]:
+    """Variable -> file name (in AUTH_DIR) of one role: the coordinator's (None) or a client's."""
+    if principal is None:
+        names = {auth.SECRET_FILE_ENV: "run_secret"}
+        if pod.tls:
+            names.update({auth.CERT_FILE_ENV: "server.pem", auth.KEY_FILE_ENV: "server.key"})
+        return names
+    names = {auth.TOKEN_FILE_ENV: f"{principal.name}.token"}
+    return names | ({auth.CA_FILE_ENV: "ca.pem"} if pod.tls else {})
+
+
+def credentials(pod: Pod, made: auth.RunCredentials) -> list[list[str]]:
+    """Per node of a multi-node layout: a fresh AUTH_DIR (0700) on every worker, then scp of the
+    files its roles read (their modes, 0600, travel with them): the coordinator's node the secret
+    (and the certificate and key), each node its role's token (and the CA)."""
+    local = {
+        "run_secret": made.secret_file,
+        **{os.path.basename(path): path for path in made.token_files.values()},
+        **{os.path.basename(path): path for path in (made.tls or {}).values()},
+    }
+    commands = []
+    for node in pod.nodes:
+        wanted = _credential_env(pod, _principal(node))
+        if node is pod.trainer:
+            wanted |= _credential_env(pod, None)
+        files = [local[name] for name in sorted(set(wanted.values()))]
+        commands.append(ssh(pod, node, "all", f"rm -rf {AUTH_DIR} && mkdir -m 700 {AUTH_DIR}"))
+        commands.append(gcloud(pod, "tpu-vm", "scp", *files, f"{node.name}:{AUTH_DIR}/", "--worker=all"))
+    return commands
 
 
 def _hosts(node: Node) -> tuple[str, ...]:
@@ -344,10 +446,17 @@ def status(pod: Pod) -> list[list[str]]:
 
 
 def delete(pod: Pod) -> list[list[str]]:
-    """Queued resources with --force (their nodes go too), else the TPU VMs; asynchronously."""
+    """Queued resources with --force (their nodes go too), else the TPU VMs; asynchronously; then
+    the run's firewall rule."""
     if pod.queued:
-        return [
+        commands = [
             gcloud(pod, "queued-resources", "delete", request.name, "--force", "--quiet", "--async")
             for request in pod.requests
         ]
-    return [gcloud(pod, "tpu-vm", "delete", node.name, "--quiet", "--async") for node in pod.nodes]
+    else:
+        commands = [gcloud(pod, "tpu-vm", "delete", node.name, "--quiet", "--async") for node in pod.nodes]
+    if pod.layout is not Layout.SINGLE_HOST:
+        commands.append(
+            ["gcloud", "compute", "firewall-rules", "delete", firewall_rule(pod), f"--project={pod.project}", "--quiet"]
+        )
+    return commands

@@ -93,6 +93,17 @@ class Pod:
     jax_tpu: str
     stage_model_from: str  # "" or a gs:// directory copied to `model_path` on every worker
     model_path: str
+    network: str  # the VPC network the nodes join (never "default")
+    subnetwork: str  # "" : the network's subnetwork of the zone's region (auto-mode networks only)
+    internal_ips: bool  # no public IP on any node
+    service_account: str  # the nodes' service account (docs/security.md: its least privileges)
+    tls: bool  # the coordinator speaks TLS with a per-run CA
+    transfer_port: int  # transfer servers' control port; the bulk port is the next one
+
+    @property
+    def tag(self) -> str:
+        """The network tag of the run's VMs: the firewall rule opens the run's ports between them only."""
+        return f"{self.name}-dora"
 
     @property
     def trainer(self) -> Node:
@@ -127,6 +138,12 @@ POD_FIELDS = (
     "python",
     "jax_tpu",
     "stage_model_from",
+    "network",
+    "subnetwork",
+    "internal_ips",
+    "service_account",
+    "tls",
+    "transfer_port",
 )
 PLACEHOLDER = "YOUR_"  # configs mark values the user must set with this, e.g. gs://YOUR_BUCKET/...
 
@@ -169,6 +186,7 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
         raise ValueError("pod.provisioning='reserved' needs pod.queued=True")
     if not 0 < int(p.port) < 65536:
         raise ValueError(f"pod.port={p.port}; expected 1-65535")
+    _check_network(p)
 
     trainer_type = tpu_types.lookup(p.trainer_type, "pod.trainer_type")
     tpu_types.check_zone(trainer_type, p.zone, "pod.trainer_type", "pod.zone")
@@ -236,7 +254,31 @@ def from_config(c: ml_collections.ConfigDict, *, workdir: str = "") -> Pod:
         jax_tpu=p.jax_tpu,
         stage_model_from=stage,
         model_path=str(c.model.hf_path),
+        network=str(p.network),
+        subnetwork=str(p.subnetwork),
+        internal_ips=bool(p.internal_ips),
+        service_account=str(p.service_account),
+        tls=bool(p.tls),
+        transfer_port=int(p.transfer_port),
     )
+
+
+def _check_network(p) -> None:
+    if not p.network or p.network == "default":
+        raise ValueError(
+            f"pod.network={p.network!r}: name a VPC network made for the run (docs/security.md); the default "
+            "network's default-allow-internal rule opens every port between every VM of the project"
+        )
+    if not p.service_account or "@" not in p.service_account:
+        raise ValueError(
+            f"pod.service_account={p.service_account!r}; expected a service account's email (docs/security.md "
+            "lists the roles it needs: the bucket and logging)"
+        )
+    ports = (int(p.port), int(p.transfer_port), int(p.transfer_port) + 1)
+    if not 0 < ports[1] < 65535 or len(set(ports)) != 3:
+        raise ValueError(
+            f"pod.transfer_port={p.transfer_port}; expected 1-65534, its port and the next apart from pod.port={p.port}"
+        )
 
 
 def _single_host(c, p, tpu: TpuType, runtime_version: str) -> tuple[Node, ...]:

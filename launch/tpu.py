@@ -18,15 +18,24 @@ non-zero naming the roles that failed or were killed. `--nowait` returns once th
 config is validated before any gcloud call (`launch.pod.from_config`, then `dora_jax.runtime.run_config.parse`
 unless `--nocheck_run_config`); `--config.X=Y` overrides apply here and are forwarded to every role.
 Every command goes through one `Shell`, which either prints or runs it.
+
+Security (docs/security.md): `create` puts the nodes on `pod.network` with no public IP, the run's
+tag and `pod.service_account`, after a firewall rule opening the run's ports between its VMs only;
+`run` makes a fresh run secret and role tokens (and with `pod.tls` a CA and the coordinator's
+certificate) in a private local directory, copies each node only its roles' files, and removes the
+local copy. No printed or run command holds the secret or a token (a dry run makes them too, to
+show the commands, and throws them away).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -171,8 +180,10 @@ def execute(
     archive: str | None = None,
     wait: bool = False,
     poll_s: float = 60.0,
+    credentials_dir: str | None = None,
 ) -> None:
-    """Runs (or prints) the commands of one action."""
+    """Runs (or prints) the commands of one action. `credentials_dir`: where `run` makes the run's
+    credentials (kept; a test reads them); by default a private temporary directory, removed."""
     if action == "create":
         for argv in commands.create(pod):
             shell.run(argv)
@@ -185,6 +196,8 @@ def execute(
         host = "localhost"
         if pod.layout is not pod_lib.Layout.SINGLE_HOST:
             host = coordinator_ip or shell.capture(commands.coordinator_ip(pod), COORDINATOR_IP_DRY_RUN)
+        if pod.layout is not pod_lib.Layout.SINGLE_HOST:  # the embedded run has no coordinator to reach
+            _hand_out_credentials(pod, shell, credentials_dir)
         for argv in commands.run(pod, remote_config_path(config_path), overrides, host):
             shell.run(argv)
         shell.note(f"logs: python launch/tpu.py logs --config={config_path}; workdir: {pod.workdir}")
@@ -208,6 +221,21 @@ def execute(
             shell.run(argv)
     else:
         raise ValueError(f"action {action!r}; expected one of {ACTIONS}")
+
+
+def _hand_out_credentials(pod: Pod, shell: Shell, directory: str | None) -> None:
+    """A fresh run secret and role tokens (TLS material with pod.tls), copied each to its node."""
+    from dora_jax.transport import auth
+
+    private = directory or tempfile.mkdtemp(prefix="dora_run_auth_")
+    try:
+        made = auth.make_run_credentials(private, len(pod.rollout_nodes), tls=pod.tls)
+        shell.note(f"made the run secret and {len(made.token_files)} role tokens (files of mode 600, not shown)")
+        for argv in commands.credentials(pod, made):
+            shell.run(argv)
+    finally:
+        if directory is None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def check_placeholders(config, action: str, shell: Shell) -> None:

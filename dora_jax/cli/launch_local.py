@@ -4,10 +4,16 @@ Runs one job as separate processes on this machine, as a pod would: the coordina
 (`dora_jax.serve_coordinator`), one trainer (`dora_jax.trainer_worker`) and `rollout.num_slices`
 rollout workers (`dora_jax.rollout_worker`), each on its own fake CPU devices
 (JAX_PLATFORMS=cpu, XLA_FLAGS=--xla_force_host_platform_device_count=<its mesh's size>), talking
-gRPC on localhost; versions go through DIR/versions. The trainer runs the SFT cold start (others
-wait for its first version). When the trainer has done `num_steps` it tells the coordinator, which
-stops the workers and exits; the launcher tears everything down (also on Ctrl-C or a failure: each
-child is its own process group, killed whole, and dies with the launcher), audits DIR/ledger.jsonl
+gRPC on localhost (the coordinator and the transfer servers listen on 127.0.0.1 only); versions go
+through DIR/versions. Every call to the coordinator carries a role token: the launcher makes a
+run secret and a token per role in a private temporary directory (mode 0700, files 0600, removed
+at the end), hands the coordinator the secret and every other role its own token by environment
+variables naming those files (dora_jax/transport/auth.py); `--tls` adds a per-run CA and the
+coordinator's certificate (off by default: nothing leaves the loopback interface). The trainer
+runs the SFT cold start (others wait for its first version). When the trainer has done
+`num_steps` it tells the coordinator, which stops the workers and exits; the launcher tears
+everything down (also on Ctrl-C or a failure: each child is its own process group, killed whole,
+and dies with the launcher), audits DIR/ledger.jsonl
 and prints the summary. Logs: DIR/logs/<role>.log (with a gs:// DIR written locally while the job
 runs, then copied there). Exit status: 0 when the trainer finished and the audit is clean.
 
@@ -61,6 +67,7 @@ from absl import app, flags
 from dora_jax import cli
 from dora_jax.core import fs
 from dora_jax.runtime.cores import role_cores
+from dora_jax.transport import auth
 
 PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
@@ -98,6 +105,12 @@ TRACE_LENGTHS = flags.DEFINE_bool(
     False,
     "a trace-driven run (what `bench modes` launches): the coordinator forces response lengths drawn "
     "from config.bench and scores every sample 0 (dora_jax.serve_coordinator --trace_lengths)",
+)
+TLS = flags.DEFINE_bool(
+    "tls",
+    False,
+    "serve the coordinator over TLS with a per-run CA the clients pin (off by default: on loopback only the "
+    "machine's own users can reach it; role tokens are checked either way)",
 )
 TRAINER_CORES = flags.DEFINE_integer(
     "trainer_cores",
@@ -179,8 +192,17 @@ def launch(
     several processes relaunches the whole job (a resume). `trainer` and `rollout` are (hosts,
     devices per host) of the trainer slice and of each rollout slice."""
     outcome = {"trainer_exit": None, "killed": None, "processes": 0, "restarts": 0}
+    private = tempfile.mkdtemp(prefix="dora_run_auth_")  # 0700: the run secret and role tokens
+    try:
+        credentials = auth.make_run_credentials(private, config.rollout.num_slices, tls=TLS.value)
+        return _launch_until_done(config, workdir, config_flags, trainer, rollout, outcome, credentials)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _launch_until_done(config, workdir, config_flags, trainer, rollout, outcome, credentials) -> dict:
     while True:
-        stopped = _launch_once(config, workdir, config_flags, trainer, rollout, outcome)
+        stopped = _launch_once(config, workdir, config_flags, trainer, rollout, outcome, credentials)
         if stopped or outcome["trainer_exit"] == 0 or outcome["restarts"] >= MAX_RESTARTS.value:
             return outcome
         outcome["restarts"] += 1
@@ -191,7 +213,9 @@ def launch(
         )
 
 
-def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout, outcome: dict) -> bool:
+def _launch_once(
+    config, workdir: str, config_flags: list[str], trainer, rollout, outcome: dict, credentials: auth.RunCredentials
+) -> bool:
     """One launch of every process until the trainer ends or something fails; True when stopped
     by a signal."""
     logs = tempfile.mkdtemp(prefix="dora_launch_logs_") if fs.is_remote(workdir) else fs.join(workdir, "logs")
@@ -205,20 +229,19 @@ def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout
     def on_signal(signum, _frame):
         stop["signal"] = signum
 
+    clients = [*common, f"--coordinator={address}", "--transfer_host=127.0.0.1"]
     roles = {  # name -> (module, args, (hosts, devices per host))
         "coordinator": (
             "serve_coordinator",
-            [*common, f"--port={port}", *(["--trace_lengths"] if TRACE_LENGTHS.value else [])],
+            [*common, f"--port={port}", "--host=127.0.0.1", *(["--trace_lengths"] if TRACE_LENGTHS.value else [])],
             (1, 1),
         ),
-        "trainer": ("trainer_worker", [*common, f"--coordinator={address}"], trainer),
+        "trainer": ("trainer_worker", clients, trainer),
     }
+    environments = {"coordinator": credentials.environment(None), "trainer": credentials.environment(auth.TRAINER)}
     for sid in range(config.rollout.num_slices):
-        roles[f"rollout_{sid}"] = (
-            "rollout_worker",
-            [*common, f"--coordinator={address}", f"--slice_id={sid}"],
-            rollout,
-        )
+        roles[f"rollout_{sid}"] = ("rollout_worker", [*clients, f"--slice_id={sid}"], rollout)
+        environments[f"rollout_{sid}"] = credentials.environment(auth.rollout(sid))
 
     def respawn(name: str) -> bool:
         """Starts a dead single-process role again (a restarted coordinator listens on the same
@@ -228,13 +251,13 @@ def _launch_once(config, workdir: str, config_flags: list[str], trainer, rollout
             return False
         outcome["restarts"] += 1
         _print(f"restart {outcome['restarts']} of {MAX_RESTARTS.value}: starting {name} again")
-        children[name] = _spawn(name, module, args, hosts_devices[1], logs)
+        children[name] = _spawn(name, module, args, hosts_devices[1], logs, environments[name])
         return True
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for name, (module, args, hosts_devices) in roles.items():
-            _spawn_slice(children, name, module, args, hosts_devices, logs)
+            _spawn_slice(children, name, module, args, hosts_devices, logs, environments[name])
         outcome["processes"] = len(children)
         _print(f"started {len(children)} processes (coordinator at {address}); logs in {logs}")
         _supervise(children, workdir, logs, outcome, stop, config.num_steps, respawn)
@@ -322,13 +345,13 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
 
 
 def _spawn_slice(
-    children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int], logs: str
+    children: dict, name: str, module: str, args: list[str], hosts_devices: tuple[int, int], logs: str, env: dict
 ) -> None:
     """One slice: a single process `name`, or `hosts` processes (`name`, `name`_h1, ...) joined into
     one JAX job through their own jax.distributed coordinator (on process 0's free port)."""
     hosts, devices = hosts_devices
     if hosts == 1:
-        children[name] = _spawn(name, module, args, devices, logs)
+        children[name] = _spawn(name, module, args, devices, logs, env)
         return
     jax_coordinator = f"127.0.0.1:{_free_port()}"
     for host in range(hosts):
@@ -339,6 +362,7 @@ def _spawn_slice(
             [*args, f"--num_hosts={hosts}", f"--host_id={host}", f"--jax_coordinator={jax_coordinator}"],
             devices,
             logs,
+            env,
         )
 
 
@@ -365,8 +389,10 @@ def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
     return [child for n, child in children.items() if n == name or n.startswith(f"{name}_h")]
 
 
-def _spawn(name: str, module: str, args: list[str], devices: int, logs: str) -> subprocess.Popen:
-    env = dict(os.environ)
+def _spawn(name: str, module: str, args: list[str], devices: int, logs: str, role_env: dict) -> subprocess.Popen:
+    """`role_env`: the role's credentials (variables naming its files; never their contents)."""
+    env = {k: v for k, v in os.environ.items() if k not in auth.CREDENTIAL_ENV}  # no other run's credentials
+    env.update(role_env)
     env["JAX_PLATFORMS"] = "cpu"
     flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"])

@@ -4,6 +4,10 @@ Roles: `python -m dora_jax.serve_coordinator`, `python -m dora_jax.trainer_worke
 `python -m dora_jax.rollout_worker`. Every role parses the same `--config` (and overrides); the
 digest of the resolved config is the run's identity, and the coordinator refuses a client whose
 digest or package version differs. Nothing here imports JAX: the roles set up devices first.
+
+Authentication is always on between role processes: the coordinator reads the run secret, the
+trainer and each rollout slice their own role token, from the files the launcher made
+(dora_jax/transport/auth.py names the variables; docs/security.md tells the whole story).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from absl import flags
 
 from dora_jax import cli
 from dora_jax.core import fs
+from dora_jax.transport import auth
 from dora_jax.transport.client import ClientTiming, config_hash
 
 COORDINATOR = flags.DEFINE_string("coordinator", None, "HOST:PORT of `python -m dora_jax.serve_coordinator`")
@@ -26,6 +31,18 @@ VERSIONS = flags.DEFINE_string(
 )
 CONNECT_TIMEOUT_S = flags.DEFINE_float(
     "connect_timeout_s", 300.0, "exit with an error once the coordinator has not answered for this long"
+)
+TRANSFER_HOST = flags.DEFINE_string(
+    "transfer_host",
+    "",
+    "address this process's JAX transfer servers (weights, KV migration) listen on; empty: this host's own "
+    "address (its name's, the VM's internal address on Cloud TPU). launch_local passes 127.0.0.1",
+)
+TRANSFER_PORT = flags.DEFINE_integer(
+    "transfer_port",
+    0,
+    "control port of this process's transfer server (its bulk port is the next one); 0: any free ports. "
+    "A pod passes pod.transfer_port, which its firewall rule opens between the run's VMs",
 )
 CALL_TIMEOUT_S = flags.DEFINE_float("call_timeout_s", 30.0, "deadline of one call to the coordinator")
 NUM_HOSTS = flags.DEFINE_integer(
@@ -75,6 +92,23 @@ def versions_root(workdir: str) -> str:
 
 def client_timing() -> ClientTiming:
     return ClientTiming(call_timeout_s=CALL_TIMEOUT_S.value, unreachable_after_s=CONNECT_TIMEOUT_S.value)
+
+
+def client_credentials() -> auth.ClientCredentials:
+    """This role's token (and the run's CA with TLS), from the variables the launcher set; exits
+    naming them when they are missing."""
+    try:
+        return auth.client_credentials(os.environ)
+    except (ValueError, OSError) as err:
+        fail(f"cannot authenticate to the coordinator: {err}")
+
+
+def transfer_host() -> str | None:
+    return TRANSFER_HOST.value or None
+
+
+def transfer_port() -> int:
+    return TRANSFER_PORT.value
 
 
 def initialize_distributed(role: str) -> int:

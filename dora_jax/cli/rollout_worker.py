@@ -47,7 +47,7 @@ def main(argv):
     address = roles.require(roles.COORDINATOR, "coordinator")
     from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused
 
-    client = Client(address, roles.client_timing())
+    client = Client(address, roles.client_timing(), roles.client_credentials())
     try:
         outcome = serve(config, workdir, client, slice_id)
     except (CoordinatorUnreachable, Refused, CallFailed) as err:
@@ -107,7 +107,7 @@ def _kv_transfer(engine, slice_id: int):
     from dora_jax.transport.kv_transfer import KVTransfer
 
     try:
-        return KVTransfer(engine)
+        return KVTransfer(engine, host=roles.transfer_host(), port=roles.transfer_port())
     except Exception as err:  # noqa: BLE001 - the rows still move, through the coordinator
         _log(slice_id, f"no transfer server for KV migration ({type(err).__name__}: {err}); sending KV inline")
         return None
@@ -129,7 +129,9 @@ def serve(config, workdir: str, client, slice_id: int) -> str:
         from dora_jax.transport.weights import WeightPull
 
         try:
-            puller = WeightPull(jax.devices(), workdir, slice_id)
+            puller = WeightPull(
+                jax.devices(), workdir, slice_id, host=roles.transfer_host(), port=roles.transfer_port()
+            )
         except Exception as err:  # every version from the tensorstore tier, as without the option
             _log(slice_id, f"no transfer server ({type(err).__name__}: {err}); reading the tensorstore tier only")
 

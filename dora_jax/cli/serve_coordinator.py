@@ -13,6 +13,11 @@ is going (it was restarted) sends the run back the same way: the rollout workers
 the state in the trainer's checkpoint. It runs until the trainer says it is done (`Finish`) or
 SIGTERM/SIGINT: then it tells the rollout workers to stop and exits (0 when the trainer
 finished). Uses no accelerator (JAX stays on the CPU).
+
+Every call must carry a role token made from the run secret, which this process reads from
+DORA_RUN_SECRET_FILE (or DORA_RUN_SECRET); with DORA_TLS_CERT_FILE and DORA_TLS_KEY_FILE it speaks
+TLS (dora_jax/transport/auth.py, docs/security.md). It listens on `--host` (all interfaces unless
+told: launch_local passes 127.0.0.1, a pod the VM's internal address).
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ from absl import app, flags
 from dora_jax import cli
 from dora_jax.cli import roles
 
-PORT = flags.DEFINE_integer("port", 50051, "port to serve on (all interfaces)")
+PORT = flags.DEFINE_integer("port", 50051, "port to serve on")
+HOST = flags.DEFINE_string(
+    "host",
+    "[::]",
+    "address to listen on: [::] is every interface; launch_local passes 127.0.0.1, a pod the VM's internal address",
+)
 START_TIMEOUT_S = flags.DEFINE_float(
     "start_timeout_s",
     3600.0,
@@ -67,6 +77,7 @@ def main(argv):
     from dora_jax.runtime import run_config
 
     config = run_config.parse(cli.CONFIG.value)
+    security = _security(config.rollout.num_slices)
     trace = None
     if TRACE_LENGTHS.value:
         from dora_jax.coordinator.trace import LengthDistribution
@@ -86,12 +97,24 @@ def main(argv):
             json.dump(roles.config_json(), f, indent=1, default=str)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        code = serve(config, workdir, stop, trace=trace)
+        code = serve(config, workdir, stop, trace=trace, security=security)
     sys.exit(code)
 
 
-def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
-    """`trace`: (LengthDistribution, seed) for a trace-driven run (--trace_lengths), else None."""
+def _security(num_slices: int):
+    """(Authenticator, TLS certificate or None) from the variables the launcher set; exits naming
+    them when the secret is missing: the coordinator never serves without authentication."""
+    from dora_jax.transport import auth
+
+    try:
+        return auth.Authenticator(auth.load_secret(os.environ), num_slices), auth.load_server_tls(os.environ)
+    except (ValueError, OSError) as err:
+        roles.fail(f"cannot serve: {err}")
+
+
+def serve(config, workdir: str, stop: threading.Event, trace=None, security=(None, None)) -> int:
+    """`trace`: (LengthDistribution, seed) for a trace-driven run (--trace_lengths), else None.
+    `security`: (Authenticator, ServerTls or None), what `_security` read."""
     import dora_jax
     from dora_jax.coordinator.coordinator import Coordinator
     from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
@@ -117,8 +140,13 @@ def serve(config, workdir: str, stop: threading.Event, trace=None) -> int:
         ),
         resume=resuming,
     )
-    server, port = make_server(service, PORT.value)
-    _log(f"listening on port {port}; waiting for {config.rollout.num_slices} rollout slices and the trainer")
+    authenticator, tls = security
+    server, port = make_server(service, PORT.value, host=HOST.value, auth=authenticator, tls=tls)
+    _log(
+        f"listening on {HOST.value}:{port} ({'TLS' if tls else 'plaintext'}, role tokens "
+        f"{'checked' if authenticator else 'NOT checked'}); waiting for {config.rollout.num_slices} rollout "
+        "slices and the trainer"
+    )
     tokenizer = make_tokenizer(config)
     # Results are checked against the model's vocabulary (dora_jax.coordinator.intake).
     coordinator_config = dataclasses.replace(config.coordinator, vocab_size=vocab_size(config, tokenizer))

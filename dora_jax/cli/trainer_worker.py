@@ -57,7 +57,7 @@ def main(argv):
     address = roles.require(roles.COORDINATOR, "coordinator")
     from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused, SessionLost
 
-    client = Client(address, roles.client_timing())
+    client = Client(address, roles.client_timing(), roles.client_credentials())
     try:
         train(config, workdir, client)
     except (CoordinatorUnreachable, Refused, SessionLost, CallFailed) as err:
@@ -117,6 +117,8 @@ def train(config, workdir: str, client) -> None:
                 config.rollout.num_slices,
                 workdir,
                 keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
+                host=roles.transfer_host(),
+                port=roles.transfer_port(),
             )
             _log(f"offering every version device to device at {offer.address}")
         except Exception as err:  # the slices read the tensorstore tier, as without the option

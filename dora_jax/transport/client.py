@@ -3,12 +3,17 @@
 Every call has a deadline (`call_timeout_s`). A call that fails because the coordinator cannot be
 reached (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with exponential backoff until
 `unreachable_after_s` has passed since the coordinator last answered; then `CoordinatorUnreachable`
-says so, with the address and the last error. A refusal (wrong config, package version, slice id)
-is `Refused` at once; a session the coordinator ended is `SessionLost`.
+says so, with the address and the last error. A refusal (wrong config, package version, slice id,
+a token the coordinator does not accept) is `Refused` at once; a session the coordinator ended is
+`SessionLost`. RESOURCE_EXHAUSTED (too many calls in flight at the coordinator) is retried.
+
+With `ClientCredentials` every call carries the role's token (metadata `x-dora-token`, added by a
+client interceptor), and with a CA the channel is TLS pinned to it (dora_jax/transport/auth.py).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -22,10 +27,13 @@ import grpc
 import dora_jax
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport import dora_pb2_grpc as pb_grpc
+from dora_jax.transport.auth import TOKEN_METADATA, ClientCredentials
 from dora_jax.transport.service import MAX_MESSAGE_BYTES, PROTOCOL, hostname
+from dora_jax.transport.tls import SERVER_NAME
 
 T = TypeVar("T")
-_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class CoordinatorUnreachable(RuntimeError):
@@ -58,23 +66,75 @@ def config_hash(config_json: dict) -> str:
     return hashlib.sha256(json.dumps(config_json, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
+def open_channel(address: str, credentials: ClientCredentials | None = None) -> grpc.Channel:
+    """A channel to the coordinator: plaintext, or TLS pinned to the run's CA; every call with
+    the role's token when `credentials` are given."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    if credentials is not None and credentials.ca_pem is not None:
+        tls = grpc.ssl_channel_credentials(root_certificates=credentials.ca_pem)
+        channel = grpc.secure_channel(address, tls, options=[*options, ("grpc.ssl_target_name_override", SERVER_NAME)])
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    if credentials is None:
+        return channel
+    return grpc.intercept_channel(channel, _Token(credentials.token))
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Token(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the role's token to every call's metadata."""
+
+    def __init__(self, token: str):
+        self._metadata = (TOKEN_METADATA, token)
+
+    def _details(self, details):
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self._metadata],
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
 
 
 class Client:
     """A stub plus the retry policy; `last_answer` is when the coordinator last answered."""
 
-    def __init__(self, address: str, timing: ClientTiming = ClientTiming()):
+    def __init__(
+        self, address: str, timing: ClientTiming = ClientTiming(), credentials: ClientCredentials | None = None
+    ):
         self.address = address
         self.timing = timing
-        self.channel = open_channel(address)
+        self.channel = open_channel(address, credentials)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.last_answer = time.monotonic()
         self.session = ""
@@ -90,7 +150,7 @@ class Client:
                 return out
             except grpc.RpcError as err:
                 code = err.code()
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                if code in _REFUSED:
                     raise Refused(f"coordinator at {self.address} refused {what}: {err.details()}") from None
                 if code == grpc.StatusCode.NOT_FOUND:
                     raise SessionLost(f"coordinator at {self.address}: {err.details()}") from None
@@ -108,7 +168,14 @@ class Client:
                 delay = min(2 * delay, self.timing.max_backoff_s)
 
     def register(
-        self, role: int, config_hash_: str, *, slice_id: int = -1, num_slots: int = 0, host_id: int = 0
+        self,
+        role: int,
+        config_hash_: str,
+        *,
+        slice_id: int = -1,
+        num_slots: int = 0,
+        host_id: int = 0,
+        transfer_address: str = "",
     ) -> pb.RegisterReply:
         """Joins the run; a worker for a slice whose old session is still live waits for it to end."""
         request = pb.RegisterRequest(
@@ -120,6 +187,7 @@ class Client:
             protocol=PROTOCOL,
             host=hostname(),
             host_id=host_id,
+            transfer_address=transfer_address,
         )
         self.last_answer = time.monotonic()
         reply = self.call(

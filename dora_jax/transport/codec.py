@@ -5,6 +5,11 @@ plus the list of arrays it announces, in order; `to_frames` sends the message th
 bytes in chunks of at most `chunk_bytes`; `FrameReader` reads them back into fresh numpy buffers.
 Every conversion is exact: token ids, log-probs (float64 on the wire, as Python floats are) and
 array bytes come back bit-identical.
+
+An array crosses the wire as its raw little-endian bytes and its dtype's name, from an allow-list
+of plain numeric types (`WIRE_DTYPES`: bool, ints, floats, bfloat16; never object, whose "bytes"
+are pointers). A reader is handed frames by a peer it does not trust: it checks each announced
+array's dtype, rank and size against the allow-list and its byte limit before it allocates.
 """
 
 from __future__ import annotations
@@ -29,6 +34,30 @@ from dora_jax.core.records import (
 from dora_jax.transport import dora_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
+# What one message's arrays may hold in all, unless the reader is given another limit: a slot's KV
+# rows of the largest config (30B: 48 layers x 32k rows x 4 heads x 128 x 2 bytes, k and v) fit.
+DEFAULT_MAX_ARRAY_BYTES = 16 << 30
+MAX_RANK = 8  # KV rows are rank 4, RNG keys rank 1
+
+# The dtypes an array may have on the wire, by the name the wire gives them (little-endian).
+WIRE_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name).newbyteorder("<")
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+    )
+}
 
 
 # ---------------------------------------------------------------- requests and trajectories
@@ -137,15 +166,42 @@ def _array_header(a) -> pb.Array:
 
 
 def dtype_name(dtype) -> str:
-    """A dtype as the wire names it: numpy's string ("<f4"), or for the ml_dtypes numpy knows only
-    as raw bytes (bfloat16, float8s: kind "V") their name."""
+    """A dtype as the wire names it ("float32", "bfloat16"); a ValueError for one off the allow-list."""
     d = np.dtype(dtype)
-    return d.name if d.kind == "V" else d.str
+    if d.name not in WIRE_DTYPES:
+        raise ValueError(f"dtype {d} cannot cross the wire; expected one of {sorted(WIRE_DTYPES)}")
+    return d.name
 
 
 def dtype_of(name: str) -> np.dtype:
-    """The dtype `dtype_name` wrote."""
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    """The (little-endian) dtype the wire names `name`; a ValueError for a name off the allow-list."""
+    dtype = WIRE_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"array dtype {name[:32]!r} is not allowed; expected one of {sorted(WIRE_DTYPES)}")
+    return dtype
+
+
+def checked_shape(header: pb.Array, limit_bytes: int) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, bytes) of an announced array, checked before anything is allocated: the
+    dtype on the allow-list, rank <= MAX_RANK, no negative dimension, at most `limit_bytes`."""
+    dtype = dtype_of(header.dtype)
+    shape = tuple(int(n) for n in header.shape)
+    if len(shape) > MAX_RANK or any(n < 0 for n in shape):
+        raise ValueError(f"array shape {shape[: MAX_RANK + 1]} is not allowed; expected rank <= {MAX_RANK}, sizes >= 0")
+    nbytes = dtype.itemsize
+    for n in shape:  # Python ints: no overflow, and stop as soon as the limit is passed
+        nbytes *= n
+        if nbytes > limit_bytes:
+            raise ValueError(f"a {header.dtype} array of shape {shape} exceeds the {limit_bytes}-byte limit")
+    return shape, dtype, nbytes
+
+
+def _wire_bytes(array) -> memoryview:
+    """The array's bytes as they cross the wire (little-endian, C order), whatever its dtype kind:
+    numpy cannot export an ml_dtypes array (bfloat16) as a buffer, so it goes as raw uint8."""
+    a = np.asarray(array)
+    wire = WIRE_DTYPES[dtype_name(a.dtype)]
+    return memoryview(np.ascontiguousarray(a, dtype=wire).reshape(-1).view(np.uint8))
 
 
 def slot_state_to_proto(state: SlotState) -> tuple[pb.SlotState, list[np.ndarray]]:
@@ -245,49 +301,65 @@ def to_frames(message, arrays: Sequence[np.ndarray], chunk_bytes: int = DEFAULT_
     field = "command" if isinstance(message, pb.Command) else "result"
     yield pb.Frame(**{field: message})
     for array in arrays:
-        view = memoryview(np.ascontiguousarray(array)).cast("B")
+        view = _wire_bytes(array)
         for start in range(0, len(view), chunk_bytes):
             yield pb.Frame(chunk=bytes(view[start : start + chunk_bytes]))
 
 
 class FrameReader:
     """Reads (message, arrays) pairs off a frame iterator: a message, then exactly the bytes of the
-    arrays it announces. A chunk with no message before it, or a stream that ends mid-array, is a
-    `ValueError` naming what was expected."""
+    arrays it announces. A chunk with no message before it, a stream that ends mid-array, or an
+    array whose dtype or size is not allowed (checked before allocating; at most
+    `max_array_bytes` for one message's arrays) is a `ValueError` naming what was expected.
 
-    def __init__(self, frames: Iterator[pb.Frame]):
+    `next_message()` and `read_arrays(message)` split the two steps, so a server checks who sent
+    the message before it reads (and allocates for) a single array byte."""
+
+    def __init__(self, frames: Iterator[pb.Frame], max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES):
         self._frames = frames
+        self._max_bytes = max_array_bytes
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[object, list[np.ndarray]]:
-        frame = next(self._frames)  # StopIteration ends the stream cleanly between messages
-        kind = frame.WhichOneof("body")
-        if kind == "chunk":
-            raise ValueError("stream out of step: got an array chunk where a message was expected")
-        message = getattr(frame, kind)
-        return message, [self._read_array(h) for h in announced_arrays(message)]
+        message = self.next_message()  # StopIteration ends the stream cleanly between messages
+        return message, self.read_arrays(message)
 
-    def _read_array(self, header: pb.Array) -> np.ndarray:
-        out = np.empty(tuple(header.shape), dtype_of(header.dtype))
-        buffer = memoryview(out).cast("B") if out.nbytes else memoryview(b"")
+    def next_message(self):
+        """The next message (Command or Result); its arrays are not read yet."""
+        frame = next(self._frames)
+        kind = frame.WhichOneof("body")
+        if kind == "chunk" or kind is None:
+            raise ValueError("stream out of step: got an array chunk where a message was expected")
+        return getattr(frame, kind)
+
+    def read_arrays(self, message) -> list[np.ndarray]:
+        """The arrays `message` announces, read off the stream once all of them are checked."""
+        budget, checked = self._max_bytes, []
+        for header in announced_arrays(message):
+            shape, dtype, nbytes = checked_shape(header, budget)
+            budget -= nbytes
+            checked.append((header, shape, dtype, nbytes))
+        return [self._read_array(*c) for c in checked]
+
+    def _read_array(self, header: pb.Array, shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
+        raw = np.empty(nbytes, np.uint8)  # filled as raw bytes, viewed as `dtype` (bfloat16 too)
         filled = 0
-        while filled < out.nbytes:
+        while filled < nbytes:
             try:
                 frame = next(self._frames)
             except StopIteration:
                 raise ValueError(
-                    f"stream ended after {filled} of {out.nbytes} bytes of a {header.dtype} array {tuple(header.shape)}"
+                    f"stream ended after {filled} of {nbytes} bytes of a {header.dtype} array {shape}"
                 ) from None
             if frame.WhichOneof("body") != "chunk":
                 raise ValueError(
-                    f"stream out of step: got a {frame.WhichOneof('body')} after {filled} of "
-                    f"{out.nbytes} bytes of an array"
+                    f"stream out of step: got a {frame.WhichOneof('body')} after {filled} of {nbytes} bytes of an array"
                 )
             piece = frame.chunk
-            if filled + len(piece) > out.nbytes:
-                raise ValueError(f"array chunk overruns its {out.nbytes}-byte array")
-            buffer[filled : filled + len(piece)] = piece
+            if filled + len(piece) > nbytes:
+                raise ValueError(f"array chunk overruns its {nbytes}-byte array")
+            raw[filled : filled + len(piece)] = np.frombuffer(piece, np.uint8)
             filled += len(piece)
-        return out
+        return raw.view(dtype).reshape(shape)

@@ -13,7 +13,9 @@ migration rule's link rate (dora_jax.rollout.migration).
 
 Offers are held on the source's devices for `keep_s` (the coordinator imports right after it
 exports; the source is not told when a pull is done), dropped at the next offer, import or agent
-command after that. Single-process
+command after that. Offer ids are random 64-bit numbers: only the destination the coordinator
+hands the ticket to can name an offer (the transfer server itself checks no credential), and the
+coordinator relays a ticket only if it names the transfer server its slice registered with. Single-process
 slices only (a multi-host slice's shards live in several processes): those send the rows through
 the coordinator.
 """
@@ -23,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import itertools
 import time
 
 import jax
@@ -32,16 +33,14 @@ from dora_jax.core.records import KVTicket, Reprefill, SlotState
 from dora_jax.rollout.worker import as_redispatch
 from dora_jax.transport import weights
 
-# Offer ids, unique in the process (slices in one process share its server) and apart from the
-# weights' transfer ids (version x 2^16 + slice).
-_IDS = itertools.count(1 << 62)
-
 
 class KVTransfer:
     """One rollout slice process's KV offers and pulls, on its engine's devices and layout."""
 
-    def __init__(self, engine, *, host: str | None = None, keep_s: float = 10.0, pull_timeout_s: float = 20.0):
-        self._server = weights.transfer_server(list(engine.mesh.devices.flat), host)
+    def __init__(
+        self, engine, *, host: str | None = None, port: int = 0, keep_s: float = 10.0, pull_timeout_s: float = 20.0
+    ):
+        self._server = weights.transfer_server(list(engine.mesh.devices.flat), host, port)
         self.address = self._server.address()
         self._prefix = engine.get_prefix_destination_sharding()
         self._keep_s, self._pull_timeout_s = keep_s, pull_timeout_s
@@ -53,7 +52,7 @@ class KVTransfer:
         """`state` (its rows on this slice's devices) offered for one pull; returns it with a ticket."""
         self.prune()
         now = time.monotonic()
-        uuid = next(_IDS)
+        uuid = weights.new_transfer_id()  # unguessable: a pull needs the ticket the coordinator relays
         arrays = (state.k_LSKD, state.v_LSKD)
         expires = datetime.datetime.now() + datetime.timedelta(seconds=self._keep_s)
         self._server.await_pull(uuid, arrays, timeout=expires)

@@ -71,7 +71,11 @@ class RolloutAgent:
     # ------------------------------------------------------------------ session
     def register(self) -> None:
         reply = self.client.register(
-            pb.ROLLOUT, self._config_hash, slice_id=self.worker.slice_id, num_slots=self.worker.num_slots
+            pb.ROLLOUT,
+            self._config_hash,
+            slice_id=self.worker.slice_id,
+            num_slots=self.worker.num_slots,
+            transfer_address=self.kv_transfer.address if self.kv_transfer is not None else "",
         )
         self._period = reply.heartbeat_period_s
         self._seq = 0

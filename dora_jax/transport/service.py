@@ -14,6 +14,11 @@ A rollout session ends when its stream breaks, its heartbeats stop for `heartbea
 call to it fails; its port fails and the coordinator gets `post_slice_failed`. A worker that then
 registers again for the same slice joins through `post_slice_joined` with a fresh port.
 
+Who may call what is decided before a handler runs (dora_jax/transport/guard.py: role tokens,
+request sizes, calls in flight); a handler first checks what only the request shows: that a
+rollout token registers its own slice and uses its own session (`_session`). Refusals name what
+the caller must fix on its side, never the coordinator's own values (version, hash, sessions).
+
 The service starts before the Coordinator exists (the coordinator needs every slice's port and the
 trainer's first version): `wait_ready` returns those, then `attach` hands the coordinator over.
 """
@@ -34,13 +39,15 @@ import grpc
 
 from dora_jax.coordinator import intake
 from dora_jax.core.records import Group, Trajectory
-from dora_jax.transport import codec
+from dora_jax.transport import auth, codec, guard
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport import dora_pb2_grpc as pb_grpc
+from dora_jax.transport.guard import principal_of, shown
 from dora_jax.transport.port import GrpcRolloutPort
 
-PROTOCOL = 2  # bump on any incompatible change to dora.proto's meaning
-MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch
+PROTOCOL = 3  # bump on any incompatible change to dora.proto's meaning (3: arrays' dtypes by name)
+MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch, Resume a whole state
+MAX_HOST_CHARS = 255  # a host name or transfer server address (DNS names are at most 253)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +74,8 @@ class Timing:
     # or the pod's restart): with every slice down, the run stops only once this has passed.
     rejoin_timeout_s: float = 600.0
     chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
+    first_frame_s: float = 10.0  # an Ack stream whose Result has not come this long is cancelled
+    max_array_bytes: int = codec.DEFAULT_MAX_ARRAY_BYTES  # what one Ack's arrays may hold in all
 
 
 class Backend(Protocol):
@@ -85,6 +94,7 @@ class _Session:
     host: str
     slice_id: int = -1
     port: GrpcRolloutPort | None = None
+    transfer_address: str = ""  # a rollout slice's transfer server: the only address its KV tickets may name
     last_beat: float = dataclasses.field(default_factory=time.monotonic)
     finished_seq: int = 0
     counters: dict = dataclasses.field(default_factory=dict)
@@ -111,6 +121,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.failures: list[tuple[int, str]] = []
         self._retired_counters: dict[str, int] = {}  # counters of ended sessions (bubble ratio totals)
         self._rejoins: dict[int, tuple[float, str]] = {}  # dropped slice -> (deadline to rejoin, why dropped)
+        self._deadlines: dict[int, tuple[float, object]] = {}  # id -> (when, call context) to cancel
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
         self._monitor.start()
@@ -175,20 +186,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # ------------------------------------------------------------------ sessions
     def _session(self, session_id: str, context, role: int) -> _Session:
+        """The caller's live session; NOT_FOUND for one that is not live or not the caller's (a
+        rollout token uses only sessions of its own slice)."""
         with self._cond:
             session = self._sessions.get(session_id)
-        if session is None or session.role != role:
+        principal = principal_of(context)
+        if (
+            session is None
+            or session.role != role
+            or (principal is not None and principal != _principal(session.role, session.slice_id))
+        ):
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"session {session_id[:8]} is not live (ended by the coordinator or never registered); register again",
+                "session is not live (ended by the coordinator or never registered); register again",
             )
         return session
 
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
+        principal = principal_of(context)
+        if principal is not None and principal != _principal(request.role, request.slice_id):
+            self._log(f"refused a registration by {principal.name}: it asked for another role or slice")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "this token may register only its own role and slice")
         problem = self._refusal(request)
         if problem:
-            role = pb.Role.Name(request.role).lower() if request.role in pb.Role.values() else f"role {request.role}"
-            self._log(f"refused {role} from {request.host}: {problem}")
+            self._log(f"refused a registration from {shown(request.host)}: {problem}")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         session_id = uuid.uuid4().hex
         rewind: list[GrpcRolloutPort] = []
@@ -206,8 +227,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if live is not None and live.failure is None and live.connected.is_set():
                     context.abort(
                         grpc.StatusCode.ALREADY_EXISTS,
-                        f"rollout slice {request.slice_id} is already served by a live worker "
-                        f"(session {live.session[:8]}); retry once it is gone",
+                        f"rollout slice {request.slice_id} is already served by a live worker; retry once it is gone",
                     )
                 stale = live if live is not None and live.failure is None else None
                 port = GrpcRolloutPort(
@@ -218,7 +238,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     on_fail=self._port_failed,
                 )
                 self.ports[request.slice_id] = port
-                self._sessions[session_id] = _Session(pb.ROLLOUT, request.host, request.slice_id, port)
+                self._sessions[session_id] = _Session(
+                    pb.ROLLOUT, request.host, request.slice_id, port, transfer_address=request.transfer_address
+                )
             self._cond.notify_all()
         if request.role == pb.ROLLOUT and stale is not None:  # registered, died before its stream opened
             stale.fail("replaced by a new registration of its slice")
@@ -226,7 +248,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             port.fail("the trainer restarted: the run goes back to its newest checkpoint")
         self._log(
             f"registered {pb.Role.Name(request.role).lower()} "
-            f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {request.host}"
+            f"{'' if request.role == pb.TRAINER else f'slice {request.slice_id} '}from {shown(request.host)}"
         )
         return pb.RegisterReply(
             session=session_id,
@@ -249,17 +271,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return list(self.ports.values())
 
     def _refusal(self, request: pb.RegisterRequest) -> str | None:
+        """Why `request` cannot join, in words that show only the caller's own values."""
         ident = self.identity
+        if len(request.host) > MAX_HOST_CHARS or len(request.transfer_address) > MAX_HOST_CHARS:
+            return f"host or transfer_address longer than {MAX_HOST_CHARS} characters"
         if request.protocol != PROTOCOL:
-            return f"protocol {request.protocol} differs from the coordinator's {PROTOCOL}: install the same dora_jax"
+            return f"protocol {request.protocol} differs from the coordinator's: install the same dora_jax"
         if request.package_version != ident.package_version:
             return (
-                f"package version {request.package_version!r} differs from the coordinator's "
-                f"{ident.package_version!r}: install the same dora_jax on every host"
+                f"package version {shown(request.package_version, 32)} differs from the coordinator's: "
+                "install the same dora_jax on every host"
             )
         if request.config_hash != ident.config_hash:
             return (
-                f"config hash {request.config_hash[:12]} differs from the coordinator's {ident.config_hash[:12]}: "
+                f"config hash {shown(request.config_hash[:12], 12)[1:-1]} differs from the coordinator's: "
                 "start every role with the same --config file and the same --config.* overrides"
             )
         if request.role == pb.ROLLOUT:
@@ -336,6 +361,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for port in late:
                 port.fail(f"no heartbeat for {self.timing.heartbeat_timeout_s:.0f}s")
             self._post_missed_rejoins(now)
+            self._cancel_overdue(now)
+
+    def _arm(self, context, seconds: float) -> int:
+        """Cancels the call of `context` unless `_disarm`ed within `seconds` (checked by the
+        heartbeat monitor, to within a second): a stream that sends nothing frees its thread."""
+        key = id(context)
+        with self._cond:
+            self._deadlines[key] = (time.monotonic() + seconds, context)
+        return key
+
+    def _disarm(self, key: int) -> None:
+        with self._cond:
+            self._deadlines.pop(key, None)
+
+    def _cancel_overdue(self, now: float) -> None:
+        with self._cond:
+            overdue = [(k, c) for k, (when, c) in self._deadlines.items() if now > when]
+            for key, _ in overdue:
+                del self._deadlines[key]
+        for _, context in overdue:
+            context.cancel()
 
     def _post_missed_rejoins(self, now: float) -> None:
         with self._cond:
@@ -374,15 +420,50 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"session of slice {port.slice_id} ended: {port.failure}")
 
     def Ack(self, request_iterator, context) -> pb.ResultReply:
+        """One Result, then its arrays' bytes: the session is checked before a byte of an array is
+        read, and each array's dtype and size before it is allocated (codec.FrameReader). The
+        Result must come within `first_frame_s`, the whole stream within `command_timeout_s`."""
+        reader = codec.FrameReader(request_iterator, self.timing.max_array_bytes)
+        deadline = self._arm(context, self.timing.first_frame_s)
         try:
-            result, arrays = next(codec.FrameReader(request_iterator))
+            result = reader.next_message()
         except (StopIteration, ValueError) as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad result stream: {err or 'empty'}")
+        except grpc.RpcError:  # cancelled: no Result within first_frame_s
+            return pb.ResultReply()
+        finally:
+            self._disarm(deadline)
         if not isinstance(result, pb.Result):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Ack carries a Result, not a Command")
         session = self._session(result.session, context, pb.ROLLOUT)
+        forged = self._foreign_ticket(session, result)
+        if forged:
+            session.port.fail(forged)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, forged)
+        deadline = self._arm(context, self.timing.command_timeout_s)
+        try:
+            arrays = reader.read_arrays(result)
+        except ValueError as err:  # a bad stream from a live session: its slice is failed
+            session.port.fail(f"bad result stream: {err}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad result stream: {err}")
+        except grpc.RpcError:
+            session.port.fail(f"its result stream took over {self.timing.command_timeout_s:.0f}s")
+            return pb.ResultReply()
+        finally:
+            self._disarm(deadline)
         session.port.resolve(result, arrays)
         return pb.ResultReply()
+
+    @staticmethod
+    def _foreign_ticket(session: _Session, result: pb.Result) -> str | None:
+        """Why `result` cannot be relayed: an exported slot's KV ticket names an address other than
+        the transfer server its slice registered (the coordinator would send other slices to it)."""
+        for item in result.exported:
+            if item.HasField("slot_state") and item.slot_state.HasField("kv_ticket"):
+                address = item.slot_state.kv_ticket.address
+                if not session.transfer_address or address != session.transfer_address:
+                    return f"a KV ticket names {shown(address)}, not the transfer server the slice registered"
+        return None
 
     def PostFinished(self, request: pb.FinishedRequest, context) -> pb.FinishedReply:
         session = self._session(request.session, context, pb.ROLLOUT)
@@ -492,25 +573,52 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.FinishReply()
 
 
-def make_server(service: CoordinatorService, port: int, *, host: str = "[::]", max_workers: int | None = None):
+def make_server(
+    service: CoordinatorService,
+    port: int,
+    *,
+    host: str = "[::]",
+    max_workers: int | None = None,
+    auth: auth.Authenticator | None = None,
+    tls: auth.ServerTls | None = None,
+):
     """A started gRPC server for `service` on `host:port` (port 0 picks one); returns (server, port).
-    Threads: one per open command stream and long-poll, plus room for the short calls."""
+
+    Every call passes the guard (dora_jax/transport/guard.py): with `auth` it checks role tokens
+    (the role processes always pass one; in-process tests may not), and always the request sizes
+    and calls in flight. Threads: what the long-lived calls can hold (command streams, result
+    streams, long-polls: bounded per caller by the guard) plus SHORT_CALL_THREADS for the short
+    ones; `maximum_concurrent_rpcs` equals the pool, so a call is refused (RESOURCE_EXHAUSTED)
+    rather than queued behind busy threads. `tls`: serve TLS with that certificate and key."""
     from concurrent.futures import ThreadPoolExecutor
 
-    workers = max_workers or 4 * service.identity.num_slices + 32
+    workers = max_workers or guard.long_call_threads(service.identity.num_slices) + guard.SHORT_CALL_THREADS
     server = grpc.server(
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+        interceptors=[guard.Guard(auth, service.identity.num_slices, log=service._log)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
+        maximum_concurrent_rpcs=workers,
     )
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)]))
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (in use?)")
+        raise OSError(f"cannot listen on {address} (in use?)")
     server.start()
     return server, bound
+
+
+def _principal(role: int, slice_id: int) -> auth.Principal | None:
+    """The principal a session or registration of `role` (and slice) belongs to."""
+    if role == pb.TRAINER:
+        return auth.TRAINER
+    return auth.rollout(slice_id) if role == pb.ROLLOUT else None
 
 
 def hostname() -> str:

@@ -25,9 +25,13 @@ GCLOUD = ["gcloud", "compute", "tpus"]
 IP = "10.128.0.7"
 
 
+SA = "dora-run@my-project.iam.gserviceaccount.com"
+
+
 def gsm8k_config():
     c = load("qwen2_5_0_5b_gsm8k.py")
     c.pod.project = "my-project"
+    c.pod.service_account = SA
     return c
 
 
@@ -35,7 +39,92 @@ def dapo_config():
     c = load("qwen2_5_7b_dapo.py")
     c.pod.project = "my-project"
     c.pod.workdir = "gs://my-bucket/run1"
+    c.pod.service_account = SA
     return c
+
+
+def net(pod_name):
+    """The flags that put a node on the run's network, tag and service account."""
+    return [
+        "--network=dora-net",
+        "--subnetwork=dora-subnet",
+        "--internal-ips",
+        f"--tags={pod_name}-dora",
+        f"--service-account={SA}",
+        "--scopes=https://www.googleapis.com/auth/cloud-platform",
+    ]
+
+
+def firewall(pod_name, port=8470):
+    return [
+        "gcloud",
+        "compute",
+        "firewall-rules",
+        "create",
+        f"{pod_name}-dora-ports",
+        "--project=my-project",
+        "--network=dora-net",
+        "--direction=INGRESS",
+        "--action=ALLOW",
+        f"--rules=tcp:{port},tcp:8480-8481,tcp:8476",
+        f"--source-tags={pod_name}-dora",
+        f"--target-tags={pod_name}-dora",
+        f"--description=dora_jax run {pod_name}: coordinator, transfer and jax.distributed ports between its VMs",
+    ]
+
+
+def firewall_delete(pod_name):
+    return [
+        "gcloud",
+        "compute",
+        "firewall-rules",
+        "delete",
+        f"{pod_name}-dora-ports",
+        "--project=my-project",
+        "--quiet",
+    ]
+
+
+def node_network(pod_name):
+    return {
+        "networkConfig": {"network": "dora-net", "subnetwork": "dora-subnet", "enableExternalIps": False},
+        "tags": [f"{pod_name}-dora"],
+        "serviceAccount": {"email": SA, "scope": ["https://www.googleapis.com/auth/cloud-platform"]},
+    }
+
+
+def credential_commands(pod, where):
+    """What `run` does before starting the roles: per node a fresh ~/dora_auth, then scp of its files."""
+    out = []
+    for node in pod.nodes:
+        out.append(
+            GCLOUD
+            + [
+                "tpu-vm",
+                "ssh",
+                node.name,
+                "--worker=all",
+                *where,
+                "--command=rm -rf ~/dora_auth && mkdir -m 700 ~/dora_auth",
+            ]
+        )
+        out.append(GCLOUD + ["tpu-vm", "scp"])  # its files: compared by prefix (local paths are temporary)
+    return out
+
+
+def without_scp_files(commands_):
+    return [c[:5] if c[3:5] == ["tpu-vm", "scp"] else c for c in commands_]
+
+
+def auth_env(role, slice_id=None):
+    """The variables naming a role's credential files on the node (pod.tls on)."""
+    if role == "coordinator":
+        return (
+            "DORA_RUN_SECRET_FILE=../dora_auth/run_secret DORA_TLS_CERT_FILE=../dora_auth/server.pem "
+            "DORA_TLS_KEY_FILE=../dora_auth/server.key"
+        )
+    name = "trainer" if role == "trainer" else f"rollout-{slice_id}"
+    return f"DORA_ROLE_TOKEN_FILE=../dora_auth/{name}.token DORA_TLS_CA_FILE=../dora_auth/ca.pem"
 
 
 def multislice_config():
@@ -97,6 +186,7 @@ def test_single_host_v5e_8_create_queued_and_plain():
             "--zone=us-west4-a",
             "--project=my-project",
             "--spot",
+            *net("dora-qwen05-gsm8k"),
         ]
     ]
 
@@ -114,10 +204,11 @@ def test_single_host_v5e_8_create_queued_and_plain():
             "--zone=us-west4-a",
             "--project=my-project",
             "--preemptible",
+            *net("dora-qwen05-gsm8k"),
         ]
     ]
     c.pod.provisioning = "on_demand"
-    assert dry("create", pod_lib.from_config(c)).commands[0][-1] == "--project=my-project"  # no provisioning flag
+    assert dry("create", pod_lib.from_config(c)).commands[0][-7] == "--project=my-project"  # no provisioning flag
 
 
 def test_single_host_setup_installs_on_every_worker(tmp_path):
@@ -187,7 +278,8 @@ def test_v5p_slices_come_from_one_queued_resource_of_mixed_node_specs():
     accelerator type per request, so the request goes to the TPU API with a nodeSpec per node."""
     pod = pod_lib.from_config(dapo_config())
     assert [r.name for r in pod.requests] == ["dora-qwen7b-dapo"] and pod.requests[0].node_specs
-    [argv] = dry("create", pod).commands
+    rule, argv = dry("create", pod).commands
+    assert rule == firewall("dora-qwen7b-dapo")
     assert argv[:2] == ["bash", "-c"]
     script = shlex.split(argv[2])
     assert script[:5] == ["curl", "-sS", "--fail-with-body", "-X", "POST"]
@@ -204,14 +296,22 @@ def test_v5p_slices_come_from_one_queued_resource_of_mixed_node_specs():
                 {
                     "parent": parent,
                     "nodeId": "dora-qwen7b-dapo-trainer",
-                    "node": {"acceleratorType": "v5p-32", "runtimeVersion": "v2-alpha-tpuv5"},
+                    "node": {
+                        "acceleratorType": "v5p-32",
+                        "runtimeVersion": "v2-alpha-tpuv5",
+                        **node_network("dora-qwen7b-dapo"),
+                    },
                 }
             ]
             + [
                 {
                     "parent": parent,
                     "nodeId": f"dora-qwen7b-dapo-rollout-{i}",
-                    "node": {"acceleratorType": "v5p-8", "runtimeVersion": "v2-alpha-tpuv5"},
+                    "node": {
+                        "acceleratorType": "v5p-8",
+                        "runtimeVersion": "v2-alpha-tpuv5",
+                        **node_network("dora-qwen7b-dapo"),
+                    },
                 }
                 for i in range(4)
             ]
@@ -221,7 +321,8 @@ def test_v5p_slices_come_from_one_queued_resource_of_mixed_node_specs():
     assert dry("delete", pod).commands == [
         GCLOUD
         + ["queued-resources", "delete", "dora-qwen7b-dapo", "--force", "--quiet", "--async"]
-        + ["--zone=us-east5-a", "--project=my-project"]
+        + ["--zone=us-east5-a", "--project=my-project"],
+        firewall_delete("dora-qwen7b-dapo"),
     ]
     c = dapo_config()
     with c.unlocked():
@@ -240,6 +341,7 @@ def test_v5p_slices_create_one_queued_resource_per_node_when_not_together():
     ] + [(f"dora-qwen7b-dapo-rollout-{i}", "v5p-8", 4, 1, Role.ROLLOUT, i) for i in range(4)]
     assert sum(n.tpu.chips for n in pod.nodes) == tpu_types.lookup("v5p-64", "x").chips  # a v5p-64's worth
     expected = [
+        firewall("dora-qwen7b-dapo"),
         GCLOUD
         + [
             "queued-resources",
@@ -251,7 +353,8 @@ def test_v5p_slices_create_one_queued_resource_per_node_when_not_together():
             "--zone=us-east5-a",
             "--project=my-project",
             "--spot",
-        ]
+            *net("dora-qwen7b-dapo"),
+        ],
     ]
     expected += [
         GCLOUD
@@ -265,6 +368,7 @@ def test_v5p_slices_create_one_queued_resource_per_node_when_not_together():
             "--zone=us-east5-a",
             "--project=my-project",
             "--spot",
+            *net("dora-qwen7b-dapo"),
         ]
         for i in range(4)
     ]
@@ -282,7 +386,7 @@ def test_v5p_slices_create_one_queued_resource_per_node_when_not_together():
             "--project=my-project",
         ]
         for name in [n.name for n in pod.nodes]
-    ]
+    ] + [firewall_delete("dora-qwen7b-dapo")]
 
 
 def test_v5p_slices_setup_stages_weights_on_the_trainer_only(tmp_path):
@@ -319,7 +423,10 @@ def test_v5p_slices_run_assigns_roles_per_slice():
             *where,
             "--command="
             + start_command(
-                f"DORA_ROLE=coordinator {env}", "dora_jax.serve_coordinator", f"{common} --port=8470", "coordinator"
+                f"DORA_ROLE=coordinator {env} {auth_env('coordinator')}",
+                "dora_jax.serve_coordinator",
+                f"{common} --port=8470 --host={IP}",
+                "coordinator",
             ),
         ],
         GCLOUD
@@ -331,9 +438,9 @@ def test_v5p_slices_run_assigns_roles_per_slice():
             *where,
             "--command="
             + start_command(
-                f"DORA_ROLE=trainer {env}",
+                f"DORA_ROLE=trainer {env} {auth_env('trainer')}",
                 "dora_jax.trainer_worker",
-                f"{common} --coordinator={IP}:8470 --num_hosts=4",
+                f"{common} --coordinator={IP}:8470 --transfer_port=8480 --num_hosts=4",
                 "trainer",
             ),
         ],
@@ -348,15 +455,15 @@ def test_v5p_slices_run_assigns_roles_per_slice():
             *where,
             "--command="
             + start_command(
-                f"DORA_ROLE=rollout {env} DORA_SLICE_ID={i}",
+                f"DORA_ROLE=rollout {env} DORA_SLICE_ID={i} {auth_env('rollout', i)}",
                 "dora_jax.rollout_worker",
-                f"{common} --coordinator={IP}:8470 --slice_id={i}",
+                f"{common} --coordinator={IP}:8470 --slice_id={i} --transfer_port=8480",
                 f"rollout-{i}",
             ),
         ]
         for i in range(4)
     ]
-    assert shell.commands == expected
+    assert without_scp_files(shell.commands) == credential_commands(pod, where) + expected
 
 
 def test_v5p_slices_dry_run_looks_up_the_coordinator_ip_first():
@@ -370,8 +477,9 @@ def test_v5p_slices_dry_run_looks_up_the_coordinator_ip_first():
         "--zone=us-east5-a",
         "--project=my-project",
     ]
-    assert len(shell.commands) == 1 + 2 + 4
-    assert all(f"--coordinator={tpu.COORDINATOR_IP_DRY_RUN}:8470" in c[-1] for c in shell.commands[2:])
+    assert len(shell.commands) == 1 + 2 * 5 + 2 + 4  # the IP, credentials to 5 nodes, 6 role processes
+    assert f"--host={tpu.COORDINATOR_IP_DRY_RUN}" in shell.commands[11][-1]
+    assert all(f"--coordinator={tpu.COORDINATOR_IP_DRY_RUN}:8470" in c[-1] for c in shell.commands[12:])
     printed = shell.out.getvalue().splitlines()
     assert [line for line in printed if not line.startswith("#")] == [shlex.join(c) for c in shell.commands]
 
@@ -390,7 +498,7 @@ def test_v5p_64_trainer_with_two_host_rollout_slices():
         ("v5p-16", 8, 2),
         ("v5p-16", 8, 2),
     ]
-    run = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP).commands
+    run = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP).commands[2 * 3 :]
     assert [(cmd[5], cmd[6]) for cmd in run] == [
         ("dora-qwen7b-dapo-trainer", "--worker=0"),
         ("dora-qwen7b-dapo-trainer", "--worker=all"),
@@ -421,6 +529,7 @@ def test_multislice_two_slices_create_one_queued_resource():
         ("dora-qwen7b-dapo-1", "v5p-8", Role.ROLLOUT, 0),
     ]
     assert dry("create", pod).commands == [
+        firewall("dora-qwen7b-dapo"),
         GCLOUD
         + [
             "queued-resources",
@@ -433,7 +542,8 @@ def test_multislice_two_slices_create_one_queued_resource():
             "--zone=us-east5-a",
             "--project=my-project",
             "--spot",
-        ]
+            *net("dora-qwen7b-dapo"),
+        ],
     ]
     assert dry("delete", pod).commands == [
         GCLOUD
@@ -446,7 +556,8 @@ def test_multislice_two_slices_create_one_queued_resource():
             "--async",
             "--zone=us-east5-a",
             "--project=my-project",
-        ]
+        ],
+        firewall_delete("dora-qwen7b-dapo"),
     ]
     assert dry("status", pod).commands == [
         GCLOUD + ["queued-resources", "describe", "dora-qwen7b-dapo", "--zone=us-east5-a", "--project=my-project"]
@@ -462,7 +573,7 @@ def test_multislice_run_keeps_each_slice_its_own_jax_job():
     alone = "MEGASCALE_COORDINATOR_ADDRESS='' MEGASCALE_NUM_SLICES=1 MEGASCALE_SLICE_ID=0"
     where = ["--zone=us-east5-a", "--project=my-project"]
     env = f"DORA_COORDINATOR={IP}:8470"
-    assert shell.commands == [
+    assert without_scp_files(shell.commands) == credential_commands(pod, where) + [
         GCLOUD
         + [
             "tpu-vm",
@@ -472,9 +583,9 @@ def test_multislice_run_keeps_each_slice_its_own_jax_job():
             *where,
             "--command="
             + start_command(
-                f"DORA_ROLE=coordinator {env} {alone}",
+                f"DORA_ROLE=coordinator {env} {alone} {auth_env('coordinator')}",
                 "dora_jax.serve_coordinator",
-                f"{common} --port=8470 --config.num_steps=5",
+                f"{common} --port=8470 --host={IP} --config.num_steps=5",
                 "coordinator",
             ),
         ],
@@ -487,9 +598,9 @@ def test_multislice_run_keeps_each_slice_its_own_jax_job():
             *where,
             "--command="
             + start_command(
-                f"DORA_ROLE=trainer {env} {alone}",
+                f"DORA_ROLE=trainer {env} {alone} {auth_env('trainer')}",
                 "dora_jax.trainer_worker",
-                f"{common} --coordinator={IP}:8470 --config.num_steps=5",
+                f"{common} --coordinator={IP}:8470 --transfer_port=8480 --config.num_steps=5",
                 "trainer",
             ),
         ],
@@ -502,9 +613,9 @@ def test_multislice_run_keeps_each_slice_its_own_jax_job():
             *where,
             "--command="
             + start_command(
-                f"DORA_ROLE=rollout {env} DORA_SLICE_ID=0 {alone}",
+                f"DORA_ROLE=rollout {env} DORA_SLICE_ID=0 {alone} {auth_env('rollout', 0)}",
                 "dora_jax.rollout_worker",
-                f"{common} --coordinator={IP}:8470 --slice_id=0 --config.num_steps=5",
+                f"{common} --coordinator={IP}:8470 --slice_id=0 --transfer_port=8480 --config.num_steps=5",
                 "rollout-0",
             ),
         ],
@@ -534,7 +645,7 @@ def test_logs_ssh_stop_status_address_every_node():
     assert dry("status", pod).commands == [GCLOUD + ["tpu-vm", "describe", name, *where] for name in names]
     assert dry("delete", pod).commands == [
         GCLOUD + ["tpu-vm", "delete", name, "--quiet", "--async", *where] for name in names
-    ]
+    ] + [firewall_delete("dora-qwen7b-dapo")]
     with pytest.raises(ValueError, match="no node 'nope'"):
         dry("ssh", pod, node="nope")
 
@@ -639,8 +750,14 @@ def test_refuses_bad_pod_fields():
 
 def test_placeholders_refused_unless_dry_run():
     c = load("qwen2_5_7b_dapo.py")
-    assert pod_lib.placeholders(c) == ["pod.project", "pod.stage_model_from", "pod.workdir", "task.source.path"]
-    with pytest.raises(ValueError, match="pod.project, pod.stage_model_from, pod.workdir"):
+    assert pod_lib.placeholders(c) == [
+        "pod.project",
+        "pod.service_account",
+        "pod.stage_model_from",
+        "pod.workdir",
+        "task.source.path",
+    ]
+    with pytest.raises(ValueError, match="pod.project, pod.service_account, pod.stage_model_from, pod.workdir"):
         tpu.check_placeholders(c, "create", tpu.Shell(dry_run=False, out=io.StringIO()))
     tpu.check_placeholders(c, "delete", tpu.Shell(dry_run=False, out=io.StringIO()))  # nothing to pay for
     shell = tpu.Shell(dry_run=True, out=io.StringIO())
@@ -709,7 +826,9 @@ def test_command_line_dry_run(monkeypatch):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    [line] = [line for line in out.stdout.splitlines() if not line.startswith("#")]  # one queued resource
+    # the run's firewall rule, then one queued resource
+    rule, line = [line for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert rule.startswith("gcloud compute firewall-rules create dora-qwen7b-dapo-dora-ports --project=p1")
     body = json.loads(shlex.split(shlex.split(line)[2])[10])
     assert [spec["nodeId"] for spec in body["tpu"]["nodeSpec"]] == [
         "dora-qwen7b-dapo-trainer",
@@ -834,3 +953,58 @@ def test_run_then_waits_in_a_dry_run():
     assert len(shell.commands) == 2  # the start, then one poll of the roles on every worker
     assert shell.commands[1][5:7] == ["dora-qwen05-gsm8k", "--worker=all"] and "ps -o stat=" in shell.commands[1][-1]
     assert "then every 30 s the same, until no role runs" in shell.out.getvalue()
+
+
+# Security: the network, tag, firewall and service account; credentials never on a command line.
+
+
+def test_create_puts_the_nodes_on_the_runs_network_behind_its_firewall_rule():
+    pod = pod_lib.from_config(dapo_config())
+    shell = dry("create", pod)
+    rule = shell.commands[0]
+    assert rule[:4] == ["gcloud", "compute", "firewall-rules", "create"]
+    assert "--source-tags=dora-qwen7b-dapo-dora" in rule and "--target-tags=dora-qwen7b-dapo-dora" in rule
+    assert "--rules=tcp:8470,tcp:8480-8481,tcp:8476" in rule  # only the run's ports
+    printed = shell.out.getvalue()  # one request of mixed types: the TPU API's body
+    assert '"enableExternalIps": false' in printed and '"tags": ["dora-qwen7b-dapo-dora"]' in printed
+    assert f'"serviceAccount": {{"email": "{SA}"' in printed and '"network": "dora-net"' in printed
+    c = dapo_config()
+    c.pod.queued_together = False
+    nodes = dry("create", pod_lib.from_config(c)).commands[1:]  # gcloud, one request per node
+    assert len(nodes) == 5
+    for option in ("--network=dora-net", "--internal-ips", "--tags=dora-qwen7b-dapo-dora", f"--service-account={SA}"):
+        assert all(option in command for command in nodes), option
+
+
+def test_a_default_network_or_no_service_account_is_refused():
+    c = dapo_config()
+    c.pod.network = "default"
+    _refuse(c, "pod.network='default'", "default-allow-internal")
+    c = dapo_config()
+    c.pod.service_account = ""
+    _refuse(c, "pod.service_account=''")
+    c = dapo_config()
+    c.pod.transfer_port = 8469  # its bulk port would be the coordinator's
+    _refuse(c, "pod.transfer_port=8469")
+
+
+@pytest.mark.parametrize("config", [dapo_config, multislice_config], ids=["slices", "multislice"])
+def test_run_hands_each_node_only_its_credentials_and_prints_no_secret(config, tmp_path):
+    pod = pod_lib.from_config(config())
+    shell = dry("run", pod, config_path="configs/qwen2_5_7b_dapo.py", coordinator_ip=IP, credentials_dir=str(tmp_path))
+    secret = (tmp_path / "run_secret").read_text()
+    tokens = [p.read_text() for p in tmp_path.glob("*.token")]
+    key = (tmp_path / "server.key").read_text()
+    assert len(secret) == 64 and len(tokens) == len(pod.nodes)
+    printed = shell.out.getvalue() + repr(shell.commands)
+    for value in (secret, *tokens, key, *(t.split(".")[1] for t in tokens)):
+        assert value not in printed
+    copied = {
+        c[-4].split(":")[0]: {os.path.basename(f) for f in c[5:-4]}
+        for c in shell.commands
+        if c[3:5] == ["tpu-vm", "scp"]
+    }
+    trainer, *rollouts = (n.name for n in pod.nodes)
+    assert copied[trainer] == {"run_secret", "server.pem", "server.key", "trainer.token", "ca.pem"}
+    for i, name in enumerate(rollouts):
+        assert copied[name] == {f"rollout-{i}.token", "ca.pem"}  # never the secret or another role's token

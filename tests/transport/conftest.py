@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+import jax.numpy as jnp
 import pytest
 
 from dora_jax.models import init_model, split
@@ -44,6 +46,17 @@ def tiny_params():
 def two_engines(tiny_params):
     slices = sharding.split_devices({"data": 1}, {"tensor": 2}, 2)
     engines = [RolloutEngine(TINY, ENGINE, mesh) for mesh in slices.rollout]
+    for engine in engines:
+        engine.warmup(engine.load_params(tiny_params))
+    return engines
+
+
+@pytest.fixture(scope="session")
+def two_bf16_engines(tiny_params):
+    """The same two engines computing (and caching KV) in bfloat16, as every real config serves."""
+    slices = sharding.split_devices({"data": 1}, {"tensor": 2}, 2)
+    config = dataclasses.replace(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    engines = [RolloutEngine(config, ENGINE, mesh) for mesh in slices.rollout]
     for engine in engines:
         engine.warmup(engine.load_params(tiny_params))
     return engines

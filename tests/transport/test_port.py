@@ -70,13 +70,22 @@ def _slowed(worker, seconds):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "direct,pullable", [(False, True), (True, True), (True, False)], ids=["kv_inline", "kv_transfer_server", "no_pull"]
+    "direct,pullable,engines",
+    [
+        (False, True, "two_engines"),
+        (True, True, "two_engines"),
+        (True, False, "two_engines"),
+        (False, True, "two_bf16_engines"),
+    ],
+    ids=["kv_inline", "kv_transfer_server", "no_pull", "kv_inline_bf16"],
 )
-def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, direct, pullable):
+def test_remote_migration_equals_unmigrated(request, tiny_params, tmp_path, direct, pullable, engines):
     """The KV rows through the coordinator's stream, or (`direct`) pulled by the destination from
     the source's transfer server, the coordinator carrying a ticket: the same tokens either way.
     A destination that cannot pull them (`pullable=False`: it has no transfer server) re-prefills
-    them and says which in its import's result (the coordinator's ledger writes `how: reprefill`)."""
+    them and says which in its import's result (the coordinator's ledger writes `how: reprefill`).
+    `kv_inline_bf16`: bfloat16 KV rows (every real config's) framed as raw bytes on the stream."""
+    two_engines = request.getfixturevalue(engines)
     reference = RolloutWorker(two_engines[0], slice_id=0, eos_ids=())
     reference.load_version(0, tiny_params)
     for request in _requests():
@@ -126,6 +135,7 @@ def test_remote_migration_equals_unmigrated(two_engines, tiny_params, tmp_path, 
             assert all(i.k_LSKD.shape[1] == two_engines[0].config.rows_bucket(i.position) for i in items)
         else:
             assert all(i.kv_ticket is None and i.k_LSKD.shape[1] == i.position for i in items)
+            assert all(i.k_LSKD.dtype == two_engines[0].model_config.dtype for i in items)
         reprefilled = destination.import_(items[::-1])
         assert reprefilled == ([] if pullable else [i.request.traj_id for i in items[::-1]])
         _until(lambda: len(sink.finished) == 4, what="the migrated requests to finish")

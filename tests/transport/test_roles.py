@@ -14,6 +14,7 @@ import time
 import pytest
 
 import dora_jax
+from dora_jax.transport import auth
 from dora_jax.transport.service import CoordinatorService, Identity, make_server
 
 pytestmark = pytest.mark.slow  # every test here starts a rollout_worker process
@@ -27,8 +28,12 @@ CONFIG = [
 ]
 
 
+SECRET = bytes(range(32))
+
+
 def _rollout_worker(tmp_path, address, *extra, timeout=300):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env[auth.TOKEN_ENV] = auth.role_token(SECRET, auth.rollout(1))  # what launch_local hands slice 1
     return subprocess.run(
         [
             sys.executable,
@@ -50,15 +55,31 @@ def _rollout_worker(tmp_path, address, *extra, timeout=300):
 
 def test_a_worker_with_another_config_is_refused(tmp_path):
     service = CoordinatorService(Identity("f" * 64, dora_jax.__version__, 2, 4), log=lambda m: None)
-    server, port = make_server(service, 0, host="127.0.0.1")
+    server, port = make_server(service, 0, host="127.0.0.1", auth=auth.Authenticator(SECRET, 2))
     try:
         proc = _rollout_worker(tmp_path, f"127.0.0.1:{port}")
     finally:
         server.stop(0)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "refused Register: config hash" in proc.stderr and "ffffffffffff" in proc.stderr
+    # The worker's own hash is named, never the coordinator's (a refusal reveals nothing of the run).
+    assert "refused Register: config hash" in proc.stderr and "ffffffffffff" not in proc.stderr
     assert "same --config file and the same --config.* overrides" in proc.stderr
     assert service.ports == {}
+
+
+def test_a_worker_without_a_role_token_exits_naming_the_variables(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in auth.CREDENTIAL_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dora_jax.rollout_worker", *CONFIG, f"--workdir={tmp_path}", "--coordinator=127.0.0.1:1"]
+        + ["--slice_id=1"],
+        cwd=ROOT,
+        env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "cannot authenticate to the coordinator: no role token: set DORA_ROLE_TOKEN_FILE" in proc.stderr
 
 
 def test_an_unreachable_coordinator_ends_the_worker_after_the_deadline(tmp_path):
