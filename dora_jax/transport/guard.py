@@ -203,12 +203,24 @@ class Guard(grpc.ServerInterceptor):
             def deserialize(raw: bytes, parse=handler.request_deserializer):
                 return _Oversized(len(raw)) if len(raw) > SMALL_REQUEST_BYTES else parse(raw)
 
-        def admitted(context) -> tuple[str, str] | None:
+        def admitted(context) -> Callable[[], None]:
+            """Takes the call's slot; returns what gives it back, once: when the call ends (a caller
+            that went away frees its slot at once, not when a blocked stream handler next wakes)
+            or when the handler returns, whichever comes first."""
             key = self._slots.take(method, rule, principal) if rule.per_caller else None
             if rule.per_caller and key is None:
                 self._log(f"refused a call of {method} by {principal.name if principal else 'a client'}: too many open")
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many concurrent {method} calls from this role")
-            return key
+            if key is None:
+                return lambda: None
+            once = threading.Lock()
+
+            def release() -> None:
+                if once.acquire(blocking=False):
+                    self._slots.give_back(key)
+
+            context.add_callback(release)
+            return release
 
         def checked(request, context):
             if isinstance(request, _Oversized):
@@ -227,21 +239,19 @@ class Guard(grpc.ServerInterceptor):
         if handler.response_streaming:
 
             def run(request, context):
-                key = admitted(context)
+                release = admitted(context)
                 try:
                     yield from behaviour(checked(request, context), Authenticated(context, principal))
                 finally:
-                    if key is not None:
-                        self._slots.give_back(key)
+                    release()
         else:
 
             def run(request, context):
-                key = admitted(context)
+                release = admitted(context)
                 try:
                     return behaviour(checked(request, context), Authenticated(context, principal))
                 finally:
-                    if key is not None:
-                        self._slots.give_back(key)
+                    release()
 
         return handler._replace(request_deserializer=deserialize, **{kind: run})
 

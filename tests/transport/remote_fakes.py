@@ -24,7 +24,7 @@ import grpc
 import dora_jax
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger
-from dora_jax.transport import codec
+from dora_jax.transport import auth, codec
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import CallFailed, Client, ClientTiming, SessionLost
 from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
@@ -34,19 +34,26 @@ HASH = "5eed" * 16
 TIMING = Timing(heartbeat_period_s=0.05, heartbeat_timeout_s=10.0, command_timeout_s=10.0, rejoin_timeout_s=120.0)
 
 
-def serve(service: CoordinatorService):
-    """(server, address) of `service` on a free loopback port."""
-    server, port = make_server(service, 0, host="127.0.0.1")
+SECRET = bytes(range(32))  # the run secret of a RemoteRun: each role presents its own token, as on a pod
+
+
+def serve(service: CoordinatorService, secret: bytes | None = None):
+    """(server, address) of `service` on a free loopback port; with `secret`, role tokens checked."""
+    authenticator = auth.Authenticator(secret, service.identity.num_slices) if secret else None
+    server, port = make_server(service, 0, host="127.0.0.1", auth=authenticator)
     return server, f"127.0.0.1:{port}"
 
 
-def connect(address: str) -> Client:
-    return Client(address, ClientTiming(call_timeout_s=10.0, unreachable_after_s=30.0, backoff_s=0.02))
+def connect(address: str, principal: auth.Principal | None = None, secret: bytes = SECRET) -> Client:
+    """A client; with `principal`, presenting that role's token of `secret`."""
+    credentials = auth.ClientCredentials(auth.role_token(secret, principal)) if principal else None
+    timing = ClientTiming(call_timeout_s=10.0, unreachable_after_s=30.0, backoff_s=0.02)
+    return Client(address, timing, credentials)
 
 
 class RemoteFake:
     def __init__(self, address: str, slice_id: int, num_slots: int, length_of):
-        self.client = connect(address)
+        self.client = connect(address, auth.rollout(slice_id))
         self.slice_id, self.num_slots, self._length_of = slice_id, num_slots, length_of
         self.worker = FakeWorker(slice_id, num_slots, [self], length_of)
         self._seq, self._post_lock = 0, threading.Lock()
@@ -156,12 +163,12 @@ class RemoteRun:
         self.service = CoordinatorService(
             Identity(HASH, dora_jax.__version__, slices, slots), TIMING, log=self.log.append
         )
-        self.server, self.address = serve(self.service)
+        self.server, self.address = serve(self.service, SECRET)
         length_of = longtail(seed, median=4, cap=30)
         self.fakes = [RemoteFake(self.address, sid, slots, length_of) for sid in range(slices)]
         for fake in self.fakes:
             fake.thread.start()
-        self.trainer = connect(self.address)
+        self.trainer = connect(self.address, auth.TRAINER)
         self.trainer.register(pb.TRAINER, HASH)
         self.trainer.stub.ReportPublished(pb.PublishedRequest(session=self.trainer.session, version=0), timeout=10)
         ports, version = self.service.wait_ready(30)
