@@ -149,8 +149,9 @@ def test_killed_rollout_and_trainer_actors_are_restarted_and_the_run_finishes(cl
 
 def test_a_stopped_job_resumes_when_submitted_again(cluster, tmp_path):
     """SIGTERM to the driver (what `ray job stop` sends first): every role is stopped, the
-    coordinator first; the same command on the same workdir resumes from the newest checkpoint
-    and the audit over the whole ledger is clean, every step trained once."""
+    trainer first with a checkpoint of its last step; the same command on the same workdir
+    resumes from the newest checkpoint and the audit over the whole ledger is clean, every step
+    trained once."""
     steps = 6
     workdir = tmp_path / "run"
     extra = (f"--config.num_steps={steps}", "--config.checkpoint.every_steps=1")
@@ -163,8 +164,11 @@ def test_a_stopped_job_resumes_when_submitted_again(cluster, tmp_path):
         if proc.poll() is None:
             proc.kill()
     first = _summary(out)
-    assert first["roles"].get("trainer") != 0, "the run finished before it was stopped"
-    assert sum(e["ev"] == "publish" for e in _events(workdir)) < steps
+    # The trainer was stopped first: it finished its step, saved a checkpoint of it and exited 75.
+    assert first["roles"]["trainer"] == 75, first["roles"]
+    published = [e["version"] for e in _events(workdir) if e["ev"] == "publish"]
+    assert max(published) < steps
+    assert (workdir / "checkpoints" / str(max(published))).is_dir(), sorted(os.listdir(workdir / "checkpoints"))
 
     again = subprocess.run(**_command(cluster, workdir, *extra), capture_output=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

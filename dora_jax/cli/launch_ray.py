@@ -46,6 +46,7 @@ from absl import app, flags
 
 from dora_jax import cli
 from dora_jax.core import fs, tpu_slices
+from dora_jax.transport import auth
 
 try:
     import ray
@@ -64,6 +65,7 @@ MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3, "Ray restarts of each rol
 TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "stop every role after this long")
 PLACEMENT_TIMEOUT_S = flags.DEFINE_float("placement_timeout_s", 600.0, "wait this long for the slices' nodes")
 STOP_GRACE_S = 20.0
+TRAINER_STOP_S = 120.0  # a stopped trainer finishes its step and saves a checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +169,16 @@ class RoleActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def run(self, extra_argv: list[str]) -> int:
-        if self.child is not None and self.child.poll() is None:  # a call submitted again: join the running role
+    def run(self, extra_argv: list[str], credentials: list) -> int:
+        """Starts the role (or joins it, when a call is submitted again to a live actor).
+        `credentials`: [a reference to the role's variables in Ray's object store] (the run secret
+        for the coordinator, the role's own token for the others), read here and handed to the
+        role's environment: never a command line."""
+        if self.child is not None and self.child.poll() is None:
             return self._wait()
-        env = {**os.environ, **self.env}
+        env = {k: v for k, v in os.environ.items() if k not in auth.CREDENTIAL_ENV}
+        env.update(self.env)
+        env.update(ray.get(credentials[0]))
         cwd = self.cwd if os.path.isdir(self.cwd) else os.getcwd()
         command = [sys.executable, "-m", f"dora_jax.{self.module}", *self.argv, *extra_argv]
         print(f"[{self.name}] {time.strftime('%H:%M:%S')} python -m dora_jax.{self.module}", flush=True)
@@ -225,18 +233,21 @@ def start_roles(slices: list[SlicePlan], common: list[str], *, max_restarts: int
     ).remote("coordinator", "serve_coordinator", [*common], _role_env(None, cpu), os.getcwd())
     port = ray.get(coordinator.free_port.remote())
     address = f"{ray.get(coordinator.node.remote())['ip']}:{port}"
-    roles = {"coordinator": RoleRun(coordinator, [f"--port={port}"])}
+    secret = auth.new_secret()  # this launch's; it reaches the coordinator through the object store alone
+    roles = {"coordinator": RoleRun(coordinator, [f"--port={port}"], ray.put({auth.SECRET_ENV: secret.hex()}))}
     for plan_ in sorted(slices, key=lambda p: -p.hosts):  # multi-host slices first: a one-host bundle may fit anywhere
         argv = [*common, f"--coordinator={address}"]
         if plan_.name != "trainer":
             argv.append(f"--slice_id={plan_.name.split('_')[1]}")
-        roles.update(_start_slice(Role, plan_, argv, options, cpu))
+        principal = auth.TRAINER if plan_.name == "trainer" else auth.rollout(int(plan_.name.split("_")[1]))
+        token = ray.put({auth.TOKEN_ENV: auth.role_token(secret, principal)})  # that role's alone
+        roles.update(_start_slice(Role, plan_, argv, options, cpu, token))
     for run_ in roles.values():
         run_.submit()
     return roles
 
 
-def _start_slice(Role, plan_: SlicePlan, argv: list[str], options: dict, cpu: bool) -> dict:
+def _start_slice(Role, plan_: SlicePlan, argv: list[str], options: dict, cpu: bool, token) -> dict:
     """One slice: its TPU slice placement group, one actor per host (named `<slice>`, `<slice>_h1`,
     ...: host i runs on TPU worker i), each running the role."""
     handle = slice_placement_group(plan_.topology, plan_.accelerator_version, name=f"dora-{plan_.name}")
@@ -254,7 +265,7 @@ def _start_slice(Role, plan_: SlicePlan, argv: list[str], options: dict, cpu: bo
         for name, bundle in zip(names, _bundles_by_host(handle.placement_group, plan_.hosts))
     ]
     host_args = _host_args(actors, plan_.hosts, cpu)
-    return {name: RoleRun(actor, args) for name, actor, args in zip(names, actors, host_args)}
+    return {name: RoleRun(actor, args, token) for name, actor, args in zip(names, actors, host_args)}
 
 
 def _tpu_worker_id() -> int:
@@ -294,11 +305,12 @@ class RoleRun:
 
     actor: object
     args: list[str]
+    credentials: object  # a reference to the role's credential variables in the object store
     ref: object = None
     resubmitted: int = 0
 
     def submit(self) -> None:
-        self.ref = self.actor.run.remote(self.args)
+        self.ref = self.actor.run.remote(self.args, [self.credentials])
 
 
 def _collect(runs: dict, name: str, outcome: dict, stop: dict, max_restarts: int) -> None:
@@ -332,10 +344,15 @@ def supervise(runs: dict, stop: dict, timeout_s: float, max_restarts: int) -> di
             _collect(runs, pending[ref], outcome, stop, max_restarts)
     if outcome.get("trainer") == 0:  # the coordinator stops the workers by itself
         _wait_all(runs, outcome, STOP_GRACE_S)
-    for name in ["coordinator", *[n for n in runs if n != "coordinator"]]:
+    # Stopped early: the trainer first (it checkpoints after its step, with the coordinator's
+    # snapshot), then the coordinator (it stops the rollout workers), then whatever is left.
+    order = ["trainer", "coordinator", *[n for n in runs if n not in ("trainer", "coordinator")]]
+    for name in order:
         if name not in outcome:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(runs[name].actor.stop.remote(), timeout=10)
+            if name == "trainer":
+                _wait_all({name: runs[name]}, outcome, TRAINER_STOP_S)
     _wait_all(runs, outcome, STOP_GRACE_S)
     for run_ in runs.values():
         ray.kill(run_.actor, no_restart=True)

@@ -30,7 +30,9 @@ import contextlib
 import dataclasses
 import functools
 import json
+import signal
 import sys
+import threading
 import time
 
 from absl import app, flags
@@ -58,17 +60,21 @@ def main(argv):
     from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused, SessionLost
 
     client = Client(address, roles.client_timing(), roles.client_credentials())
+    stop = threading.Event()  # SIGTERM (a preemption notice, `ray job stop`): checkpoint and exit 75
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        train(config, workdir, client)
+        train(config, workdir, client, stop)
     except (CoordinatorUnreachable, Refused, SessionLost, CallFailed) as err:
         roles.fail(str(err))
     finally:
         client.close()
 
 
-def train(config, workdir: str, client) -> None:
+def train(config, workdir: str, client, stop: threading.Event | None = None) -> None:
     """The training loop; `client` is None on hosts 1.. of a multi-host trainer, which take every
-    batch from host 0 (`_BatchSource`) and run the same step and publish."""
+    batch from host 0 (`_BatchSource`) and run the same step and publish. `stop` set (SIGTERM on a
+    one-host trainer) ends it after the step in progress with a checkpoint: exit status 75, the run
+    not finished (the same command on the workdir resumes it)."""
     import jax
 
     from dora_jax.parallel import sharding
@@ -154,6 +160,7 @@ def train(config, workdir: str, client) -> None:
                     after_step=checkpoints.after_step,
                     on_row=on_row,
                     start=start,
+                    should_stop=stop.is_set if stop is not None and channel is None else None,
                 )
                 break
             except (SessionLost, CoordinatorUnreachable) as err:
@@ -162,6 +169,8 @@ def train(config, workdir: str, client) -> None:
                 _log(f"lost the coordinator ({err}); joining again to resume from the newest checkpoint")
                 _rejoin(client, store, trainer, checkpoints)
                 report(trainer.version)
+        if trainer.version < config.num_steps and checkpoints.last_saved != trainer.version:
+            checkpoints.save()  # stopped between scheduled checkpoints
     except BaseException:
         source.abort()
         raise
@@ -173,6 +182,9 @@ def train(config, workdir: str, client) -> None:
             store.flush()  # the last version durable before the coordinator stops the slices
         except OSError as err:
             _log(str(err))
+    if trainer.version < config.num_steps:  # stopped (SIGTERM) after its checkpoint: not finished
+        _log(f"stopped at step {trainer.version} of {config.num_steps} after a checkpoint; rerun to resume")
+        sys.exit(75)
     if leader:  # after the last checkpoint: the coordinator stops the workers and exits
         finish = pb.FinishRequest(session=client.session)
         client.call("Finish", lambda t: client.stub.Finish(finish, timeout=t))
@@ -212,6 +224,7 @@ class _Checkpoints:
         self._trainer, self._store, self._client, self._channel = trainer, store, client, channel
         self._workdir = workdir
         self._fingerprint = resume.fingerprint(config, setup)
+        self.last_saved: int | None = None  # the trainer version of the newest checkpoint this process saved
 
     def steps(self) -> list[int]:
         return self._checkpointer.steps()
@@ -249,6 +262,10 @@ class _Checkpoints:
     def after_step(self, step: int) -> dict:
         if not self._every or (step + 1) % self._every:
             return {}
+        return self.save()
+
+    def save(self) -> dict:
+        """A checkpoint of the trainer's state now, with the coordinator's from its Snapshot."""
         from dora_jax.runtime.checkpoint import CheckpointError
 
         trainer, t0 = self._trainer, time.perf_counter()
@@ -268,6 +285,7 @@ class _Checkpoints:
         except CheckpointError as err:
             _log(f"{err}; the previous checkpoint stays in use")
             return {"checkpoint_error": 1}
+        self.last_saved = trainer.version
         return {"checkpoint_s": time.perf_counter() - t0}
 
     def _meta(self) -> dict:
