@@ -792,12 +792,16 @@ class RolloutEngine:
         """The host's page pool of the live decode state (None: dense cache)."""
         return self._pages
 
-    def _next_rows(self, slot: int) -> int:
-        return min(int(self._position[slot]) + 1, self.config.cache_length)
+    def _growing(self, skip: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(slots, their rows after the next step, pages each lacks for them) of the occupied slots
+        but `skip` (numpy over the slots: this runs before every decode step)."""
+        active = np.flatnonzero(self._active & (np.arange(self.config.num_slots) != skip))
+        rows = np.minimum(self._position[active] + 1, self.config.cache_length)
+        lacking = np.maximum(0, -(-rows // self.config.page_size) - self._pages.held[active])
+        return active, rows, lacking
 
     def _decoding_shortfall(self, skip: int = -1) -> int:
-        pool = self._pages
-        return sum(pool.shortfall(s, self._next_rows(s)) for s in np.flatnonzero(self._active) if s != skip)
+        return int(self._growing(skip)[2].sum())
 
     def page_shortfall(self) -> int:
         """Pages the next `generate` needs beyond those free (> 0: it would raise OutOfPages; the
@@ -1127,9 +1131,9 @@ class RolloutEngine:
             raise OutOfPages(
                 f"the next decode step needs {self._decoding_shortfall()} more pages; {self._pages.free_pages} are free"
             )
-        active = np.flatnonzero(self._active)
-        for slot in active:
-            self._pages.grow(slot, self._next_rows(slot))
+        active, rows, lacking = self._growing()
+        for slot, n in zip(active[lacking > 0].tolist(), rows[lacking > 0].tolist()):  # a new page every N steps
+            self._pages.grow(slot, n)
         out = self._generate_jit(params, decode_state, self._device_table(), sampler=sampler)
         self._position[active] = np.minimum(self._position[active] + 1, self.config.cache_length - 1)
         return out
