@@ -74,7 +74,7 @@ class EngineBenchConfig:
     compare_dense: bool = True  # paged: also time a dense engine's worker loop, side by side
     migration: bool = True  # time moving a request between two slices, by KV and by re-prefill
     migration_repeats: int = 5  # timed moves per prefix length and way
-    workload_sequences: int = 32  # end-to-end workload: prompts (of prompt_length tokens; <= slots)
+    workload_sequences: int = 32  # end-to-end workload: prompts of prompt_length tokens (at most `slots` of them)
     workload_new_tokens: int = 64  # tokens generated per prompt, the first by prefill
     workload_rounds: int = 3  # rounds of the two workload paths, alternating (medians)
     workload_only: bool = False  # time the end-to-end workload alone (nothing else)
@@ -308,15 +308,13 @@ def _measure_prefill(config: EngineBenchConfig, engine, params, rng) -> list[dic
 
 
 def _workload_prompts(config: EngineBenchConfig, rng: np.random.Generator) -> list[PrefillRequest]:
-    if config.workload_sequences > config.slots:
-        raise ValueError(f"workload_sequences={config.workload_sequences} > slots={config.slots}; expected <= slots")
     return [
         PrefillRequest(
             slot=i,
             tokens=rng.integers(0, config.vocab_size, config.prompt_length).astype(np.int32),
             sampling=SamplingParams(temperature=1.0, seed=i),
         )
-        for i in range(config.workload_sequences)
+        for i in range(min(config.workload_sequences, config.slots))
     ]
 
 
@@ -375,9 +373,9 @@ def _measure_workload(config: EngineBenchConfig, engine: RolloutEngine, params, 
         for name in names[round_ % 2 :] + names[: round_ % 2]:
             prefill_s, decode_s, _ = paths[name](engine, params, prompts, config.workload_new_tokens)
             times[name].append((prefill_s, decode_s))
-    generated = config.workload_sequences * config.workload_new_tokens
+    generated = len(prompts) * config.workload_new_tokens
     out = {
-        "sequences": config.workload_sequences,
+        "sequences": len(prompts),
         "prompt_length": config.prompt_length,
         "new_tokens": config.workload_new_tokens,
         "rounds": config.workload_rounds,
