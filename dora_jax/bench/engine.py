@@ -13,6 +13,15 @@ step costs about the same for 1 and for `slots` requests (DESIGN.md, "Regime").
 `worker_loop`: seconds per decode step at full occupancy of the bare decode loop and of
 `RolloutWorker.step()` pipelined (the default) and not, timed side by side; `worker_overhead` =
 pipelined step / bare step (issue target: <= 1.1). `kv`: the dense cache's bytes and capacity.
+
+`workload`: `workload_sequences` prompts of `prompt_length` tokens, `workload_new_tokens` tokens
+each (the first from prefill), generated end to end two ways on the same engine, alternating in
+one process for `workload_rounds` rounds (medians): `one_at_a_time` (a prefill and an insert per
+prompt, then every decode step's tokens read before the next is dispatched: the engine's path
+before batched prefill) and `batched` (`prefill_insert`, then each decode step dispatched before
+the previous one's tokens are read). Both must sample the same tokens. `speedup` = median over
+rounds of one_at_a_time seconds / batched seconds; `prefill_share` = each path's prefill seconds
+/ its total. `workload_only` runs this alone.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import numpy as np
 from dora_jax.core.records import Request, SamplingParams
 from dora_jax.models import ModelConfig, init_model, moe_fields, split
 from dora_jax.parallel import sharding
-from dora_jax.rollout.engine import EngineConfig, RolloutEngine
+from dora_jax.rollout.engine import EngineConfig, PrefillRequest, RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 
 
@@ -65,6 +74,10 @@ class EngineBenchConfig:
     compare_dense: bool = True  # paged: also time a dense engine's worker loop, side by side
     migration: bool = True  # time moving a request between two slices, by KV and by re-prefill
     migration_repeats: int = 5  # timed moves per prefix length and way
+    workload_sequences: int = 32  # end-to-end workload: prompts of prompt_length tokens (at most `slots` of them)
+    workload_new_tokens: int = 64  # tokens generated per prompt, the first by prefill
+    workload_rounds: int = 3  # rounds of the two workload paths, alternating (medians)
+    workload_only: bool = False  # time the end-to-end workload alone (nothing else)
     seed: int = 0
 
 
@@ -294,6 +307,95 @@ def _measure_prefill(config: EngineBenchConfig, engine, params, rng) -> list[dic
     return rows
 
 
+def _workload_prompts(config: EngineBenchConfig, rng: np.random.Generator) -> list[PrefillRequest]:
+    return [
+        PrefillRequest(
+            slot=i,
+            tokens=rng.integers(0, config.vocab_size, config.prompt_length).astype(np.int32),
+            sampling=SamplingParams(temperature=1.0, seed=i),
+        )
+        for i in range(min(config.workload_sequences, config.slots))
+    ]
+
+
+def _one_at_a_time(engine: RolloutEngine, params, prompts, new_tokens: int) -> tuple[float, float, np.ndarray]:
+    """(prefill s, decode s, tokens [n, new_tokens]): a prefill and insert per prompt, each first
+    token read; then every decode step's tokens read before the next step is dispatched."""
+    start, state, columns = time.perf_counter(), engine.init_decode_state(), []
+    first = []
+    for p in prompts:
+        prefix, result = engine.prefill(
+            params=params, padded_tokens=p.tokens, true_length=len(p.tokens), sampling=p.sampling
+        )
+        state = engine.insert(prefix, state, p.slot)
+        first.append(int(jax.device_get(result.data)[0, 0]))
+    jax.block_until_ready(state)
+    prefilled = time.perf_counter()
+    columns.append(np.asarray(first))
+    for _ in range(new_tokens - 1):
+        state, result = engine.generate(params, state)
+        data, _ = jax.device_get((result.data, result.log_prob))
+        columns.append(data[: len(prompts), 0])
+    return prefilled - start, time.perf_counter() - prefilled, np.stack(columns, axis=1)
+
+
+def _batched(engine: RolloutEngine, params, prompts, new_tokens: int) -> tuple[float, float, np.ndarray]:
+    """(prefill s, decode s, tokens): batched prefills, then each decode step dispatched before the
+    previous one's tokens are read (copied to host meanwhile)."""
+    start = time.perf_counter()
+    state, programs = engine.prefill_insert(params, engine.init_decode_state(), prompts)
+    jax.block_until_ready(state)
+    prefilled = time.perf_counter()
+    first = np.zeros((len(prompts),), np.int64)
+    for result, members in programs:
+        first[list(members)] = jax.device_get(result.data)[: len(members), 0]
+    columns, unread = [first], []
+    for _ in range(new_tokens - 1):
+        state, result = engine.generate(params, state)
+        result.copy_to_host_async()
+        unread.append(result)
+        if len(unread) > 1:
+            columns.append(unread.pop(0).convert_to_numpy().data[: len(prompts), 0])
+    columns += [u.convert_to_numpy().data[: len(prompts), 0] for u in unread]
+    return prefilled - start, time.perf_counter() - prefilled, np.stack(columns, axis=1)
+
+
+def _measure_workload(config: EngineBenchConfig, engine: RolloutEngine, params, rng) -> dict:
+    """The end-to-end workload both ways, alternating, medians of the rounds (see the module docstring)."""
+    prompts = _workload_prompts(config, rng)
+    paths = {"one_at_a_time": _one_at_a_time, "batched": _batched}
+    tokens = {name: run(engine, params, prompts, config.workload_new_tokens)[2] for name, run in paths.items()}
+    if not np.array_equal(tokens["one_at_a_time"], tokens["batched"]):
+        raise AssertionError("bench engine: the batched workload sampled other tokens than the one-at-a-time one")
+    times = {name: [] for name in paths}
+    names = list(paths)
+    for round_ in range(config.workload_rounds):
+        for name in names[round_ % 2 :] + names[: round_ % 2]:
+            prefill_s, decode_s, _ = paths[name](engine, params, prompts, config.workload_new_tokens)
+            times[name].append((prefill_s, decode_s))
+    generated = len(prompts) * config.workload_new_tokens
+    out = {
+        "sequences": len(prompts),
+        "prompt_length": config.prompt_length,
+        "new_tokens": config.workload_new_tokens,
+        "rounds": config.workload_rounds,
+        "same_tokens": True,
+    }
+    for name, rounds in times.items():
+        total = [p + d for p, d in rounds]
+        out[name] = {
+            "seconds": float(np.median(total)),
+            "prefill_s": float(np.median([p for p, _ in rounds])),
+            "decode_step_s": float(np.median([d for _, d in rounds])) / max(1, config.workload_new_tokens - 1),
+            "prefill_share": float(np.median([p / (p + d) for p, d in rounds])),
+            "tokens_per_s": generated / float(np.median(total)),
+            "rounds_s": total,
+        }
+    ratios = np.asarray(out["one_at_a_time"]["rounds_s"]) / np.asarray(out["batched"]["rounds_s"])
+    out["speedup"] = float(np.median(ratios))  # the same round's pair (the load drifts between rounds)
+    return out
+
+
 def _measure_migration(config: EngineBenchConfig, params) -> list[dict] | None:
     """`dora_jax.bench.migration` on two slices of the engine under test (None without the devices)."""
     from dora_jax.bench.migration import measure_migration
@@ -319,6 +421,18 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     rng = np.random.default_rng(config.seed)
     engine.warmup(params, migration=False)
     compiled = engine.compile_counts()
+    if config.workload_only:
+        results = {"workload": _measure_workload(config, engine, params, rng)}
+        after = engine.compile_counts()
+        results |= {
+            "compiles_after_warmup": sum(after[name] - compiled[name] for name in after),
+            "model": dataclasses.asdict(config) | {"params": int(sum(x.size for x in jax.tree.leaves(params)))},
+            "slots": config.slots,
+            "devices": [str(d) for d in devices],
+        }
+        _write(results, out_dir)
+        return results
+    workload = _measure_workload(config, engine, params, rng)
     decode = _measure_decode(config, engine, params, mesh, rng)
     worker_loop, worker = _measure_worker_loop(config, mesh, params, rng)
     decode[-1]["worker_step_time_s"] = worker_loop["worker_step_time_s"]
@@ -329,6 +443,7 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
         "decode": decode,
         "prefill": prefill,
         "worker_loop": worker_loop,
+        "workload": workload,
         "kv": _kv_figures(engine, worker),
         "compiles_after_warmup": sum(after[name] - compiled[name] for name in after),
         "model": dataclasses.asdict(config) | {"params": int(sum(x.size for x in jax.tree.leaves(params)))},
@@ -340,15 +455,39 @@ def run_engine_bench(config: EngineBenchConfig, out_dir: str | None) -> dict:
     if config.batch_curve:
         by_slots = {p["active_slots"]: p["batch_step_time_s"] for p in decode}
         results["flat_ratio"] = by_slots[config.slots] / by_slots[1]
+    _write(results, out_dir)
+    return results
+
+
+def _write(results: dict, out_dir: str | None) -> None:
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "engine.json"), "w") as f:
             json.dump(results, f, indent=1)
-    return results
+
+
+def _workload_lines(work: dict) -> list[str]:
+    lines = [
+        f"workload: {work['sequences']} x ({work['prompt_length']} + {work['new_tokens']}) tokens, "
+        f"medians of {work['rounds']} rounds side by side"
+    ]
+    lines.append(f"{'path':>14} {'tokens/s':>9} {'total ms':>9} {'prefill ms':>10} {'share':>6} {'step ms':>8}")
+    for name in ("one_at_a_time", "batched"):
+        p = work[name]
+        lines.append(
+            f"{name:>14} {p['tokens_per_s']:9.0f} {1e3 * p['seconds']:9.1f} {1e3 * p['prefill_s']:10.1f} "
+            f"{p['prefill_share']:6.2f} {1e3 * p['decode_step_s']:8.3f}"
+        )
+    lines.append(f"batched / one-at-a-time tokens/s: {work['speedup']:.2f}x (same tokens: {work['same_tokens']})")
+    return lines
 
 
 def format_table(results: dict) -> str:
     """The decode and prefill tables as text."""
+    if "decode" not in results:  # workload_only
+        return "\n".join(
+            _workload_lines(results["workload"]) + [f"compiles after warm-up: {results['compiles_after_warmup']}"]
+        )
     lines = [f"{'active':>6} {'occupancy':>9} {'step ms':>8} {'tokens/s':>9} {'B-sized step ms':>15}"]
     for p in results["decode"]:
         sized = f"{1e3 * p['batch_step_time_s']:15.3f}" if "batch_step_time_s" in p else f"{'-':>15}"
@@ -379,6 +518,7 @@ def format_table(results: dict) -> str:
             else ""
         )
     )
+    lines += _workload_lines(results["workload"])
     lines.append(f"compiles after warm-up: {results['compiles_after_warmup']}")
     if results.get("migration"):
         lines.append(

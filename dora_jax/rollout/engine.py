@@ -15,7 +15,16 @@ device state before it builds the `SlotState`.
 
 Compiled programs are bounded: one `generate`; one `prefill` per bucket (powers of two from
 `min_prefill_bucket` to `max_prefill_length`); one `insert` per row bucket (powers of two up to
-the cache length; imports reuse them). The decode state is donated to `insert` and `generate`.
+the cache length; imports reuse them); one batched `prefill_insert` per (count, bucket) of
+`EngineConfig.prefill_batches` (C prompts padded to one bucket, at most `max_prefill_length`
+tokens together). The decode state is donated to `insert`, `prefill_insert` and `generate`.
+
+Batched prefill (`prefill_insert`): several requests' prompts in one forward, each right-padded
+to the batch's bucket (causal attention: padding changes nothing before it; a padding row's
+writes are dropped), their first tokens sampled with their own keys and positions, and their KV
+rows written into their slots (paged: every page of the batch in one scatter) in the same
+program. A request's tokens and log-probs are those of `prefill` + `insert`: only the batch's
+shapes differ (C letters the rows).
 """
 
 from __future__ import annotations
@@ -84,9 +93,13 @@ class EngineConfig:
     # the size where the chip's memory is unknown, as on CPU).
     num_pages: int = 0
     kv_memory_fraction: float = 0.8
+    # Most prompts one batched prefill program takes (a power of two; 1 = one prompt per prefill,
+    # as JetStream's API). A batch's prompts are padded to one bucket and take at most
+    # max_prefill_length tokens together (count x bucket), as the largest single prefill does.
+    max_prefill_batch: int = 32
 
     def __post_init__(self):
-        for name in ("max_prefill_length", "min_prefill_bucket"):
+        for name in ("max_prefill_length", "min_prefill_bucket", "max_prefill_batch"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"engine.{name}={value}; expected a power of two")
@@ -168,12 +181,47 @@ class EngineConfig:
             )
         return chunks
 
+    @property
+    def prefill_batches(self) -> tuple[tuple[int, int], ...]:
+        """(count C, bucket T) of every batched prefill program: C a power of two from 2 to
+        `max_prefill_batch` (and to the slots rounded up to a power of two), C x T <=
+        max_prefill_length."""
+        widest = min(self.max_prefill_batch, 1 << (self.num_slots - 1).bit_length())
+        out = []
+        for bucket in self.prefill_buckets:
+            count = 2
+            while count <= widest and count * bucket <= self.max_prefill_length:
+                out.append((count, bucket))
+                count *= 2
+        return tuple(out)
+
+    def batchable(self, length: int) -> bool:
+        """Whether a prefill of `length` tokens can share a batched program with others."""
+        return length <= self.max_prefill_length and (2, self.prefill_bucket(length)) in self.prefill_batches
+
+    def prefill_bucket(self, length: int) -> int:
+        """The bucket a prefill of `length` tokens (<= max_prefill_length) is padded to."""
+        return next(b for b in self.prefill_buckets if b >= length)
+
     def rows_bucket(self, rows: int) -> int:
         """Rows of a prefix holding `rows` valid rows: a power of two, capped at the cache length."""
         size = self.min_prefill_bucket
         while size < rows:
             size *= 2
         return min(size, self.cache_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRequest:
+    """One request of a batched prefill (`RolloutEngine.prefill_insert`): `tokens` (one chunk, at
+    most max_prefill_length) prefilled into `slot`; the other fields as `prefill`'s and `insert`'s."""
+
+    slot: int
+    tokens: Sequence[int]  # prompt ids (+ a response prefix when re-prefilled)
+    sampling: SamplingParams | None = None  # None: EngineConfig.default_sampling
+    rng: Any = None  # the request's base key (typed key or uint32[2]); None: from sampling.seed
+    sample_first: bool = True  # False: the last token stays pending (resuming a response)
+    shared_from: int | None = None  # paged: take this slot's whole pages below the prompt's end
 
 
 @flax.struct.dataclass
@@ -296,6 +344,74 @@ def _prefill_step(
     return prefix, result
 
 
+def _prefill_insert_step(
+    graphdef,
+    config: EngineConfig,
+    mesh: Mesh,
+    rules: sharding_lib.Rules,
+    params,
+    state: DecodeState,
+    tokens_CT,
+    length_C,
+    slot_C,
+    key_data_C2,
+    temperature_C,
+    top_p_C,
+    top_k_C,
+    sample_first_C,
+    pages_CQ=None,
+    *,
+    sampler,
+):
+    """Prefills C prompts (row c: its first length_C[c] tokens, right-padded to T) in one forward,
+    samples each one's first token and writes the rows into slots slot_C (a padding row's slot is
+    B: its writes are dropped); paged, row c's T rows go into pages pages_CQ[c] (0 = scratch)."""
+    model = nnx.merge(graphdef, params)
+    C, T = tokens_CT.shape
+    cache = KVCache.zeros(model.config, batch=C, length=T)
+    positions_CT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (C, T))
+    with sharding_lib.activation_layout(mesh, rules):  # the Pallas kernels (megablox) place their operands by it
+        logits_CTV, cache = model(tokens_CT, positions_CT, cache=cache)
+    last_C = length_C - 1
+    logits_CV = jnp.take_along_axis(logits_CTV, last_C[:, None, None], axis=1)[:, 0]
+    token_C, logp_C, sample_logp_C = _pick(
+        logits_CV, key_data_C2, length_C, temperature_C, top_p_C, top_k_C, sampler, config.sampling_filters, mesh, rules
+    )
+    pending_C = jnp.take_along_axis(tokens_CT, last_C[:, None], axis=1)[:, 0]
+    token_C = jnp.where(sample_first_C, token_C, pending_C).astype(jnp.int32)
+    logp_C = jnp.where(sample_first_C, logp_C, 0.0)
+    generated_C = sample_first_C.astype(jnp.int32)
+    if pages_CQ is None:
+        kv = tuple(
+            c.at[:, slot_C, :T].set(new.astype(c.dtype), mode="drop")
+            for c, new in zip((state.cache.k_LBSKD, state.cache.v_LBSKD), (cache.k_LBSKD, cache.v_LBSKD))
+        )
+        written = KVCache(*kv)
+    else:  # every row's pages in one pass: the batch's rows as one sequence of C x Q pages
+        flat = lambda x: x.reshape(x.shape[0], C * T, *x.shape[3:])  # noqa: E731
+        written = paged.write_rows(state.cache, flat(cache.k_LBSKD), flat(cache.v_LBSKD), pages_CQ.reshape(-1))
+
+    def put(vector, value):
+        return vector.at[slot_C].set(value.astype(vector.dtype), mode="drop")
+
+    state = DecodeState(
+        cache=written,
+        position_B=put(state.position_B, jnp.where(sample_first_C, length_C, length_C - 1)),
+        token_B=put(state.token_B, token_C),
+        generated_B=put(state.generated_B, generated_C),
+        key_data_B2=put(state.key_data_B2, key_data_C2),
+        temperature_B=put(state.temperature_B, temperature_C),
+        top_p_B=put(state.top_p_B, top_p_C),
+        top_k_B=put(state.top_k_B, top_k_C),
+    )
+    result = ResultTokens(
+        data=jnp.stack([token_C, generated_C, generated_C], axis=1),
+        log_prob=logp_C[:, None],
+        sample_log_prob=jnp.where(sample_first_C, sample_logp_C, 0.0)[:, None],
+    )
+    return state, result
+
+
 def _pick(logits_BV, key_data_B2, position_B, temperature_B, top_p_B, top_k_B, sampler, filters: bool, mesh, rules):
     """Next tokens and their log-probs: per-slot sampling, or the caller's `sampler`. The slice's
     mesh and rules are in context for `sampling.sample` only, which then samples the
@@ -398,7 +514,8 @@ def _read_slot(head_dim: int, state: DecodeState, slot, pages_Q=None, *, rows: i
 
 @functools.cache
 def _programs(model_config, config, mesh, rules, graphdef, state_shardings, prefix_shardings):
-    """The jitted programs of one (model, sizes, mesh, rules): (init, prefill, insert, generate, read)."""
+    """The jitted programs of one (model, sizes, mesh, rules): (init, prefill, insert, generate, read,
+    prefill_insert)."""
     replicated = sharding_lib.replicated(mesh)
     result_shardings = ResultTokens(data=replicated, log_prob=replicated, sample_log_prob=replicated)
     return (
@@ -422,7 +539,28 @@ def _programs(model_config, config, mesh, rules, graphdef, state_shardings, pref
         jax.jit(
             functools.partial(_read_slot, model_config.head_dim), static_argnames=("rows",), out_shardings=replicated
         ),
+        jax.jit(
+            functools.partial(_prefill_insert_step, graphdef, config, mesh, rules),
+            static_argnames=("sampler",),
+            donate_argnums=(1,),
+            out_shardings=(state_shardings, result_shardings),
+        ),
     )
+
+
+def _batch_shapes(config: EngineConfig, count: int, bucket: int) -> list[jax.ShapeDtypeStruct]:
+    """The host arguments of a batched prefill of `count` rows of `bucket` tokens, as shapes."""
+    i32, C = jnp.int32, count
+    shapes = [((C, bucket), i32), ((C,), i32), ((C,), i32), ((C, 2), jnp.uint32)]
+    shapes += [((C,), jnp.float32), ((C,), jnp.float32), ((C,), i32), ((C,), jnp.bool_)]
+    if config.paged:
+        shapes.append(((C, bucket // config.page_size), i32))
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+
+
+def _power_of_two(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << (n - 1).bit_length()
 
 
 def _seconds(fn: Callable) -> float:
@@ -519,9 +657,14 @@ class RolloutEngine:
         self._prefix_shardings = self._prefix_sharding_tree()
         # Engines with the same model, sizes and mesh share compiled programs (a worker per
         # time-shared slice, a re-created engine) instead of compiling them again.
-        (self._init_jit, self._prefill_jit, self._insert_jit, self._generate_jit, self._read_jit) = _programs(
-            model_config, config, mesh, rules, self._graphdef, self._state_shardings, self._prefix_shardings
-        )
+        (
+            self._init_jit,
+            self._prefill_jit,
+            self._insert_jit,
+            self._generate_jit,
+            self._read_jit,
+            self._prefill_insert_jit,
+        ) = _programs(model_config, config, mesh, rules, self._graphdef, self._state_shardings, self._prefix_shardings)
         # Paged: which pages each slot holds and where it writes next, kept here on the host for the
         # one live decode state (init_decode_state starts them over), and the page-table widths
         # generate runs at (one: the TPU kernel reads only live pages whatever the width).
@@ -649,12 +792,16 @@ class RolloutEngine:
         """The host's page pool of the live decode state (None: dense cache)."""
         return self._pages
 
-    def _next_rows(self, slot: int) -> int:
-        return min(int(self._position[slot]) + 1, self.config.cache_length)
+    def _growing(self, skip: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(slots, their rows after the next step, pages each lacks for them) of the occupied slots
+        but `skip` (numpy over the slots: this runs before every decode step)."""
+        active = np.flatnonzero(self._active & (np.arange(self.config.num_slots) != skip))
+        rows = np.minimum(self._position[active] + 1, self.config.cache_length)
+        lacking = np.maximum(0, -(-rows // self.config.page_size) - self._pages.held[active])
+        return active, rows, lacking
 
     def _decoding_shortfall(self, skip: int = -1) -> int:
-        pool = self._pages
-        return sum(pool.shortfall(s, self._next_rows(s)) for s in np.flatnonzero(self._active) if s != skip)
+        return int(self._growing(skip)[2].sum())
 
     def page_shortfall(self) -> int:
         """Pages the next `generate` needs beyond those free (> 0: it would raise OutOfPages; the
@@ -663,13 +810,18 @@ class RolloutEngine:
             return 0
         return max(0, self._decoding_shortfall() - self._pages.free_pages)
 
-    def admit_shortfall(self, slot: int, tokens: int) -> int:
+    def admit_shortfall(self, slot: int, tokens: int, *, reserved: int = 0) -> int:
         """Pages short of admitting `tokens` prefilled tokens into `slot` now while keeping the
-        pages the other slots' next step needs (0: admit). 0 for a dense cache."""
+        pages the other slots' next step needs and `reserved` pages promised to requests admitted
+        with it (0: admit). 0 for a dense cache."""
         if self._pages is None:
             return 0
-        need = self._pages.pages_for(min(tokens + 1, self.config.cache_length)) + self._decoding_shortfall(skip=slot)
+        need = self.pages_for_prefill(tokens) + self._decoding_shortfall(skip=slot) + reserved
         return max(0, need - self._pages.free_pages)
+
+    def pages_for_prefill(self, tokens: int) -> int:
+        """Pages a slot takes for `tokens` prefilled tokens and its pending token's row (0: dense)."""
+        return 0 if self._pages is None else self._pages.pages_for(min(tokens + 1, self.config.cache_length))
 
     def _host_length(self, prefix: Prefix) -> int:
         known = getattr(prefix, "_host_length", None)
@@ -816,13 +968,23 @@ class RolloutEngine:
             raise ValueError(f"prefix has {rows} rows, more than cache_length={self.config.cache_length}")
         if self._pages is None:
             return self._insert_jit(prefix, decode_state, np.int32(slot))
-        length = self._host_length(prefix)
+        shared = self._claim(slot, self._host_length(prefix), shared_from)
+        return self._insert_jit(prefix, decode_state, np.int32(slot), self._write_row(slot, rows, shared))
+
+    def _shared_pages(self, slot: int, length: int, shared_from: int | None) -> int:
+        """Whole pages below a prompt of `length` rows that `slot` would take from `shared_from`."""
+        if shared_from is None:
+            return 0
+        if shared_from == slot or not self._active[shared_from]:
+            raise ValueError(f"shared_from={shared_from}: expected another occupied slot than {slot}")
+        return min((length - 1) // self.config.page_size, int(self._pages.held[shared_from]))
+
+    def _claim(self, slot: int, length: int, shared_from: int | None) -> int:
+        """Paged host side of an insert: `slot` lets go of its pages and takes pages for `length`
+        rows and its pending token's, sharing `shared_from`'s whole pages below them (OutOfPages,
+        nothing changed, when the pool lacks them). Returns the pages shared."""
         rows_held = min(length + 1, self.config.cache_length)  # its rows and its pending token's
-        shared = 0
-        if shared_from is not None:  # whole pages below the prompt's end, from the slot that holds them
-            if shared_from == slot or not self._active[shared_from]:
-                raise ValueError(f"shared_from={shared_from}: expected another occupied slot than {slot}")
-            shared = min((length - 1) // self.config.page_size, int(self._pages.held[shared_from]))
+        shared = self._shared_pages(slot, length, shared_from)
         need = self._pages.pages_for(rows_held) - shared
         if need > self._pages.free_pages + self._pages.releasable(slot):
             raise OutOfPages(
@@ -833,9 +995,129 @@ class RolloutEngine:
             self._pages.share(slot, shared_from, shared)
         self._pages.grow(slot, rows_held)
         self._position[slot], self._active[slot] = length, True
+        return shared
+
+    def _write_row(self, slot: int, rows: int, shared: int) -> np.ndarray:
+        """The pages `rows` rows written for `slot` go to; its shared pages are never written: their
+        rows go to scratch."""
         pages_Q = self._page_row(slot, rows // self.config.page_size)
-        pages_Q[:shared] = paged.SCRATCH_PAGE  # shared pages are never written: their rows go to scratch
-        return self._insert_jit(prefix, decode_state, np.int32(slot), pages_Q)
+        pages_Q[:shared] = paged.SCRATCH_PAGE
+        return pages_Q
+
+    # ------------------------------------------------------------------ batched prefill
+    def prefill_insert(
+        self, params, decode_state: DecodeState, requests: Sequence[PrefillRequest], sampler: Callable | None = None
+    ) -> tuple[DecodeState, list[tuple[ResultTokens, tuple[int, ...]]]]:
+        """Prefills `requests` and puts each into its slot, as `prefill` + `insert` of each in turn
+        would (the same tokens and log-probs), with several prompts to a program (donates
+        decode_state). Returns the new state and, per program, its first tokens with the index in
+        `requests` of each row (a row past them is padding). Paged, OutOfPages with nothing changed
+        when the pool lacks the pages of all of them; a request may share the pages of an occupied
+        slot or of an earlier request's."""
+        rows = [self._checked_request(r) for r in requests]
+        slots = [r.slot for r in requests]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"prefill_insert slots {slots}: expected each slot once")
+        shared = self._claim_all(requests, rows) if self._pages is not None else [0] * len(requests)
+        out = []
+        for count, bucket, members in self._batch_plan([len(tokens) for tokens, *_ in rows]):
+            if count == 1:  # a bucket no batched program takes: one prefill and its insert
+                (i,) = members
+                tokens, sampling_params, key_data = rows[i]
+                prefix, result = self.prefill(
+                    params=params,
+                    padded_tokens=tokens,
+                    true_length=len(tokens),
+                    sampler=sampler,
+                    rng=key_data,
+                    sampling=sampling_params,
+                    sample_first=requests[i].sample_first,
+                )
+                pages_Q = None if self._pages is None else self._write_row(slots[i], bucket, shared[i])
+                args = () if pages_Q is None else (pages_Q,)
+                decode_state = self._insert_jit(prefix, decode_state, np.int32(slots[i]), *args)
+            else:
+                decode_state, result = self._dispatch_batch(
+                    params, decode_state, [(requests[i], rows[i], shared[i]) for i in members], count, bucket, sampler
+                )
+            out.append((result, tuple(members)))
+        return decode_state, out
+
+    def _checked_request(self, request: PrefillRequest) -> tuple[np.ndarray, SamplingParams, np.ndarray]:
+        """(tokens, sampling params, key data) of a batched prefill's request, checked."""
+        self._check_slot(request.slot)
+        tokens = np.asarray(request.tokens, np.int32).reshape(-1)
+        if not 1 <= tokens.shape[0] <= self.config.max_prefill_length:
+            raise ValueError(
+                f"a batched prefill of {tokens.shape[0]} tokens; expected 1..max_prefill_length="
+                f"{self.config.max_prefill_length} (longer prompts prefill in chunks: `prefill`)"
+            )
+        self._check_ids(tokens, "tokens")
+        sampling_params = self._check_sampling(request.sampling or self.config.default_sampling)
+        return tokens, sampling_params, self._key_data(request.rng, sampling_params)
+
+    def _claim_all(self, requests: Sequence[PrefillRequest], rows) -> list[int]:
+        """Paged: every request's pages, in order (`_claim`), after checking the pool holds them all."""
+        pool, held, need = self._pages, {}, 0
+        for request, (tokens, *_) in zip(requests, rows):
+            length = len(tokens) - (0 if request.sample_first else 1)
+            source = request.shared_from
+            if source is not None and source not in held and (source == request.slot or not self._active[source]):
+                raise ValueError(f"shared_from={source}: expected another occupied slot or an earlier request's")
+            full = pool.pages_for(min(length + 1, self.config.cache_length))
+            donor = held.get(source, 0 if source is None else int(pool.held[source]))
+            need += full - (0 if source is None else min((length - 1) // self.config.page_size, donor))
+            held[request.slot] = full
+        free = pool.free_pages + sum(pool.releasable(slot) for slot in held)
+        if need > free:
+            raise OutOfPages(f"{len(requests)} prefills need {need} pages; {free} are free or freed by their slots")
+        shared = []
+        for request, (tokens, *_) in zip(requests, rows):
+            length = len(tokens) - (0 if request.sample_first else 1)
+            shared.append(self._claim(request.slot, length, request.shared_from))
+        return shared
+
+    def _batch_plan(self, lengths: Sequence[int]) -> list[tuple[int, int, list[int]]]:
+        """Programs for prompts of `lengths`: (count C, bucket T, indices), the shortest first, each
+        the most prompts a batched program takes (count 1: a bucket no batched program takes)."""
+        programs = set(self.config.prefill_batches)
+        plan, group = [], []
+        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+            grown = group + [i]
+            bucket = self.config.prefill_bucket(max(lengths[j] for j in grown))
+            if len(grown) == 1 or (_power_of_two(len(grown)), bucket) in programs:
+                group = grown
+                continue
+            plan.append(group)
+            group = [i]
+        plan.append(group)
+        out = []
+        for members in plan:
+            bucket = self.config.prefill_bucket(max(lengths[j] for j in members))
+            count = _power_of_two(len(members)) if (2, bucket) in programs else 1
+            out.append((count, bucket, members))
+        return out
+
+    def _dispatch_batch(self, params, decode_state, members, count: int, bucket: int, sampler):
+        """One batched program over `members` [(request, (tokens, sampling, key data), shared pages)],
+        padded to `count` rows of `bucket` tokens."""
+        tokens_CT = np.zeros((count, bucket), np.int32)
+        length_C = np.ones((count,), np.int32)
+        slot_C = np.full((count,), self.config.num_slots, np.int32)  # past the slots: dropped
+        key_data_C2 = np.zeros((count, 2), np.uint32)
+        temperature_C, top_p_C = np.zeros((count,), np.float32), np.ones((count,), np.float32)
+        top_k_C, sample_first_C = np.zeros((count,), np.int32), np.zeros((count,), bool)
+        pages_CQ = None if self._pages is None else np.zeros((count, bucket // self.config.page_size), np.int32)
+        for c, (request, (tokens, sampling_params, key_data), shared) in enumerate(members):
+            tokens_CT[c, : len(tokens)] = tokens
+            length_C[c], slot_C[c], key_data_C2[c] = len(tokens), request.slot, key_data
+            temperature_C[c], top_p_C[c] = sampling_params.temperature, sampling_params.top_p
+            top_k_C[c], sample_first_C[c] = sampling_params.top_k, request.sample_first
+            if pages_CQ is not None:
+                pages_CQ[c] = self._write_row(request.slot, bucket, shared)
+        vectors = (tokens_CT, length_C, slot_C, key_data_C2, temperature_C, top_p_C, top_k_C, sample_first_C)
+        pages = () if pages_CQ is None else (pages_CQ,)
+        return self._prefill_insert_jit(params, decode_state, *vectors, *pages, sampler=sampler)
 
     def generate(
         self, params, decode_state: DecodeState, sampler: Callable | None = None
@@ -849,9 +1131,9 @@ class RolloutEngine:
             raise OutOfPages(
                 f"the next decode step needs {self._decoding_shortfall()} more pages; {self._pages.free_pages} are free"
             )
-        active = np.flatnonzero(self._active)
-        for slot in active:
-            self._pages.grow(slot, self._next_rows(slot))
+        active, rows, lacking = self._growing()
+        for slot, n in zip(active[lacking > 0].tolist(), rows[lacking > 0].tolist()):  # a new page every N steps
+            self._pages.grow(slot, n)
         out = self._generate_jit(params, decode_state, self._device_table(), sampler=sampler)
         self._position[active] = np.minimum(self._position[active] + 1, self.config.cache_length - 1)
         return out
@@ -956,11 +1238,13 @@ class RolloutEngine:
                 ("insert", self._insert_jit),
                 ("generate", self._generate_jit),
                 ("read_slot", self._read_jit),
+                ("prefill_insert", self._prefill_insert_jit),
             )
         }
 
     def warmup(self, params, *, migration: bool = True) -> None:
-        """Compiles generate (paged: at every page-table width), every prefill bucket and the second
+        """Compiles generate (paged: at every page-table width), every prefill bucket, every batched
+        prefill (`EngineConfig.prefill_batches`) and the second
         chunk of a two-chunk prefill (a re-prefill up to 2 x max_prefill_length); with `migration`,
         also the insert and slot read of every row bucket (so that imports and exports compile
         nothing later). Its own decode state: a live one's pages are left as they were."""
@@ -996,6 +1280,8 @@ class RolloutEngine:
                     padded_tokens=np.zeros((1,), np.int32),
                     true_length=1,
                 )
+        for count, bucket in self.config.prefill_batches:  # padding rows only: nothing is written
+            state, result = self._dispatch_batch(params, state, [], count, bucket, None)
         state, result = self.generate(params, state)
         for width in self._live_widths if self.config.paged else ():
             table = self._put_table(np.zeros((self.config.num_slots, width), np.int32))
@@ -1019,8 +1305,8 @@ class RolloutEngine:
     def lower_programs(self) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program `warmup` compiles, lowered on abstract params and decode state (nothing is
         placed or run), for ahead-of-time compilation (dora_jax.runtime.aot): [(name, Lowered)]
-        with prefill per bucket, insert and read_slot per row bucket (an import is an insert),
-        generate."""
+        with prefill per bucket, batched prefill_insert per (count, bucket), insert and read_slot per
+        row bucket (an import is an insert), generate."""
         abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
         params = jax.tree.map(abstract, split(abstract_model(self.model_config))[1], self._param_shardings)
         state = self.abstract_decode_state()
@@ -1030,6 +1316,11 @@ class RolloutEngine:
             tokens = jax.ShapeDtypeStruct((bucket,), jnp.int32)
             lowered = self._prefill_jit.lower(params, tokens, None, *scalars, np.bool_(True), sampler=None)
             programs.append((f"prefill[T={bucket}]", lowered))
+        for count, bucket in self.config.prefill_batches:
+            lowered = self._prefill_insert_jit.lower(
+                params, state, *_batch_shapes(self.config, count, bucket), sampler=None
+            )
+            programs.append((f"prefill_insert[C={count},T={bucket}]", lowered))
         if self.config.paged:
             replicated = sharding_lib.replicated(self._mesh)
             for width in self._live_widths:

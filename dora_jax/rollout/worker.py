@@ -48,7 +48,7 @@ import numpy as np
 
 from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, Trajectory
 from dora_jax.rollout import migration as migration_rule
-from dora_jax.rollout.engine import ResultTokens, RolloutEngine, check_sampling
+from dora_jax.rollout.engine import PrefillRequest, ResultTokens, RolloutEngine, check_sampling
 from dora_jax.rollout.migration import MigrationCosts
 from dora_jax.store.digest import params_digest
 
@@ -62,7 +62,8 @@ class WorkerCounters:
     idle_slot_steps: int = 0  # slot-steps spent on empty slots
     prefills: int = 0
     prefill_tokens: int = 0  # true (unpadded) tokens prefilled
-    shared_prompt_tokens: int = 0  # prompt tokens a group's later samples took from pages already held
+    shared_prompt_tokens: int = 0  # prompt tokens a group's later samples took from pages already held, not prefilled
+    prefill_batches: int = 0  # batched prefill programs (several requests each)
     generated_tokens: int = 0  # tokens sampled by prefill and generate
     imports: int = 0
     exports: int = 0
@@ -138,13 +139,16 @@ class RolloutWorker:
         clock: Callable[[], float] = time.time,
         pipelined: bool = True,
         migration: MigrationCosts | None = None,
+        batched_prefill: bool = True,
     ):
         """`pipelined`: dispatch each decode step before reading the previous one's tokens (see the
         module docstring); False reads every step's tokens before `step()` returns. `migration`:
         the costs that decide whether an exported request leaves with its KV or to be re-prefilled
-        (`migration_choice`); it takes the engine's measured prefill times."""
+        (`migration_choice`); it takes the engine's measured prefill times. `batched_prefill`: admit
+        several waiting requests by batched prefills (False: one prefill and insert each)."""
         self._engine = engine
         self.pipelined = pipelined
+        self.batched_prefill = batched_prefill
         self.migration = migration or MigrationCosts()
         self.migration.prefill_seconds = engine.prefill_seconds
         self.slice_id = slice_id
@@ -312,49 +316,103 @@ class RolloutWorker:
         jax.block_until_ready((self._state, [unread.result for unread in self._unread]))
 
     def _admit(self) -> None:
+        """Admits queued requests, in queue order, into free slots (or one whose last token is in
+        flight) while the KV pool has their pages: several at once by batched prefills when they
+        are short enough (`engine.prefill_insert`), the others each by its prefill(s) and insert."""
+        picked = self._pick()
+        batch = [p for p in picked if self.batched_prefill and self._engine.config.batchable(len(p[2]))]
+        if len(batch) < 2:
+            batch = []
+        if batch:
+            self._admit_batch(batch)
+        for slot, (request, dispatch_t), ids in picked:
+            if not any(slot == s for s, *_ in batch):
+                self._admit_one(slot, request, dispatch_t, ids)
+
+    def _pick(self) -> list[tuple[int, tuple[Request, float], np.ndarray]]:
+        """(slot, queued entry, ids to prefill) of the requests to admit now, taken off the queue;
+        paged, each one's pages counted against the pool (as if the ones before it held theirs)."""
+        picked, reserved = [], 0
         for slot, record in enumerate(self._slots):
             if not self._queue:
-                return
+                break
             if record is not None and record.needs_tokens:
                 continue
             # Free, or its last token is in flight: that step consumes the state before this insert.
             request, dispatch_t = self._queue[0]
             ids = np.asarray(request.prompt_ids + request.prefix_response_ids, np.int32)
+            tokens = len(ids) - (0 if not request.prefix_response_ids else 1)
+            if self._engine.admit_shortfall(slot, tokens, reserved=reserved):
+                break  # paged: not enough free KV pages for it and the next step; it waits, first in line
+            reserved += self._engine.pages_for_prefill(tokens)
+            picked.append((slot, self._queue.popleft(), ids))
+        return picked
+
+    def _admit_batch(self, batch) -> None:
+        """Batched prefills of `batch` [(slot, (request, dispatch_t), ids)]; a group's later sample
+        takes the whole pages of its prompt from the slot that holds it (paged), as in `_admit_one`."""
+        refilled = {slot for slot, *_ in batch}
+        holders: dict[tuple[int, ...], int] = {}
+        requests, records = [], []
+        for slot, (request, dispatch_t), ids in batch:
             sample_first = not request.prefix_response_ids
-            if self._engine.admit_shortfall(slot, len(ids) - (0 if sample_first else 1)):
-                return  # paged: not enough free KV pages for it and the next step; it waits, first in line
-            self._queue.popleft()
-            # A group's later sample shares the whole pages of its prompt with a slot that holds it.
-            donor = self._prompt_holder(request.prompt_ids, slot) if sample_first else None
-            shared = None if donor is None else self._engine.shared_prefix(self._state, donor.slot, len(ids))
-            prefix, begin = shared, 0 if shared is None else int(shared.length)
-            for chunk in self._engine.config.prefill_chunks(len(ids) - begin):  # one chunk unless a long prompt
-                begin += chunk
-                prefix, first = self._engine.prefill(
-                    params=self._params,
-                    existing_prefix=prefix,
-                    padded_tokens=ids[begin - chunk : begin],
-                    true_length=chunk,
-                    sampling=request.sampling,
-                    sample_first=sample_first or begin < len(ids),
-                )
-            shared_from = None if shared is None else donor.slot
-            self._state = self._engine.insert(prefix, self._state, slot, shared_from=shared_from)
-            admitted = _Active(
-                request,
-                list(request.prefix_response_ids),
-                list(request.prefix_logprobs),
-                list(request.prefix_versions),
-                dispatch_t,
-                slot=slot,
-                admit_t=self._clock(),
-                seq=self._next_seq(),
+            donor = None
+            if sample_first and self._engine.config.paged:
+                holder = self._prompt_holder(request.prompt_ids, slot, exclude=refilled)
+                donor = holders.get(request.prompt_ids, None if holder is None else holder.slot)
+                holders.setdefault(request.prompt_ids, slot)
+            requests.append(PrefillRequest(slot, ids, request.sampling, sample_first=sample_first, shared_from=donor))
+            records.append(self._admitted(slot, request, dispatch_t))
+        self._state, programs = self._engine.prefill_insert(self._params, self._state, requests)
+        for (slot, *_), record in zip(batch, records):
+            self._slots[slot] = record
+        for result, members in programs:
+            rows = tuple(records[i] if requests[i].sample_first else None for i in members)
+            if any(rows):
+                self._unread.append(self._in_flight(result, rows, decode_step=False))
+        self._count(
+            prefills=len(batch),
+            prefill_tokens=sum(len(ids) for *_, ids in batch),
+            prefill_batches=sum(len(members) > 1 for _, members in programs),
+        )
+
+    def _admit_one(self, slot: int, request: Request, dispatch_t: float, ids: np.ndarray) -> None:
+        """`request`'s prefill (in chunks when long) and insert into `slot`."""
+        sample_first = not request.prefix_response_ids
+        # A group's later sample shares the whole pages of its prompt with a slot that holds it.
+        donor = self._prompt_holder(request.prompt_ids, slot) if sample_first else None
+        shared = None if donor is None else self._engine.shared_prefix(self._state, donor.slot, len(ids))
+        prefix, begin = shared, 0 if shared is None else int(shared.length)
+        for chunk in self._engine.config.prefill_chunks(len(ids) - begin):  # one chunk unless a long prompt
+            begin += chunk
+            prefix, first = self._engine.prefill(
+                params=self._params,
+                existing_prefix=prefix,
+                padded_tokens=ids[begin - chunk : begin],
+                true_length=chunk,
+                sampling=request.sampling,
+                sample_first=sample_first or begin < len(ids),
             )
-            self._slots[slot] = admitted
-            reused = 0 if shared is None else int(shared.length)
-            self._count(prefills=1, prefill_tokens=len(ids) - reused, shared_prompt_tokens=reused)
-            if sample_first:
-                self._unread.append(self._in_flight(first, (admitted,), decode_step=False))
+        shared_from = None if shared is None else donor.slot
+        self._state = self._engine.insert(prefix, self._state, slot, shared_from=shared_from)
+        admitted = self._admitted(slot, request, dispatch_t)
+        self._slots[slot] = admitted
+        reused = 0 if shared is None else int(shared.length)
+        self._count(prefills=1, prefill_tokens=len(ids) - reused, shared_prompt_tokens=reused)
+        if sample_first:
+            self._unread.append(self._in_flight(first, (admitted,), decode_step=False))
+
+    def _admitted(self, slot: int, request: Request, dispatch_t: float) -> _Active:
+        return _Active(
+            request,
+            list(request.prefix_response_ids),
+            list(request.prefix_logprobs),
+            list(request.prefix_versions),
+            dispatch_t,
+            slot=slot,
+            admit_t=self._clock(),
+            seq=self._next_seq(),
+        )
 
     def _dispatch(self) -> list[_Unread]:
         """One generate over every slot, when some record needs a token; its tokens unread."""
@@ -365,12 +423,17 @@ class RolloutWorker:
         self._state, result = self._engine.generate(self._params, self._state)
         return [self._in_flight(result, records, decode_step=True)]
 
-    def _prompt_holder(self, prompt_ids: tuple[int, ...], slot: int) -> _Active | None:
-        """The newest open record in another slot than `slot` whose prompt is `prompt_ids`."""
+    def _prompt_holder(self, prompt_ids: tuple[int, ...], slot: int, exclude=frozenset()) -> _Active | None:
+        """The newest open record in another slot than `slot` (and those in `exclude`) whose prompt
+        is `prompt_ids`."""
         holders = [
             r
             for r in self._slots
-            if r is not None and not r.closed and r.slot != slot and r.request.prompt_ids == prompt_ids
+            if r is not None
+            and not r.closed
+            and r.slot != slot
+            and r.slot not in exclude
+            and r.request.prompt_ids == prompt_ids
         ]
         return max(holders, key=lambda r: r.seq, default=None)
 

@@ -53,6 +53,22 @@ def test_engine_bench_writes_the_documented_json(tmp_path):
         assert m["kv_pull_s"] < m["kv_transfer_s"]
         assert m["rule"] in ("kv", "reprefill") and m["cheaper_measured"] in ("kv", "reprefill")
     assert "re-prefill ms" in format_table(results)
+    work = on_disk["workload"]  # 2 prompts of 4 tokens (the slots), 64 tokens each, both ways
+    assert (work["sequences"], work["prompt_length"], work["new_tokens"], work["same_tokens"]) == (2, 4, 64, True)
+    for path in ("one_at_a_time", "batched"):
+        assert 0 < work[path]["prefill_share"] < 1 and len(work[path]["rounds_s"]) == 3
+        assert work[path]["tokens_per_s"] == pytest.approx(2 * 64 / work[path]["seconds"])
+    assert work["speedup"] > 0 and "batched / one-at-a-time tokens/s" in format_table(results)
+
+
+def test_engine_bench_workload_alone_runs_both_paths_to_the_same_tokens(tmp_path):
+    config = dataclasses.replace(SMALL, workload_only=True, workload_new_tokens=5, workload_rounds=1)
+    results = run_engine_bench(config, str(tmp_path))
+    on_disk = json.loads((tmp_path / "engine.json").read_text())
+    assert set(on_disk) == {"workload", "compiles_after_warmup", "model", "slots", "devices"}
+    assert on_disk["compiles_after_warmup"] == 0 and on_disk["workload"]["same_tokens"]
+    assert on_disk["workload"]["batched"]["decode_step_s"] > 0
+    assert "one_at_a_time" in format_table(results)
 
 
 def test_engine_bench_of_a_moe_config_builds_the_moe_model():
