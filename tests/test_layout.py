@@ -3,6 +3,8 @@ cycle between packages, at most six loose modules beside the thin `python -m` en
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dora_jax"
 
@@ -184,3 +186,39 @@ def test_only_the_ray_placement_imports_ray():
         str(path.relative_to(ROOT.parent)) for _, path, name in _imports() if name == "ray" or name.startswith("ray.")
     }
     assert users == {"dora_jax/cli/launch_ray.py"}
+
+
+def _flag_definitions():
+    """(flag name, file) for every absl flag defined with a literal name."""
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr.startswith("DEFINE")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                yield node.args[0].value, str(path.relative_to(ROOT.parent))
+
+
+def test_no_flag_is_defined_by_two_modules():
+    """absl refuses a flag name that two modules of one process define: a test (or a program) that
+    imports two commands would die at collection. Flags shared by commands live in dora_jax/cli.
+    `python -m dora_jax.sim` is a JAX-free program of its own that no module imports."""
+    owners = {}
+    for name, path in _flag_definitions():
+        if path != "dora_jax/sim/__main__.py":
+            owners.setdefault(name, []).append(path)
+    assert {name: paths for name, paths in owners.items() if len(paths) > 1} == {}
+    assert not [path for _, path, name in _imports() if name == "dora_jax.sim.__main__"]
+
+
+def test_every_command_imports_beside_every_other():
+    """The real check behind the one above: all command modules in one interpreter."""
+    modules = [f"dora_jax.cli.{p.stem}" for p in sorted((ROOT / "cli").glob("*.py")) if p.stem != "__init__"]
+    code = "import importlib\n" + "".join(
+        f"importlib.import_module({m!r})\n" for m in modules + ["dora_jax.bench.__main__"]
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -11,6 +11,33 @@ from ml_collections import config_flags
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/*.py)", lock_config=True)
 WORKDIR = flags.DEFINE_string("workdir", None, "run directory (ledger, metrics, checkpoints)")
+# Flags that several entry points take under one name are defined once here (absl refuses a name
+# defined by two modules of one process); each entry point reads them with its own default.
+PORT = flags.DEFINE_integer(
+    "port", None, "coordinator port (serve_coordinator: default 50051; launch_local: default a free one)"
+)
+TIMEOUT_S = flags.DEFINE_float(
+    "timeout_s", None, "give up and stop every role after this long (default 7200; chaos: per process, 1800)"
+)
+
+MAX_RESTARTS = flags.DEFINE_integer(
+    "max_restarts",
+    None,
+    "start a dead role again, this many times in all (launch_local: default 0; launch_ray: Ray's "
+    "max_restarts of each role's actor, default 3); the run resumes from its checkpoint and snapshot",
+)
+TRACE_LENGTHS = flags.DEFINE_bool(
+    "trace_lengths",
+    False,
+    "a trace-driven run (what `bench modes` launches): every request stops at a length drawn from "
+    "config.bench (median_len, sigma, max_len; keyed by prompt and sample) and every sample scores 0",
+)
+OUT = flags.DEFINE_string("out", None, "output directory (bench: JSON results and plots; tpu_compile: compile.json)")
+
+
+def flag_or(holder, default):
+    """The flag's value, or `default` when it was not given."""
+    return default if holder.value is None else holder.value
 
 
 def prepare_devices(config) -> None:

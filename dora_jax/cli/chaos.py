@@ -33,7 +33,6 @@ KILLS = flags.DEFINE_integer("kills", 3, "SIGKILLs before the run may finish")
 SEED = flags.DEFINE_integer("seed", 0, "draws the kill points")
 RANDOM_TIME = flags.DEFINE_bool("random_time", False, "kill after a random delay instead of at a fault point")
 CORRUPT = flags.DEFINE_bool("corrupt_latest", False, "damage the newest checkpoint before the last resume")
-TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "per process")
 
 POINTS = (("rollout", 15, 120), ("train_step", 2, 6), ("checkpoint_save", 1, 3))  # (point, fewest, most passes)
 
@@ -182,7 +181,7 @@ def main(argv):
         plan,
         random_delays=delays,
         corrupt_latest=CORRUPT.value,
-        timeout_s=TIMEOUT.value,
+        timeout_s=cli.flag_or(cli.TIMEOUT_S, 1800.0),
     )
     print(json.dumps(summary, indent=1))
     complete = summary["steps"] == list(range(c.num_steps))

@@ -69,8 +69,6 @@ from dora_jax.core import fs
 from dora_jax.runtime.cores import role_cores
 from dora_jax.transport import auth
 
-PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0 = pick a free one)")
-TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "give up (and tear down) after this long")
 HOSTS_PER_SLICE = flags.DEFINE_integer(
     "hosts_per_slice",
     1,
@@ -93,19 +91,6 @@ KILL_ROLE = flags.DEFINE_enum(
     "fault injection: SIGKILL this role's process once --kill_after_step steps are checkpointed",
 )
 KILL_AFTER_STEP = flags.DEFINE_integer("kill_after_step", 2, "see --kill_role")
-MAX_RESTARTS = flags.DEFINE_integer(
-    "max_restarts",
-    0,
-    "start a dead role again, this many times in all: a trainer or coordinator restarted in place sends "
-    "the run back to its newest checkpoint while the other processes wait and rejoin; a role of several "
-    "processes relaunches the whole job, which resumes the same way",
-)
-TRACE_LENGTHS = flags.DEFINE_bool(
-    "trace_lengths",
-    False,
-    "a trace-driven run (what `bench modes` launches): the coordinator forces response lengths drawn "
-    "from config.bench and scores every sample 0 (dora_jax.serve_coordinator --trace_lengths)",
-)
 TLS = flags.DEFINE_bool(
     "tls",
     False,
@@ -201,14 +186,15 @@ def launch(
 
 
 def _launch_until_done(config, workdir, config_flags, trainer, rollout, outcome, credentials) -> dict:
+    max_restarts = cli.flag_or(cli.MAX_RESTARTS, 0)
     while True:
         stopped = _launch_once(config, workdir, config_flags, trainer, rollout, outcome, credentials)
-        if stopped or outcome["trainer_exit"] == 0 or outcome["restarts"] >= MAX_RESTARTS.value:
+        if stopped or outcome["trainer_exit"] == 0 or outcome["restarts"] >= max_restarts:
             return outcome
         outcome["restarts"] += 1
         outcome["trainer_exit"] = None
         _print(
-            f"restart {outcome['restarts']} of {MAX_RESTARTS.value}: launching the job again on {workdir} "
+            f"restart {outcome['restarts']} of {max_restarts}: launching the job again on {workdir} "
             "(it resumes from its newest checkpoint)"
         )
 
@@ -220,7 +206,7 @@ def _launch_once(
     by a signal."""
     logs = tempfile.mkdtemp(prefix="dora_launch_logs_") if fs.is_remote(workdir) else fs.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
-    port = PORT.value or _free_port()
+    port = cli.PORT.value or _free_port()
     address = f"127.0.0.1:{port}"
     common = [*config_flags, f"--workdir={workdir}"]
     children: dict[str, subprocess.Popen] = {}
@@ -233,7 +219,7 @@ def _launch_once(
     roles = {  # name -> (module, args, (hosts, devices per host))
         "coordinator": (
             "serve_coordinator",
-            [*common, f"--port={port}", "--host=127.0.0.1", *(["--trace_lengths"] if TRACE_LENGTHS.value else [])],
+            [*common, f"--port={port}", "--host=127.0.0.1", *(["--trace_lengths"] if cli.TRACE_LENGTHS.value else [])],
             (1, 1),
         ),
         "trainer": ("trainer_worker", clients, trainer),
@@ -247,10 +233,10 @@ def _launch_once(
         """Starts a dead single-process role again (a restarted coordinator listens on the same
         port, so the others reconnect); False when no restart is left or the role spans hosts."""
         module, args, hosts_devices = roles[name]
-        if outcome["restarts"] >= MAX_RESTARTS.value or hosts_devices[0] > 1:
+        if outcome["restarts"] >= cli.flag_or(cli.MAX_RESTARTS, 0) or hosts_devices[0] > 1:
             return False
         outcome["restarts"] += 1
-        _print(f"restart {outcome['restarts']} of {MAX_RESTARTS.value}: starting {name} again")
+        _print(f"restart {outcome['restarts']} of {cli.flag_or(cli.MAX_RESTARTS, 0)}: starting {name} again")
         children[name] = _spawn(name, module, args, hosts_devices[1], logs, environments[name])
         return True
 
@@ -281,7 +267,7 @@ _SETTLE_MAX_S = 20.0  # far below the heartbeat timeout that would declare the s
 
 
 def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dict, num_steps: int, respawn) -> None:
-    deadline = time.monotonic() + TIMEOUT_S.value
+    deadline = time.monotonic() + cli.flag_or(cli.TIMEOUT_S, 7200.0)
     dispatch_t, reported, exits_seen = None, -1, set()
     follower = _SliceLoad(fs.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
     while stop["signal"] is None:
@@ -339,7 +325,7 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
             reported = steps
             _print(f"trainer step {steps}/{num_steps}")
         if time.monotonic() > deadline:
-            _print(f"giving up after {TIMEOUT_S.value:.0f}s")
+            _print(f"giving up after {cli.flag_or(cli.TIMEOUT_S, 7200.0):.0f}s")
             return
         time.sleep(0.5)
 

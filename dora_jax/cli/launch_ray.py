@@ -61,8 +61,6 @@ ADDRESS = flags.DEFINE_string(
 )
 TRAINER_TYPE = flags.DEFINE_string("trainer_type", None, "TPU type of the trainer slice (default pod.trainer_type)")
 ROLLOUT_TYPE = flags.DEFINE_string("rollout_type", None, "TPU type of each rollout slice (default pod.rollout_type)")
-MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3, "Ray restarts of each role's actor (max_restarts)")
-TIMEOUT_S = flags.DEFINE_float("timeout_s", 7200.0, "stop every role after this long")
 PLACEMENT_TIMEOUT_S = flags.DEFINE_float("placement_timeout_s", 600.0, "wait this long for the slices' nodes")
 STOP_GRACE_S = 20.0
 TRAINER_STOP_S = 120.0  # a stopped trainer finishes its step and saves a checkpoint
@@ -420,10 +418,10 @@ def main(argv):
     }
     start = time.perf_counter()
     try:
-        roles = start_roles(slices, common, max_restarts=MAX_RESTARTS.value, cpu=cpu)
+        roles = start_roles(slices, common, max_restarts=cli.flag_or(cli.MAX_RESTARTS, 3), cpu=cpu)
         where = placement(roles)
         print(f"[launch_ray] started {len(roles)} role actors in namespace {space!r}", flush=True)
-        outcome = supervise(roles, stop, TIMEOUT_S.value, MAX_RESTARTS.value)
+        outcome = supervise(roles, stop, cli.flag_or(cli.TIMEOUT_S, 7200.0), cli.flag_or(cli.MAX_RESTARTS, 3))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

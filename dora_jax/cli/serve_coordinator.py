@@ -35,7 +35,6 @@ from absl import app, flags
 from dora_jax import cli
 from dora_jax.cli import roles
 
-PORT = flags.DEFINE_integer("port", 50051, "port to serve on")
 HOST = flags.DEFINE_string(
     "host",
     "[::]",
@@ -58,12 +57,6 @@ REJOIN_TIMEOUT_S = flags.DEFINE_float(
     "a dropped rollout slice is waited for this long to register again (restarted by its launcher); "
     "with every slice down and none back by then, the run stops",
 )
-TRACE_LENGTHS = flags.DEFINE_bool(
-    "trace_lengths",
-    False,
-    "a trace-driven run (`bench modes`): every request stops at a length drawn from config.bench "
-    "(median_len, sigma, max_len; keyed by prompt and sample) and every sample scores 0",
-)
 
 
 def main(argv):
@@ -79,7 +72,7 @@ def main(argv):
     config = run_config.parse(cli.CONFIG.value)
     security = _security(config.rollout.num_slices)
     trace = None
-    if TRACE_LENGTHS.value:
+    if cli.TRACE_LENGTHS.value:
         from dora_jax.coordinator.trace import LengthDistribution
 
         try:
@@ -141,7 +134,7 @@ def serve(config, workdir: str, stop: threading.Event, trace=None, security=(Non
         resume=resuming,
     )
     authenticator, tls = security
-    server, port = make_server(service, PORT.value, host=HOST.value, auth=authenticator, tls=tls)
+    server, port = make_server(service, cli.flag_or(cli.PORT, 50051), host=HOST.value, auth=authenticator, tls=tls)
     _log(
         f"listening on {HOST.value}:{port} ({'TLS' if tls else 'plaintext'}, role tokens "
         f"{'checked' if authenticator else 'NOT checked'}); waiting for {config.rollout.num_slices} rollout "

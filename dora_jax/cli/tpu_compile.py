@@ -26,7 +26,6 @@ from absl import app, flags
 
 from dora_jax import cli
 
-OUT = flags.DEFINE_string("out", None, "directory for compile.json")
 TARGET = flags.DEFINE_string(
     "target", "pod", "pod: the config's pod section; local: this machine's devices; or a topology such as v5e:2x4"
 )
@@ -53,7 +52,7 @@ PROBES_IN = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    if not OUT.value:
+    if not cli.OUT.value:
         raise app.UsageError("--out is required")
     unknown = set(ROLES.value) - {"trainer", "rollout"}
     if unknown:
@@ -65,10 +64,10 @@ def main(argv):
     cli.prepare_devices(config_dict)
     from dora_jax.runtime import aot, run_config
 
-    path = os.path.join(OUT.value, "compile.json")
+    path = os.path.join(cli.OUT.value, "compile.json")
 
     def write(result: dict) -> None:  # after every role: a big model's roles take many minutes each
-        os.makedirs(OUT.value, exist_ok=True)
+        os.makedirs(cli.OUT.value, exist_ok=True)
         with open(path, "w") as f:
             json.dump({"config": cli.config_as_json(config_dict), **result}, f, indent=1)
 
@@ -131,15 +130,15 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
     lock = threading.Lock()
     merged = lambda: aot.result_of([r for role in roles for r in records.get(role, [])])  # noqa: E731
     # Both roles at once: the rollout's process compiles the trainer's cost probes after its own.
-    os.makedirs(OUT.value, exist_ok=True)
-    probes = os.path.join(OUT.value, "probes.json")
+    os.makedirs(cli.OUT.value, exist_ok=True)
+    probes = os.path.join(cli.OUT.value, "probes.json")
     share = {"trainer", "rollout"} <= set(roles[:jobs])
     if share and os.path.exists(probes):
         os.remove(probes)
     handover = {"trainer": [f"--probes_in={probes}"], "rollout": [f"--probes_out={probes}"]} if share else {}
 
     def compile_one(role: str) -> None:
-        out = os.path.join(OUT.value, f"role-{role}")
+        out = os.path.join(cli.OUT.value, f"role-{role}")
         argv = [sys.executable, "-m", "dora_jax.tpu_compile", *base, f"--roles={role}", f"--out={out}", "--jobs=1"]
         argv += handover.get(role, [])
         child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -101,7 +101,11 @@ def test_forged_results_over_grpc_fail_only_the_slice_that_posted_them():
         # of the service's lifecycle, costing one more rejoin. Every other failure is a forgery.
         reasons = [e["reason"] for e in _events(run, "slice_failed")]
         forged = [r for r in reasons if "is gone (dropped by the coordinator" not in r]
-        assert len(forged) == 6 and run.coord.stats.slice_failures == len(reasons) == fake.rejoins <= 8, (reasons, fake.rejoins, run.coord.stats.slice_failures)
+        assert len(forged) == 6 and run.coord.stats.slice_failures == len(reasons) == fake.rejoins <= 8, (
+            reasons,
+            fake.rejoins,
+            run.coord.stats.slice_failures,
+        )
         assert len([e for e in _events(run, "finish") if e["traj"] == theirs.traj_id]) == 1  # its own result
         consumed = sorted(e["traj"] for e in _events(run, "consume") if e["group"] == other)
         assert consumed == [f"{other}/{i}" for i in range(4)]  # whole, with its own samples, trained on
