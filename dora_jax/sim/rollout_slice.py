@@ -79,6 +79,53 @@ class _Run:
     admitted_t: float | None = None  # when it took a slot here, if it decodes only here (fresh)
 
 
+class _Queue:
+    """A slice's waiting requests in admission order, by id: O(1) to append one, put some first,
+    take the first, or take one by id. An export names a few requests among thousands queued, and
+    scanning the whole queue for them was the paper command's largest single cost."""
+
+    def __init__(self):
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()  # admission order
+        self._position: dict[str, int] = {}  # increases along the queue
+        self._back = self._front = 0
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __iter__(self):
+        return iter(self._runs.values())
+
+    def append(self, run: _Run) -> None:
+        self._back += 1
+        self._insert(run, self._back)
+
+    def put_first(self, runs: Sequence[_Run]) -> None:
+        """`runs`, in their order, ahead of everything queued."""
+        for run in reversed(runs):
+            self._front -= 1
+            self._insert(run, self._front)
+            self._runs.move_to_end(run.request.traj_id, last=False)
+
+    def popleft(self) -> _Run:
+        traj_id, run = self._runs.popitem(last=False)
+        del self._position[traj_id]
+        return run
+
+    def take(self, traj_ids: Sequence[str]) -> list[_Run]:
+        """The queued runs among `traj_ids`, removed, in queue order."""
+        hits = sorted((t for t in set(traj_ids) if t in self._runs), key=self._position.__getitem__)
+        for traj_id in hits:
+            del self._position[traj_id]
+        return [self._runs.pop(traj_id) for traj_id in hits]
+
+    def _insert(self, run: _Run, position: int) -> None:
+        traj_id = run.request.traj_id
+        if traj_id in self._runs:
+            raise RuntimeError(f"{traj_id} is queued on this simulated slice already")
+        self._runs[traj_id] = run
+        self._position[traj_id] = position
+
+
 @dataclasses.dataclass
 class SliceCosts:
     """Cumulative cost counters of one slice."""
@@ -116,7 +163,7 @@ class SimSlice:
         self._kv_migration = kv_migration
         self.version: int | None = None
         self.costs = SliceCosts()
-        self._queued: collections.deque[_Run] = collections.deque()
+        self._queued = _Queue()
         self._active: dict[str, _Run] = {}
         self._heap: list[tuple[float, str]] = []  # (end clock, traj id), cleaned lazily
         self._steps = 0.0  # decode clock at _t_last
@@ -147,15 +194,7 @@ class SimSlice:
         """(`kv` is not modelled: what an import costs is decided at the import.)"""
         now = self._clock()
         self._settle(now)
-        wanted = set(traj_ids)
-        out: list[Migratable] = []
-        kept = collections.deque()
-        for run in self._queued:
-            if run.request.traj_id in wanted:
-                out.append(self._as_request(run))
-            else:
-                kept.append(run)
-        self._queued = kept
+        out: list[Migratable] = [self._as_request(run) for run in self._queued.take(traj_ids)]
         for traj_id in traj_ids:
             run = self._active.pop(traj_id, None)
             if run is not None:
@@ -180,7 +219,7 @@ class SimSlice:
             else:
                 run.prefill = self._prompt_share + generated
             resumed.append(run)
-        self._queued.extendleft(reversed(resumed))
+        self._queued.put_first(resumed)
         self._admit(now)
 
     def progress(self) -> dict[str, Request]:
