@@ -28,7 +28,7 @@ class LeastLoaded:
     sending a backlog to them), in O(log slices) a call instead of O(slices): a heap of the keys
     as last seen; a stale top is pushed again with its current key, so the top with a current key
     is the minimum. Slices in `excluded` (failing since) are skipped. At 4,096 accelerators the scan
-    per request of a several-thousand-request backlog was a quarter of the simulator's time."""
+    per request of a several-thousand-request backlog was a fifth of the paper command's time."""
 
     def __init__(
         self,
