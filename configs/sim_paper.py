@@ -3,6 +3,7 @@
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --calibrate
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --config.run.k_max=1
+    python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --jobs=1  # one process, not one per core
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/sim_out --ledger  # + every run's ledger
     python -m dora_jax.audit /tmp/sim_out/64gpus_dora.ledger.jsonl  # the project's auditor on one of them
     python -m dora_jax.sim --config=configs/sim_paper.py --out=/tmp/proj_7b \

@@ -468,12 +468,16 @@ class Coordinator:
             for sid in switching.idle_behind(self.slice_version, self.slice_trajs, self.draining, self.latest):
                 self._load(sid, self.latest)
         remaining = []
+        serving: dict[int, switching.LeastLoaded] = {}  # per version, for this pass (loads only grow)
         for request in self.backlog:
-            serving = self._serving(request.version)
-            if not serving:
+            if request.version not in serving:
+                slices = self._serving(request.version)
+                serving[request.version] = switching.LeastLoaded(slices, self.slice_trajs, self._slots, self._failing)
+            sid = serving[request.version].pick()
+            if sid is None:
                 remaining.append(request)
                 continue
-            self._send([request], switching.least_loaded(serving, self.slice_trajs, self._slots))
+            self._send([request], sid)
         self.backlog = remaining
 
     def _load(self, slice_id: int, version: int) -> bool:

@@ -11,6 +11,7 @@ serves.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 
 from dora_jax.coordinator.ports import Migratable
@@ -20,6 +21,41 @@ from dora_jax.core.records import Reprefill, Request
 def least_loaded(slices: Iterable[int], trajs: Mapping[int, Collection[str]], slots: Mapping[int, int]) -> int:
     """The slice holding the smallest share of its slots (lowest id on a tie)."""
     return min(slices, key=lambda s: (len(trajs[s]) / slots[s], s))
+
+
+class LeastLoaded:
+    """`least_loaded` over a fixed set of slices whose loads only grow between calls (one pass
+    sending a backlog to them), in O(log slices) a call instead of O(slices): a heap of the keys
+    as last seen; a stale top is pushed again with its current key, so the top with a current key
+    is the minimum. Slices in `excluded` (failing since) are skipped. At 4,096 accelerators the scan
+    per request of a several-thousand-request backlog was a fifth of the paper command's time."""
+
+    def __init__(
+        self,
+        slices: Iterable[int],
+        trajs: Mapping[int, Collection[str]],
+        slots: Mapping[int, int],
+        excluded: Container[int] = (),
+    ):
+        self._trajs, self._slots, self._excluded = trajs, slots, excluded
+        self._heap = [self._key(s) for s in slices]
+        heapq.heapify(self._heap)
+
+    def _key(self, s: int) -> tuple[float, int]:
+        return len(self._trajs[s]) / self._slots[s], s
+
+    def pick(self) -> int | None:
+        """The least-loaded slice not excluded, or None if none is left."""
+        while self._heap:
+            key = self._heap[0]
+            s = key[1]
+            if s in self._excluded:
+                heapq.heappop(self._heap)
+            elif (current := self._key(s)) != key:
+                heapq.heapreplace(self._heap, current)
+            else:
+                return s
+        return None
 
 
 def idle_behind(

@@ -11,8 +11,9 @@ from dora_jax.core.modes import Mode
 from dora_jax.sim.notes import make_notes
 from dora_jax.sim.projection import LABEL, Projection
 from dora_jax.sim.projection import notes as projection_notes
+from dora_jax.sim.runs import RunTask, run_tasks
 from dora_jax.sim.scenario import Scenario
-from dora_jax.sim.simulate import ModeResult, simulate
+from dora_jax.sim.simulate import ModeResult
 from dora_jax.sim.workload import WorkloadSpec, mean_response
 
 _OTHER_ASYNC = (Mode.ONE_STEP_OFF, Mode.PARTIAL_ROLLOUT)
@@ -37,23 +38,33 @@ DEFINITIONS = dict(
 )
 
 
-def _simulate(
-    sc: Scenario, mode: Mode, accelerators: int, workload: WorkloadSpec, steps: int, warmup: int, **kwargs
-) -> ModeResult:
-    return simulate(
-        sc.placements.cluster(sc.costs, mode, accelerators, workload),
-        workload,
-        mode,
-        sc.options.k_max,
-        steps=steps,
-        warmup=warmup,
-        rbs=sc.options.rbs(workload),
-        chunk_tokens=sc.options.chunk_tokens,
-        rebalance_period_s=sc.options.rebalance_period_s,
-        coordinator_tick_s=sc.options.coordinator_tick_s,
-        legacy_fill=sc.options.legacy_fill and mode == Mode.DORA,
-        **kwargs,
-    )
+def setting_tasks(
+    sc: Scenario,
+    accelerators: int,
+    workload: WorkloadSpec,
+    steps: int,
+    warmup: int,
+    ledger_dir: str | None = None,
+    ablation: bool = False,
+) -> list[RunTask]:
+    """The runs of one setting: every mode, then (with `ablation`) DORA with re-prefill instead
+    of KV-cache migration."""
+    tasks = [
+        RunTask(
+            mode,
+            accelerators,
+            workload,
+            steps,
+            warmup,
+            ledger_path=(
+                os.path.join(ledger_dir, f"{accelerators}gpus_{mode.value}.ledger.jsonl") if ledger_dir else None
+            ),
+        )
+        for mode in sc.options.modes
+    ]
+    if ablation and Mode.DORA in sc.options.modes:
+        tasks.append(RunTask(Mode.DORA, accelerators, workload, steps, warmup, kv_migration=False))
+    return tasks
 
 
 def run_setting(
@@ -64,17 +75,24 @@ def run_setting(
     warmup: int,
     ledger_dir: str | None = None,
     ablation: bool = False,
+    jobs: int = 1,
 ) -> dict:
     """Every mode of the scenario on `accelerators` GPUs; returns the setting's results block.
 
     With `ablation`, DORA also runs with re-prefill instead of KV-cache migration.
     """
-    results: dict[Mode, ModeResult] = {}
+    tasks = setting_tasks(sc, accelerators, workload, steps, warmup, ledger_dir, ablation)
+    return setting_block(sc, accelerators, workload, tasks, run_tasks(sc, tasks, jobs))
+
+
+def setting_block(
+    sc: Scenario, accelerators: int, workload: WorkloadSpec, tasks: list[RunTask], runs: list[ModeResult]
+) -> dict:
+    """The results block of one setting from its tasks (`setting_tasks`) and their results."""
+    results = {t.mode: r for t, r in zip(tasks, runs, strict=True) if t.kv_migration}
     placement = {}
-    for mode in sc.options.modes:
+    for mode in results:
         cluster = sc.placements.cluster(sc.costs, mode, accelerators, workload)
-        ledger = os.path.join(ledger_dir, f"{accelerators}gpus_{mode.value}.ledger.jsonl") if ledger_dir else None
-        results[mode] = _simulate(sc, mode, accelerators, workload, steps, warmup, ledger_path=ledger)
         placement[mode.value] = dict(
             placement=cluster.placement.value,
             rollout_groups=cluster.num_groups,
@@ -88,8 +106,8 @@ def run_setting(
         bound=_bound(sc, accelerators, workload),
         ratios=_ratios(results),
     )
-    if ablation and Mode.DORA in results:
-        plain = _simulate(sc, Mode.DORA, accelerators, workload, steps, warmup, kv_migration=False)
+    plain = next((r for t, r in zip(tasks, runs, strict=True) if not t.kv_migration), None)
+    if plain is not None:
         with_kv = results[Mode.DORA]
         out["kv_reuse_ablation"] = dict(
             step_time_s_with_kv_migration=round(with_kv.step_time_s, 2),
@@ -173,36 +191,55 @@ def _triple(paper, ours) -> dict:
     return dict(paper=paper, ours=None if ours is None else round(ours, 4), ours_over_paper=ratio)
 
 
-def run_sweep(sc: Scenario) -> dict:
-    """Step time and bubble ratio per mode from the smallest to the largest sweep size."""
+def sweep_workloads(sc: Scenario) -> dict[int, WorkloadSpec]:
+    """The workload of each sweep size (the batch grows with the size when proportional)."""
     base = sc.sweep_accelerators[0]
-    rows = {}
+    out = {}
     for n in sc.sweep_accelerators:
         workload = sc.workload
         if sc.sweep_batch_scaling == "proportional":
             workload = dataclasses.replace(workload, prompts_per_step=workload.prompts_per_step * n // base)
-        setting = run_setting(sc, n, workload, sc.sweep_steps, sc.sweep_warmup)
+        out[n] = workload
+    return out
+
+
+def run_sweep(sc: Scenario, jobs: int = 1) -> dict:
+    """Step time and bubble ratio per mode from the smallest to the largest sweep size."""
+    workloads = sweep_workloads(sc)
+    tasks = {n: setting_tasks(sc, n, w, sc.sweep_steps, sc.sweep_warmup) for n, w in workloads.items()}
+    runs = _run_grouped(sc, tasks, jobs)
+    return sweep_block(sc, {n: setting_block(sc, n, workloads[n], tasks[n], runs[n]) for n in tasks})
+
+
+def _run_grouped(sc: Scenario, tasks: dict, jobs: int) -> dict:
+    """`run_tasks` over every group's tasks at once (one pool for all); results by group."""
+    flat = [task for group in tasks.values() for task in group]
+    results = iter(run_tasks(sc, flat, jobs))
+    return {key: [next(results) for _ in group] for key, group in tasks.items()}
+
+
+_SWEEP_KEYS = (
+    "step_time_s",
+    "bubble_ratio",
+    "tokens_per_s",
+    "rollout_only_share",
+    "trainer_wait_s",
+    "max_staleness",
+    "audit_ok",
+    "coordinator_s_per_step",
+    "orchestration_overhead",
+    "rebalance_ms_p99",
+)
+
+
+def sweep_block(sc: Scenario, settings: dict[int, dict]) -> dict:
+    """results.json's `scaling` block from each sweep size's setting block."""
+    rows = {}
+    for n, setting in settings.items():
         rows[str(n)] = dict(
-            prompts_per_step=workload.prompts_per_step,
+            prompts_per_step=sweep_workloads(sc)[n].prompts_per_step,
             train_accelerators_split=setting["placement"].get(Mode.DORA.value, {}).get("train_accelerators"),
-            modes={
-                m: {
-                    k: v[k]
-                    for k in (
-                        "step_time_s",
-                        "bubble_ratio",
-                        "tokens_per_s",
-                        "rollout_only_share",
-                        "trainer_wait_s",
-                        "max_staleness",
-                        "audit_ok",
-                        "coordinator_s_per_step",
-                        "orchestration_overhead",
-                        "rebalance_ms_p99",
-                    )
-                }
-                for m, v in setting["modes"].items()
-            },
+            modes={m: {k: v[k] for k in _SWEEP_KEYS} for m, v in setting["modes"].items()},
             ratios=setting["ratios"],
             bound_tokens_per_s=setting["bound"]["tokens_per_s"],
         )
@@ -264,20 +301,32 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True) -> dict:
-    """Paper settings, comparison, sweep and notes; writes out_dir/results.json and returns it."""
-    settings = _run_settings(sc, out_dir, ledger)
+def run_all(sc: Scenario, out_dir: str, ledger: bool = False, sweep: bool = True, jobs: int = 1) -> dict:
+    """Paper settings, comparison, sweep and notes; writes out_dir/results.json and returns it.
+    The settings' and the sweep's runs share one pool of `jobs` processes."""
+    os.makedirs(out_dir, exist_ok=True)
+    tasks = _settings_tasks(sc, out_dir if ledger else None)
+    workloads = sweep_workloads(sc) if sweep else {}
+    for n, workload in workloads.items():
+        tasks["sweep", n] = setting_tasks(sc, n, workload, sc.sweep_steps, sc.sweep_warmup)
+    runs = _run_grouped(sc, tasks, jobs)
+    settings = {
+        str(n): setting_block(sc, n, sc.workload, tasks[kind, n], runs[kind, n])
+        for kind, n in tasks
+        if kind == "setting"
+    }
+    scaling = {n: setting_block(sc, n, w, tasks["sweep", n], runs["sweep", n]) for n, w in workloads.items()}
     results = dict(
         settings=settings,
         paper=paper_comparison(sc, {int(k): v for k, v in settings.items()}),
-        scaling=run_sweep(sc) if sweep else {},
+        scaling=sweep_block(sc, scaling) if sweep else {},
         **_inputs(sc),
     )
     results["notes"] = make_notes(results)
     return _write(results, out_dir)
 
 
-def run_projection(projection: Projection, out_dir: str, ledger: bool = False) -> dict:
+def run_projection(projection: Projection, out_dir: str, ledger: bool = False, jobs: int = 1) -> dict:
     """A real config's pod projected from XLA's estimates (dora_jax.sim.projection): every mode,
     no paper comparison, no sweep; results.json says, at its top, that the numbers are estimated."""
     sc = projection.scenario
@@ -286,7 +335,7 @@ def run_projection(projection: Projection, out_dir: str, ledger: bool = False) -
         label=LABEL,
         unit=f"chips ({projection.estimates.trainer_type} + {projection.estimates.rollout_type}), estimated",
         projection=projection.as_dict(),
-        settings=_run_settings(sc, out_dir, ledger),
+        settings=_run_settings(sc, out_dir, ledger, jobs),
         paper={},
         scaling={},
         **_inputs(sc),
@@ -295,20 +344,21 @@ def run_projection(projection: Projection, out_dir: str, ledger: bool = False) -
     return _write(results, out_dir)
 
 
-def _run_settings(sc: Scenario, out_dir: str, ledger: bool) -> dict:
-    os.makedirs(out_dir, exist_ok=True)
+def _settings_tasks(sc: Scenario, ledger_dir: str | None) -> dict:
+    """The paper settings' runs (every mode and the re-prefill ablation), keyed ("setting", n)."""
     return {
-        str(n): run_setting(
-            sc,
-            n,
-            sc.workload,
-            sc.options.steps,
-            sc.options.warmup,
-            ledger_dir=out_dir if ledger else None,
-            ablation=True,
+        ("setting", n): setting_tasks(
+            sc, n, sc.workload, sc.options.steps, sc.options.warmup, ledger_dir=ledger_dir, ablation=True
         )
         for n in sc.settings
     }
+
+
+def _run_settings(sc: Scenario, out_dir: str, ledger: bool, jobs: int) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    tasks = _settings_tasks(sc, out_dir if ledger else None)
+    runs = _run_grouped(sc, tasks, jobs)
+    return {str(n): setting_block(sc, n, sc.workload, tasks[kind, n], runs[kind, n]) for kind, n in tasks}
 
 
 def _inputs(sc: Scenario) -> dict:

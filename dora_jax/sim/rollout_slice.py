@@ -24,6 +24,7 @@ copied from the request, so the ledger's versions_seen shows C1 as it happened.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import heapq
@@ -71,11 +72,58 @@ class _Run:
     request: Request  # without its prefix tuples (the counts below stand for them)
     length: int  # response tokens it finishes at
     arrived: int  # tokens generated before it came here (prefix or SlotState)
-    versions: collections.Counter  # version -> tokens it sampled before it came here
+    versions: dict[int, int]  # version -> tokens it sampled before it came here (no zero counts)
     prefill: float  # tokens to prefill at admission
     delay: float  # seconds it waits for its KV cache after admission (migration)
     end: float = 0.0  # decode-clock value at which it finishes (admitted runs)
     admitted_t: float | None = None  # when it took a slot here, if it decodes only here (fresh)
+
+
+class _Queue:
+    """A slice's waiting requests in admission order, by id: O(1) to append one, put some first,
+    take the first, or take one by id. An export names a few requests among thousands queued, and
+    scanning the whole queue for them was the paper command's largest single cost."""
+
+    def __init__(self):
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()  # admission order
+        self._position: dict[str, int] = {}  # increases along the queue
+        self._back = self._front = 0
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __iter__(self):
+        return iter(self._runs.values())
+
+    def append(self, run: _Run) -> None:
+        self._back += 1
+        self._insert(run, self._back)
+
+    def put_first(self, runs: Sequence[_Run]) -> None:
+        """`runs`, in their order, ahead of everything queued."""
+        for run in reversed(runs):
+            self._front -= 1
+            self._insert(run, self._front)
+            self._runs.move_to_end(run.request.traj_id, last=False)
+
+    def popleft(self) -> _Run:
+        traj_id, run = self._runs.popitem(last=False)
+        del self._position[traj_id]
+        return run
+
+    def take(self, traj_ids: Sequence[str]) -> list[_Run]:
+        """The queued runs among `traj_ids`, removed, in queue order."""
+        hits = sorted((t for t in set(traj_ids) if t in self._runs), key=self._position.__getitem__)
+        for traj_id in hits:
+            del self._position[traj_id]
+        return [self._runs.pop(traj_id) for traj_id in hits]
+
+    def _insert(self, run: _Run, position: int) -> None:
+        traj_id = run.request.traj_id
+        if traj_id in self._runs:
+            raise RuntimeError(f"{traj_id} is queued on this simulated slice already")
+        self._runs[traj_id] = run
+        self._position[traj_id] = position
 
 
 @dataclasses.dataclass
@@ -115,7 +163,7 @@ class SimSlice:
         self._kv_migration = kv_migration
         self.version: int | None = None
         self.costs = SliceCosts()
-        self._queued: collections.deque[_Run] = collections.deque()
+        self._queued = _Queue()
         self._active: dict[str, _Run] = {}
         self._heap: list[tuple[float, str]] = []  # (end clock, traj id), cleaned lazily
         self._steps = 0.0  # decode clock at _t_last
@@ -146,15 +194,7 @@ class SimSlice:
         """(`kv` is not modelled: what an import costs is decided at the import.)"""
         now = self._clock()
         self._settle(now)
-        wanted = set(traj_ids)
-        out: list[Migratable] = []
-        kept = collections.deque()
-        for run in self._queued:
-            if run.request.traj_id in wanted:
-                out.append(self._as_request(run))
-            else:
-                kept.append(run)
-        self._queued = kept
+        out: list[Migratable] = [self._as_request(run) for run in self._queued.take(traj_ids)]
         for traj_id in traj_ids:
             run = self._active.pop(traj_id, None)
             if run is not None:
@@ -171,7 +211,7 @@ class SimSlice:
                 self._queued.append(self._run_of(item if isinstance(item, Request) else item.request))
                 continue
             generated = len(item.response_ids)
-            run = self._run_of(item.request, generated, collections.Counter(item.token_versions))
+            run = self._run_of(item.request, generated, _count_sorted(item.token_versions))
             if self._kv_migration:
                 run.prefill = 0.0
                 run.delay = self._cluster.migrate_time(self._prompt_tokens + generated)
@@ -179,7 +219,7 @@ class SimSlice:
             else:
                 run.prefill = self._prompt_share + generated
             resumed.append(run)
-        self._queued.extendleft(reversed(resumed))
+        self._queued.put_first(resumed)
         self._admit(now)
 
     def progress(self) -> dict[str, Request]:
@@ -247,16 +287,16 @@ class SimSlice:
             self.costs.busy_slot_s += n * (now - self._t_last - lent)
         self._t_last = now
 
-    def _run_of(self, request: Request, arrived: int = 0, versions: collections.Counter | None = None) -> _Run:
+    def _run_of(self, request: Request, arrived: int = 0, versions: dict[int, int] | None = None) -> _Run:
         if request.forced_length is None:
             raise ValueError(f"{request.traj_id}: the simulator needs a forced_length (the drawn response length)")
         if request.prefix_response_ids:  # re-dispatched with its tokens so far: re-prefilled
             arrived = len(request.prefix_response_ids)
-            versions = collections.Counter(request.prefix_versions)
+            versions = _count_sorted(request.prefix_versions)
             request = dataclasses.replace(request, prefix_response_ids=(), prefix_logprobs=(), prefix_versions=())
         length = min(request.forced_length, request.max_new_tokens)
         prefill = self._prompt_share + arrived
-        return _Run(request, length, arrived, versions or collections.Counter(), prefill, 0.0)
+        return _Run(request, length, arrived, versions or {}, prefill, 0.0)
 
     def _admit(self, now: float) -> None:
         """Queued requests take free slots, in order, paying their prefill."""
@@ -278,10 +318,12 @@ class SimSlice:
         cache has generated nothing here yet."""
         return int(min(run.length, max(run.arrived, run.length - max(0.0, run.end - self._steps))))
 
-    def _seen(self, run: _Run, generated: int) -> collections.Counter:
-        versions = collections.Counter(run.versions)
-        if generated > run.arrived:
-            versions[self.version] += generated - run.arrived
+    def _seen(self, run: _Run, generated: int) -> dict[int, int]:
+        """Tokens per version that sampled them, once `generated` tokens are held (no zero counts)."""
+        if generated <= run.arrived:
+            return run.versions
+        versions = dict(run.versions)
+        versions[self.version] = versions.get(self.version, 0) + generated - run.arrived
         return versions
 
     def _as_request(self, run: _Run, generated: int | None = None) -> Request:
@@ -313,7 +355,7 @@ class SimSlice:
 
     def _trajectory(self, run: _Run, now: float) -> Trajectory:
         r = run.request
-        seen = self._seen(run, run.length)
+        seen = self._seen(run, run.length)  # its versions, none with a zero count
         reason = FinishReason.FORCED if run.length == r.forced_length else FinishReason.LENGTH
         return Trajectory(
             r.traj_id,
@@ -323,7 +365,7 @@ class SimSlice:
             Repeated(0, run.length),
             Repeated(0.0, run.length),
             r.version,
-            tuple(sorted(v for v in seen if seen[v])),
+            tuple(sorted(seen)),
             reason,
             self.slice_id,
             finish_t=now,
@@ -331,6 +373,19 @@ class SimSlice:
         )
 
 
-def _expand(versions: collections.Counter) -> tuple[int, ...]:
+def _expand(versions: dict[int, int]) -> tuple[int, ...]:
     """Per-token versions, oldest first (a request only ever moves to newer versions)."""
     return tuple(itertools.chain.from_iterable(itertools.repeat(v, versions[v]) for v in sorted(versions)))
+
+
+def _count_sorted(versions: Sequence[int]) -> dict[int, int]:
+    """Tokens per version of per-token versions in non-decreasing order (what `_expand` makes, and
+    so what this simulator's requests carry: a request only ever moves to newer versions), by
+    bisection: O(versions x log tokens), where counting each of a long response's tokens at every
+    partial-rollout interrupt was a visible share of the paper command's time."""
+    counts, start = {}, 0
+    while start < len(versions):
+        end = bisect.bisect_right(versions, versions[start], start)
+        counts[versions[start]] = end - start
+        start = end
+    return counts

@@ -1,12 +1,16 @@
 """The simulated slice behind the coordinator's port: exact finish times, stalls, migration with and
 without its KV cache, partial-rollout re-prefill, weight loads, lending to a colocated trainer."""
 
+import collections
 import dataclasses
+import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dora_jax.core.records import FinishReason, Request, SlotState
-from dora_jax.sim.rollout_slice import Repeated, SimSlice
+from dora_jax.sim.rollout_slice import Repeated, SimSlice, _count_sorted, _expand, _Queue, _Run
 from tests.sim.helpers import tiny_cluster
 
 
@@ -41,6 +45,10 @@ def make_slices(n=1, kv_migration=True, **kwargs):
 
 def request(traj, length, version=0):
     return Request(traj, traj.split("/")[0], "p", (), version, max_new_tokens=1000, forced_length=length)
+
+
+def _run(traj):
+    return _Run(request(traj, 5), 5, 0, {}, 0.0, 0.0)
 
 
 def drain(clock, slices):
@@ -165,3 +173,36 @@ def test_repeated_is_a_constant_sequence():
     assert len(r) == 5 and list(r) == [0] * 5 and tuple(r[1:3]) == (0, 0) and r[-1] == 0
     with pytest.raises(IndexError):
         r[5]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "first", "pop", "take"]), st.integers(0, 3)), max_size=40))
+def test_the_queue_keeps_the_order_a_deque_would(ops):
+    """_Queue (by id) against a deque scanned the way export used to: same runs, same order."""
+    queue, reference, made = _Queue(), collections.deque(), itertools.count()
+
+    def runs(n):
+        return [_run(f"t{next(made)}") for _ in range(n)]
+
+    for op, n in ops:
+        if op == "append":
+            for run in runs(1):
+                queue.append(run)
+                reference.append(run)
+        elif op == "first":
+            batch = runs(n)
+            queue.put_first(batch)
+            reference.extendleft(reversed(batch))
+        elif op == "pop" and reference:
+            assert queue.popleft() is reference.popleft()
+        elif op == "take":
+            wanted = [r.request.traj_id for r in list(reference)[::2][:n]] + ["absent"]
+            assert queue.take(wanted) == [r for r in reference if r.request.traj_id in wanted]
+            reference = collections.deque(r for r in reference if r.request.traj_id not in wanted)
+        assert list(queue) == list(reference) and len(queue) == len(reference)
+
+
+def test_count_sorted_inverts_expand():
+    counts = {0: 3, 2: 1, 5: 4}
+    assert _count_sorted(_expand(counts)) == counts
+    assert _count_sorted(()) == {} and _count_sorted((7,)) == {7: 1}

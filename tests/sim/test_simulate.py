@@ -107,6 +107,7 @@ def test_the_simulator_runs_the_shipped_mode_table():
             "tbs": 64,
             "group_size": 4,
             "slices": 2,
+            "dynamic_sampling": False,
             "t": 0.0,
         }
 
@@ -147,7 +148,7 @@ def test_partial_rollout_mixes_versions_and_keeps_everything_else():
             warmup=2,
         )
         assert r.audit.c1_violations and r.interrupts > 0
-        assert r.audit_ok and r.audit.violations() == {"C2": 0, "C3": 0, "exactly_once": 0, "weights": 0}
+        assert r.audit_ok and r.audit.violations() == {"C2": 0, "C3": 0, "exactly_once": 0, "weights": 0, "dynamic_sampling": 0}
         assert r.prefill_share > 0 and r.max_staleness <= 3
 
 
