@@ -28,7 +28,8 @@ def get_config(arg=None):
     spec.loader.exec_module(smoke)
     c = smoke.get_config(arg)
     with c.unlocked():
-        c.num_steps = 24  # training steps per mode: 8 flattered dora (an empty window at the start; see docs/performance.md)
+        # Training steps per mode: 8 flattered dora (an empty window at the start; see docs/performance.md).
+        c.num_steps = 24
         c.init.sft_steps = 0  # no learning: lengths are forced
         c.model.hidden_size = 128
         c.model.intermediate_size = 512

@@ -2,6 +2,7 @@
 `python -m dora_jax.tpu_compile` command): a tiny model's programs compile for a v5e:2x2 and fit,
 a huge one is reported as not fitting with the program named, bad input is refused by name."""
 
+import importlib.util
 import json
 import os
 import re
@@ -9,11 +10,17 @@ import subprocess
 import sys
 import threading
 
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.runtime import aot, run_config
 from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ROLE_KEYS = {
     "role",
@@ -312,3 +319,140 @@ def test_probe_costs_handed_over_in_a_file_or_the_other_process_failure_named(tm
     aot.write_probe_costs(path, error="the rollout role's process exited with 2 first")
     with pytest.raises(RuntimeError, match=r"failed in the other process \(.*probes.json\): the rollout role's"):
         aot.read_probe_costs(path)("grad[T=8]")
+
+
+@pytest.mark.parametrize("rows, binds", [(1024, "flops"), (8, "bytes")])
+def test_an_estimate_is_never_below_either_floor(rows, binds):
+    """A stack of 8 weight matrices multiplied through under `lax.scan`, compiled for one v5e chip:
+    XLA's cost analysis counts the scan's body once (an eighth of the flops and of the weights), so
+    its own roofline is below what the program must do. The record's time is at least the model
+    flops at the chip's peak and the weights read once plus the output written at HBM bandwidth,
+    both computed here from the shapes; 1024 rows bind on flops, 8 rows (a decode step) on bytes;
+    the MFU is at most 100%."""
+    layers, width = 8, 1024
+    (device,) = aot.topology_devices("v5e:2x2", "--target")[:1]
+    one = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+
+    def forward(x_RK, w_LKK):
+        return jax.lax.scan(lambda x, w: (x @ w, None), x_RK, w_LKK)[0]
+
+    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16, sharding=one)
+    w = jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=one)
+    lowered = jax.jit(forward, out_shardings=one).lower(x, w)
+    model_flops = 2.0 * rows * width * width * layers
+    weights = layers * width * width * 2  # bf16
+    program = aot.Program("stack", lambda: lowered, model_flops=model_flops, weight_bytes=weights)
+    chip = aot.CHIPS["v5e"]
+    record = aot.compile_program(program, chip, log=lambda line: None)
+
+    assert record["flops"] < model_flops / 4  # XLA counted the scan's body once
+    flops_floor = model_flops / 197e12  # v5e: 197 TFLOP/s bf16
+    bytes_floor = (weights + rows * width * 2) / 819e9  # v5e: 819 GB/s; the [rows, width] bf16 output
+    assert record["flops_floor_s"] == pytest.approx(flops_floor)
+    assert record["bytes_floor_s"] == pytest.approx(bytes_floor)
+    assert record["estimated_s"] >= max(flops_floor, bytes_floor)
+    assert record["floor"] == binds and record["estimate"].startswith(f"{binds} floor")
+    assert record["mfu"] <= 1.0
+    row = aot.table({"roles": [dict(_ROLE, programs=[record])]}).splitlines()[-1]
+    assert f"{record['estimated_s'] * 1e3:.2f} {binds}" in row and "MFU" in row
+
+
+_ROLE = {
+    "role": "trainer",
+    "topology": "v5e:2x2",
+    "chips": 1,
+    "resident_bytes_per_chip": 0,
+    "peak_bytes_per_chip": 0,
+    "hbm_capacity_bytes_per_chip": 16 * 2**30,
+    "fits": True,
+}
+
+
+def test_an_mfu_above_100_percent_is_an_error_naming_the_program():
+    """The flops floor makes an MFU above 100% impossible; were it ever computed, the program is
+    named instead of the figure printed."""
+    program = aot.Program("grad[rows=16,T=4096]", lambda: None, model_flops=2 * 197e12)  # 2 s of model flops
+    record = {"output_bytes": 0, "alias_bytes": 0}
+    chip = aot.CHIPS["v5e"]
+    out = aot._estimate(program, record, chip, (1.0, 1.0, 0.5), "xla")  # XLA: 0.5 s
+    assert out["estimated_s"] == pytest.approx(2.0) and out["mfu"] == pytest.approx(1.0)
+    assert out["estimate"] == "flops floor (the estimate, xla, was below it)"
+    with pytest.raises(AssertionError, match=r"grad\[rows=16,T=4096\]: MFU 200.0% > 100%"):
+        aot.mfu_of(program, 1.0, chip)  # a time below the flops floor
+
+
+LLAMA_3_1_8B = {  # meta-llama/Llama-3.1-8B config.json, the published architecture values
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+@pytest.mark.slow  # 10 TPU compiles of 8B-wide layers: ~5-10 min on 2 shared cores
+def test_llama_3_1_8b_on_v6e_estimates_within_its_floors(tmp_path):
+    """Llama-3.1-8B (its config.json, 2 of its 32 layers) with the 7B config's settings on a v6e-16
+    trainer (fsdp 16), at 1K-token rows: every costed program's time is at or above both floors and
+    its MFU at most 100%; the behaviour recompute's cost probes see the whole LM head (XLA's flops
+    within 5% of those due: the recompute's vocabulary scan, counted once, read 105% MFU)."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA_3_1_8B, num_hidden_layers=2)))
+    spec = importlib.util.spec_from_file_location("dapo", os.path.join(ROOT, "configs", "qwen2_5_7b_dapo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    with c.unlocked():
+        c.model.hf_path = str(tmp_path)
+        c.pod.trainer_type, c.pod.rollout_type = "v6e-16", "v6e-4"
+        c.rollout.cache_length, c.rollout.max_new_tokens = 1024, 512
+        c.rollout.max_prefill_length = c.task.source.max_prompt_tokens = 512
+        c.trainer.micro_batch_tokens = 16384  # 16 rows of 1K: one per chip
+    config = run_config.parse(c)
+    result = aot.compile_roles(config, c.pod, "pod", roles=("trainer",), estimate_lengths=[1024], log=lambda _: None)
+    (trainer,) = result["roles"]
+    assert trainer["topology"] == "v6e:4x4" and trainer["chips"] == 16
+    costed = [p for p in trainer["programs"] if p["estimated_s"] is not None]
+    assert {p["name"] for p in costed} >= {"recompute[rows=16,T=1024]", "grad[rows=16,T=1024]"}
+    for p in costed:
+        assert p["estimated_s"] >= max(p["flops_floor_s"], p["bytes_floor_s"]), p
+        assert p.get("mfu", 0.0) <= 1.0, p
+    recompute = next(p for p in costed if p["name"] == "recompute[rows=16,T=1024]")
+    assert recompute["flops"] == pytest.approx(recompute["flops_due"], rel=0.05)
+    assert recompute["model_flops"] == pytest.approx(recompute["flops_due"] + recompute["kernel_flops"])
+
+
+@pytest.mark.parametrize("vocab_chunk, loops", [(0, 0), (64, 1)])
+def test_the_behaviour_recompute_slices_the_vocabulary_by_trainer_vocab_chunk(vocab_chunk, loops):
+    """The recompute's forward takes `trainer.vocab_chunk`, as the gradient's does: a cost probe
+    (vocab_chunk 0) holds no vocabulary scan for XLA to count once (before, the recompute walked the
+    vocabulary in 8K slices whatever the trainer's setting: Llama-3.1-8B's LM head counted 0.46 of
+    4.30 TFLOP per chip, MFU 105%)."""
+    c = _config()
+    with c.unlocked():
+        c.trainer.vocab_chunk = vocab_chunk
+    config = run_config.parse(c)
+    (target,) = [t for t in aot.plan_roles(config, None, "local") if t.role == "trainer"]
+    cfg = aot.model_config(config)
+    assert cfg.vocab_size > 64
+    trainer = aot._abstract_trainer(cfg, target.mesh, config.trainer)
+    (recompute,) = [p for p in aot.trainer_programs(config, trainer, cfg, 2) if p.name.startswith("recompute")]
+    assert len(re.findall(r"stablehlo\.while", recompute.lower().as_text())) == loops

@@ -23,13 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dora_jax.trainer.loss import LossConfig
 from dora_jax.trainer.step import sequence_logps
 
 
-def _fill_chunk(params, out_UMCT, tokens_UMCT, src_C3, dst_C3, *, graphdef, temperature: float = 1.0):
+def _fill_chunk(params, out_UMCT, tokens_UMCT, src_C3, dst_C3, *, graphdef, vocab_chunk: int, temperature: float = 1.0):
     """Forward of the C rows at (u, m, c) = src_C3 and write their log-probs (at `temperature`) at dst_C3."""
     rows_CT = tokens_UMCT[src_C3[:, 0], src_C3[:, 1], src_C3[:, 2]]
-    logps_CT, _ = sequence_logps(graphdef, params, rows_CT, temperature=temperature)
+    logps_CT, _ = sequence_logps(graphdef, params, rows_CT, vocab_chunk, temperature=temperature)
     # Padding rows point at u = U, out of range: dropped.
     return out_UMCT.at[dst_C3[:, 0], dst_C3[:, 1], dst_C3[:, 2]].set(logps_CT, mode="drop")
 
@@ -78,6 +79,7 @@ class BehaviourLogps:
         compiler_options=None,
         layout: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         temperature: float = 1.0,
+        vocab_chunk: int = LossConfig.vocab_chunk,  # the vocabulary slice width (trainer.vocab_chunk)
     ):
         self._chunk = chunk
         self._rows_sharding = rows_sharding  # the sharding of a [U, M, C, T] array
@@ -89,7 +91,7 @@ class BehaviourLogps:
                 return _fill_chunk(*args, **kwargs)
 
         self._fill = jax.jit(
-            functools.partial(traced, graphdef=graphdef, temperature=temperature),
+            functools.partial(traced, graphdef=graphdef, temperature=temperature, vocab_chunk=vocab_chunk),
             in_shardings=(param_shardings, rows_sharding, rows_sharding, replicated, replicated),
             out_shardings=rows_sharding,
             donate_argnums=(1,),

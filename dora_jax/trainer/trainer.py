@@ -308,6 +308,7 @@ class Trainer:
             compiler_options=self._compiler_options,
             layout=self._layout,
             temperature=config.temperature,
+            vocab_chunk=config.vocab_chunk,  # the gradient's forward slices the vocabulary so too
         )
         self._step = self._compile_step(graphdef)
         self._bucketed = None

@@ -148,7 +148,13 @@ def test_partial_rollout_mixes_versions_and_keeps_everything_else():
             warmup=2,
         )
         assert r.audit.c1_violations and r.interrupts > 0
-        assert r.audit_ok and r.audit.violations() == {"C2": 0, "C3": 0, "exactly_once": 0, "weights": 0, "dynamic_sampling": 0}
+        assert r.audit_ok and r.audit.violations() == {
+            "C2": 0,
+            "C3": 0,
+            "exactly_once": 0,
+            "weights": 0,
+            "dynamic_sampling": 0,
+        }
         assert r.prefill_share > 0 and r.max_staleness <= 3
 
 
