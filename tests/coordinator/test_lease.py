@@ -18,6 +18,7 @@ import pytest
 
 from dora_jax.coordinator.lease import LEASE_NAME, LeaseHeld, WriterLease
 from dora_jax.core import fs
+from dora_jax.transport.auth import new_secret
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 FAST = dict(heartbeat_s=0.1, timeout_s=1.0, settle_s=0.05)
@@ -159,7 +160,8 @@ def test_serve_coordinator_refuses_a_workdir_another_coordinator_holds(tmp_path)
                 "--port=0",
             ],
             cwd=ROOT,
-            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            # A run secret, so that the lease, not the missing credential, is what refuses it.
+            env=dict(os.environ, JAX_PLATFORMS="cpu", DORA_RUN_SECRET=new_secret().hex()),
             capture_output=True,
             text=True,
             timeout=300,
