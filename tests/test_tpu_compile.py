@@ -425,6 +425,7 @@ def test_llama_3_1_8b_on_v6e_estimates_within_its_floors(tmp_path):
         c.pod.trainer_type, c.pod.rollout_type = "v6e-16", "v6e-4"
         c.rollout.cache_length, c.rollout.max_new_tokens = 1024, 512
         c.rollout.max_prefill_length = c.task.source.max_prompt_tokens = 512
+        c.task.overlong_penalty_tokens = 102  # a fifth of the 512-token cap, as the config keeps it
         c.trainer.micro_batch_tokens = 16384  # 16 rows of 1K: one per chip
     config = run_config.parse(c)
     result = aot.compile_roles(config, c.pod, "pod", roles=("trainer",), estimate_lengths=[1024], log=lambda _: None)
