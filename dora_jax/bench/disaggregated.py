@@ -19,6 +19,7 @@ import time
 from dora_jax.bench.mode_row import mode_row, schedule
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.coordinator.trace import LengthDistribution
 from dora_jax.rollout import timeline
 from dora_jax.runtime.metrics import read_metrics
 
@@ -94,8 +95,6 @@ def run_modes(cfg_dict, out_dir: str, modes, rounds: int, config_flags: list[str
     """Every mode `rounds` times as launch_local jobs, interleaved within each round, after one
     dora job that fills the persistent compilation cache (unless `bench.warmup` is False).
     Returns what `modes.run_modes` does."""
-    from dora_jax.coordinator.trace import LengthDistribution
-
     trainer_cores = int(cfg_dict.bench.trainer_cores)
     timeout_s = float(cfg_dict.bench.get("timeout_s", 3600.0))
     num_slots = int(cfg_dict.rollout.slots)

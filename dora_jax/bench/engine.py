@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from dora_jax.bench.migration import measure_migration
 from dora_jax.core.records import Request, SamplingParams
 from dora_jax.models import ModelConfig, init_model, moe_fields, split
 from dora_jax.parallel import sharding
@@ -398,8 +399,6 @@ def _measure_workload(config: EngineBenchConfig, engine: RolloutEngine, params, 
 
 def _measure_migration(config: EngineBenchConfig, params) -> list[dict] | None:
     """`dora_jax.bench.migration` on two slices of the engine under test (None without the devices)."""
-    from dora_jax.bench.migration import measure_migration
-
     tp = config.tensor_parallel
     if len(jax.devices()) < 2 * tp:
         return None

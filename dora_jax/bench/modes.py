@@ -17,12 +17,16 @@ import time
 
 import numpy as np
 
+from dora_jax import cli
 from dora_jax.bench import disaggregated
+from dora_jax.bench.engine import EngineBenchConfig, run_engine_bench
 from dora_jax.bench.mode_row import mode_row, schedule
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.coordinator.trace import ConstantScorer, LengthDistribution
 from dora_jax.runtime import run_config, runner
 from dora_jax.runtime.build import build_setup
+from dora_jax.runtime.cores import role_cores
+from dora_jax.tasks.running_sums import ALPHABET
 
 MODES = ("sync", "one_step_off", "partial_rollout", "dora")
 
@@ -202,9 +206,6 @@ def _coalesce(timeline, gap: float = 0.02):
 
 def engine_bench_config(cfg_dict):
     """The `bench engine` measurement for an experiment config's model and rollout slice."""
-    from dora_jax.bench.engine import EngineBenchConfig
-    from dora_jax.tasks.running_sums import ALPHABET
-
     m, r = cfg_dict.model, cfg_dict.rollout
     return EngineBenchConfig(
         num_layers=m.num_layers,
@@ -266,12 +267,7 @@ def main(cfg_dict, out_dir: str, config_flags: list[str] | None = None) -> dict:
     if "dora" not in modes or set(modes) - set(MODES):
         raise ValueError(f"bench.modes={modes}; expected some of {MODES}, dora among them (the bound is dora's)")
     engine_config = dataclasses.replace(engine_bench_config(cfg_dict), migration=False)
-    from dora_jax.bench.engine import run_engine_bench
-
     if trainer_cores:
-        from dora_jax import cli
-        from dora_jax.runtime.cores import role_cores
-
         flags = cli.config_flags(sys.argv[1:]) if config_flags is None else config_flags
         measured = disaggregated.run_modes(cfg_dict, out_dir, modes, rounds, flags)
         # The decode rate on the rollout workers' cores (JAX's CPU threads start now, pinned there).

@@ -34,6 +34,7 @@ True)`); `expert_load` and `load_balancing_loss` reduce them over the tokens of 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import flax.struct
@@ -112,8 +113,6 @@ def _gmm(x_AE, w_xEF, sizes_X, first, rows: int, interpret: bool):
 
 
 def _megablox():
-    import importlib
-
     return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")  # the package's `gmm` is a function
 
 

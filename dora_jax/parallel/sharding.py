@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -159,8 +160,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     programs and the rollout engine's); without both, `x` as it is. A dimension whose rule's mesh
     axis an earlier one took stays whole: with batch over (data, fsdp), `embed` (fsdp for params) is
     not split again."""
-    from flax.core import spmd
-
     mesh, rules = jax.sharding.get_abstract_mesh(), spmd.get_logical_axis_rules()
     if mesh.empty or not rules:
         return x
@@ -171,8 +170,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 def activation_layout(mesh: Mesh, rules: Rules):
     """Inside a traced function: the mesh and rule table by which `constrain` lays activations
     out and the Pallas kernels (attention, paged attention, megablox) are mapped over devices."""
-    from flax.core import spmd
-
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), spmd.logical_axis_rules(rules):
         yield
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from dora_jax import models
 from dora_jax.rollout.engine import KVPoolTooSmall, RolloutEngine
+from dora_jax.rollout.migration import MigrationCosts
 from dora_jax.runtime.aot.costs import (
     Program,
     _abstract,
@@ -38,6 +39,8 @@ from dora_jax.runtime.aot.costs import (
 from dora_jax.runtime.aot.report import result_of
 from dora_jax.runtime.aot.topology import Chip, GiB, RoleTarget, plan_roles
 from dora_jax.runtime.run_config import RunConfig
+from dora_jax.sim.projection import project_workload
+from dora_jax.sim.workload import WorkloadSpec, mean_response
 from dora_jax.trainer import Trainer
 from dora_jax.trainer.bucketed import batch_widths
 
@@ -242,8 +245,6 @@ def migration_rule(config: RunConfig, engine: RolloutEngine, records: list[dict]
     quarter of a prefill chunk, one chunk, the longest a re-prefill takes), moving the slot's KV
     rows at `rollout.kv_link_bytes_per_s` against re-prefilling with the prefill programs'
     estimated times; what the rule picks. A slice measures both at run time and decides on those."""
-    from dora_jax.rollout.migration import MigrationCosts
-
     ec, cfg = engine.config, engine.model_config
     estimates = {}
     for record in records:
@@ -293,9 +294,6 @@ def kv_capacity(config: RunConfig, engine: RolloutEngine) -> dict:
     of the workload's mean prompt + response length it holds at once (the paper's response-length
     shape scaled to `rollout.max_new_tokens`, prompts at `task.source.max_prompt_tokens`: the
     config has no length distribution of its own), against a dense cache of the same bytes."""
-    from dora_jax.sim.projection import project_workload
-    from dora_jax.sim.workload import WorkloadSpec, mean_response
-
     ec = engine.config
     fields = {
         "rollout": {"max_new_tokens": config.rollout.max_new_tokens, "cache_length": ec.cache_length},
