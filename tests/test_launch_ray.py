@@ -1,6 +1,7 @@
-"""The Ray placement end to end on a real local Ray cluster (`ray.cluster_utils.Cluster`, started
-here) whose nodes are fake TPU hosts (`launch_ray.fake_tpu_node_args`: the resources and labels
-Ray gives a TPU VM): `python -m dora_jax.launch_ray` places the roles on TPU slice placement groups
+"""The Ray placement end to end on a real local Ray cluster (`ray.cluster_utils.Cluster`, kept by
+tests/ray_cluster_keeper.py in a process of its own) whose nodes are fake TPU hosts
+(`launch_ray.fake_tpu_node_args`: the resources and labels Ray gives a TPU VM):
+`python -m dora_jax.launch_ray` places the roles on TPU slice placement groups
 (`ray.util.tpu.slice_placement_group`), a multi-host slice one actor per host forming one JAX job;
 a rollout actor and the trainer actor killed mid-run are restarted by Ray and the run finishes
 with a clean audit; a job stopped (SIGTERM, what `ray job stop` sends) and submitted again on its
@@ -16,10 +17,8 @@ import sys
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
-from dora_jax.cli.launch_ray import fake_tpu_node_args, namespace
+from dora_jax.cli.launch_ray import namespace
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 from tests.transport.test_launch_local import TBS, TINY
@@ -31,13 +30,44 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 SLICES = {"a": ("v4-8", 1), "b": ("v4-8", 1), "c": ("v4-8", 1), "d": ("v4-16", 2)}
 
 
+class _Cluster:
+    """The cluster, kept by tests/ray_cluster_keeper.py in a process of its own."""
+
+    def __init__(self):
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.ray_cluster_keeper", json.dumps(SLICES)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.address = self._answer()["address"]
+
+    def _answer(self) -> dict:
+        while True:  # Ray may print lines of its own
+            line = self._proc.stdout.readline()
+            assert line, f"the Ray cluster keeper ended (exit {self._proc.wait()})"
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def kill(self, workdir, actor: str) -> None:
+        """`ray.kill` of the run's named actor; Ray restarts it."""
+        self._proc.stdin.write(f"kill {namespace(str(workdir))} {actor}\n")
+        self._proc.stdin.flush()
+        assert self._answer() == {"killed": actor}
+
+    def shutdown(self) -> None:
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=120)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    for name, (tpu_type, hosts) in SLICES.items():
-        for host in range(hosts):
-            c.add_node(**fake_tpu_node_args(tpu_type, f"slice-{name}", host))
-    c.wait_for_nodes()
+    c = _Cluster()
     yield c
     c.shutdown()
 
@@ -120,15 +150,13 @@ def test_killed_rollout_and_trainer_actors_are_restarted_and_the_run_finishes(cl
         stderr=subprocess.STDOUT,
     )
     try:
-        ray.init(address=cluster.address, namespace=namespace(str(workdir)))
         _wait_for(lambda: any(e["ev"] == "finish" and e.get("slice") == 1 for e in _events(workdir)), "work", proc)
         killed_at = time.time()
-        ray.kill(ray.get_actor("rollout_1"), no_restart=False)
+        cluster.kill(workdir, "rollout_1")
         _wait_for(lambda: (workdir / "checkpoints" / "3").is_dir(), "the checkpoint of step 3", proc)
-        ray.kill(ray.get_actor("trainer"), no_restart=False)
+        cluster.kill(workdir, "trainer")
         out, _ = proc.communicate(timeout=900)
     finally:
-        ray.shutdown()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
