@@ -359,7 +359,8 @@ def _type_name(kind) -> str:
     if isinstance(kind, types.UnionType):
         return " or ".join(_type_name(member) for member in typing.get_args(kind))
     if typing.get_origin(kind) is tuple:
-        return f"a sequence of {_type_name(typing.get_args(kind)[0])}s"
+        item = typing.get_args(kind)[0]
+        return "a sequence of " + {str: "strings", int: "ints", float: "numbers"}.get(item, _type_name(item))
     names = {bool: "True or False", int: "an int", float: "a number", str: "a string", dict: "a group"}
     return names.get(kind, "None" if kind is type(None) else getattr(kind, "__name__", str(kind)))
 
