@@ -228,15 +228,16 @@ class RunConfig:
     reward_shaping: RewardShaping = RewardShaping()
 
 
-# Descriptions of the fields of the dataclasses other modules own, which carry no field metadata
-# (yet): the sampling fields of `rollout`, `coordinator` and `trainer`. Types and defaults are theirs.
+# Descriptions of the fields of the dataclasses other modules own, by class name, while those carry
+# no field metadata: the sampling fields of `rollout`, `coordinator` and `trainer`. Types and
+# defaults are the classes' own.
 FOREIGN_HELP = {
-    SamplingParams: {
+    "SamplingParams": {
         "temperature": "sampling temperature (0 = greedy); the trainer's log-probs use it too",
         "top_p": "nucleus filter (1 = off)",
         "top_k": "top-k filter (0 = off)",
     },
-    CoordinatorConfig: {
+    "CoordinatorConfig": {
         "k_max": "K: most versions a consumed trajectory may lag the trainer",
         "rollout_batch_size": "RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)",
         "train_batch_size": "TBS: samples per training step",
@@ -318,7 +319,7 @@ class ConfigField:
 def _fields_of(section: str, cls) -> tuple[ConfigField, ...]:
     """The config fields `cls` reads from `section`: its dataclass fields less those TAKEN_FROM the run."""
     hints = typing.get_type_hints(cls)
-    foreign = FOREIGN_HELP.get(cls) or FOREIGN_HELP.get(cls.__name__, {})
+    foreign = FOREIGN_HELP.get(cls.__name__, {})
     out = []
     for f in dataclasses.fields(cls):
         if f"{section}.{f.name}" in TAKEN_FROM:
@@ -439,7 +440,7 @@ def read_section(group, fields: tuple[ConfigField, ...], groups: frozenset[str] 
     for key in group.keys() if group is not None else ():
         where = f"{section}.{key}" if section else key
         if key in groups:
-            if not _is_group(group[key]):
+            if group[key] is not None and not _is_group(group[key]):  # None: the section's defaults
                 raise ValueError(f"{where}={group[key]!r}; expected a group of fields (a ConfigDict)")
             continue
         if key not in by_name:
