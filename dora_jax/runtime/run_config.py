@@ -471,16 +471,9 @@ def read(c: ml_collections.ConfigDict) -> dict[str, dict]:
 
 def parse(c: ml_collections.ConfigDict) -> RunConfig:
     """Reads every section against the schema (`read`), then checks what spans fields."""
-    from dora_jax.trainer import TrainerConfig
-
     values = read(c)
     top, task = values[""], values["task"]
-    try:
-        mode = Mode(top["mode"]).value
-    except ValueError:
-        raise ValueError(f"mode={top['mode']!r}; expected one of {[m.value for m in Mode]}") from None
-    if top["num_steps"] < 1:
-        raise ValueError(f"num_steps={top['num_steps']}; expected >= 1")
+    mode = _mode(top)
     _check_task(task)
     rollout_values = values["rollout"]
     sampling = SamplingParams(**{name: rollout_values.pop(name) for name in ("temperature", "top_p", "top_k")})
@@ -489,7 +482,6 @@ def parse(c: ml_collections.ConfigDict) -> RunConfig:
     checkpoint = CheckpointSpec(**values["checkpoint"])
     if checkpoint.keep < 1:
         raise ValueError(f"checkpoint.keep={checkpoint.keep}; expected >= 1 (checkpoints to keep)")
-    trainer_values = values["trainer"]
     # the filter counts a failed grade as the trainer does (task.reward_on_error; "mask": not at all)
     reward_on_error = parse_reward_on_error(task["reward_on_error"])
     coordinator = CoordinatorConfig(
@@ -498,17 +490,13 @@ def parse(c: ml_collections.ConfigDict) -> RunConfig:
         sampling=sampling,
         seed=top["seed"],
         # DAPO's dynamic sampling is the trainer's setting; the coordinator does the filtering and refilling
-        dynamic_sampling=trainer_values["dynamic_sampling"],
+        dynamic_sampling=values["trainer"]["dynamic_sampling"],
         reward_on_error=reward_on_error,
         **values["coordinator"],
     )
     coordinator.validate(rollout.num_slices)
-    pad_to = trainer_values.pop("pad_to")
-    if trainer_values["tis_cap"] == 0:
-        trainer_values["tis_cap"] = None
-    # The trainer's log-probs are of the distribution the rollout samples (greedy rows: the raw logits).
-    trainer = TrainerConfig(temperature=sampling.temperature if sampling.temperature > 0 else 1.0, **trainer_values)
-    _check_truncated_sampling(sampling, trainer.truncated_sampling_ratio)
+    pad_to = values["trainer"].pop("pad_to")
+    trainer = _trainer(values["trainer"], sampling)
     rows = trainer.micro_batch_size * trainer.num_updates
     if coordinator.train_batch_size % rows:
         raise ValueError(
@@ -542,6 +530,29 @@ def parse(c: ml_collections.ConfigDict) -> RunConfig:
         log=log,
         reward_shaping=shaping,
     )
+
+
+def _mode(top: dict) -> str:
+    """The top-level fields' checks; the mode's value."""
+    try:
+        mode = Mode(top["mode"]).value
+    except ValueError:
+        raise ValueError(f"mode={top['mode']!r}; expected one of {[m.value for m in Mode]}") from None
+    if top["num_steps"] < 1:
+        raise ValueError(f"num_steps={top['num_steps']}; expected >= 1")
+    return mode
+
+
+def _trainer(values: dict, sampling: SamplingParams):
+    """dora_jax.trainer.TrainerConfig from the trainer section (less pad_to) and the rollout's sampling."""
+    from dora_jax.trainer import TrainerConfig
+
+    if values["tis_cap"] == 0:
+        values["tis_cap"] = None
+    # The trainer's log-probs are of the distribution the rollout samples (greedy rows: the raw logits).
+    trainer = TrainerConfig(temperature=sampling.temperature if sampling.temperature > 0 else 1.0, **values)
+    _check_truncated_sampling(sampling, trainer.truncated_sampling_ratio)
+    return trainer
 
 
 def _check_task(task: dict) -> None:
