@@ -7,24 +7,27 @@ import dataclasses
 
 from dora_jax.core.modes import Supply, Switch, policy_for
 from dora_jax.core.records import SamplingParams
+from dora_jax.core.schema import setting
 from dora_jax.core.window import staleness_bound
 
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorConfig:
     mode: str = "dora"
-    k_max: int = 2
-    rollout_batch_size: int = 32  # RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)
-    train_batch_size: int = 16  # TBS: samples per training step
-    group_size: int = 4  # G samples per prompt
+    k_max: int = setting("K: most versions a consumed trajectory may lag the trainer", 2)
+    rollout_batch_size: int = setting("RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)", 32)
+    train_batch_size: int = setting("TBS: samples per training step", 16)
+    group_size: int = setting("G: samples per prompt", 4)
     max_new_tokens: int = 64
     sampling: SamplingParams = SamplingParams()
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
-    rebalance_period_s: float = 0.5  # periodic trigger
+    rebalance_period_s: float = setting("the orchestrator's periodic trigger, seconds", 0.5)
     # dora: new groups at an older version fill that version's idle slots while the trainer can
     # still consume them within C3 (dora_jax/coordinator/legacy_fill.py)
-    legacy_fill: bool = False
+    legacy_fill: bool = setting(
+        "dora: new groups at an older version in its idle slots while the trainer can take them", False
+    )
     # Token ids a worker's result may hold are < this (dora_jax/coordinator/intake.py); 0: not
     # checked. The model's vocabulary, known once the model config is read: the runner and the
     # coordinator's main set it (it is no field of the config file).
@@ -35,7 +38,9 @@ class CoordinatorConfig:
     dynamic_sampling: bool = False
     # with dynamic_sampling: most groups filtered between two takes, in batches (TBS / G groups),
     # before the run stops as saturated (verl's DAPO recipe: max_num_gen_batches=10); 0: no limit
-    max_filtered_batches_per_step: int = 10
+    max_filtered_batches_per_step: int = setting(
+        "dynamic sampling: most batches filtered between two takes (0: no limit)", 10
+    )
     # with dynamic_sampling: the reward a sample whose grading failed counts with (task.reward_on_error,
     # as the trainer scores it: dora_jax/tasks/reward_shaping.py); None ("mask"): it does not count
     reward_on_error: float | None = None

@@ -12,6 +12,8 @@ import zlib
 
 import numpy as np
 
+from dora_jax.core.schema import setting
+
 
 class FinishReason(str, enum.Enum):
     EOS = "eos"  # an end-of-sequence id was sampled
@@ -25,9 +27,9 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = setting("sampling temperature (0 = greedy); the trainer's log-probs use it too", 1.0)
+    top_p: float = setting("nucleus filter (1 = off)", 1.0)
+    top_k: int = setting("top-k filter (0 = off)", 0)
     seed: int = 0
 
 

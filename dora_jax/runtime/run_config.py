@@ -10,8 +10,8 @@ expected. Then the checks that span fields run. Every error names the config fie
 
 Three sections are read into dataclasses owned elsewhere (`rollout`'s sampling fields into
 `SamplingParams`, `coordinator` into `CoordinatorConfig`, `trainer` into `TrainerConfig`): their
-types and defaults are those classes' own, and their descriptions are in `FOREIGN_HELP` below
-until those classes carry them as field metadata (which, where present, wins).
+types, defaults and descriptions are on those classes' fields (dora_jax.core.schema.setting), as
+they are on the spec dataclasses here.
 
     python -m dora_jax.runtime.run_config   # every field: type, default, description
 
@@ -31,6 +31,7 @@ import ml_collections
 from dora_jax.coordinator.coordinator import CoordinatorConfig
 from dora_jax.core.modes import Mode
 from dora_jax.core.records import SamplingParams
+from dora_jax.core.schema import REQUIRED, setting
 from dora_jax.models.config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCHES, REMAT_POLICIES
 from dora_jax.parallel.sharding import MESH_AXES
 from dora_jax.tasks import running_sums
@@ -38,14 +39,7 @@ from dora_jax.tasks.reward_shaping import RewardShaping, parse_reward_on_error
 from dora_jax.tasks.sources import SourceConfig
 from dora_jax.tasks.task import DEFAULT_REWARD, TaskConfig
 
-REQUIRED = dataclasses.MISSING  # a field without a default: every config file sets it
-
 MeshShape = tuple[tuple[str, int], ...]  # written in a config as a group: {"fsdp": 2}
-
-
-def setting(help: str, default=REQUIRED):
-    """A schema field: its default (REQUIRED: none) and its one-line description."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,53 +225,6 @@ class RunConfig:
 # Descriptions of the fields of the dataclasses other modules own, by class name, while those carry
 # no field metadata: the sampling fields of `rollout`, `coordinator` and `trainer`. Types and
 # defaults are the classes' own.
-FOREIGN_HELP = {
-    "SamplingParams": {
-        "temperature": "sampling temperature (0 = greedy); the trainer's log-probs use it too",
-        "top_p": "nucleus filter (1 = off)",
-        "top_k": "top-k filter (0 = off)",
-    },
-    "CoordinatorConfig": {
-        "k_max": "K: most versions a consumed trajectory may lag the trainer",
-        "rollout_batch_size": "RBS: samples kept in flight in streaming modes (<= (k_max + 1) * TBS)",
-        "train_batch_size": "TBS: samples per training step",
-        "group_size": "G: samples per prompt",
-        "rebalance_period_s": "the orchestrator's periodic trigger, seconds",
-        "legacy_fill": "dora: new groups at an older version in its idle slots while the trainer can take them",
-        "max_filtered_batches_per_step": "dynamic sampling: most batches filtered between two takes (0: no limit)",
-    },
-    "TrainerConfig": {
-        "lr": "AdamW peak learning rate",
-        "warmup_steps": "linear warm-up updates",
-        "schedule": "constant | cosine after warm-up",
-        "decay_steps": "cosine: updates from start to the end of decay",
-        "final_lr_fraction": "cosine: end lr = lr * this",
-        "b1": "AdamW beta1",
-        "b2": "AdamW beta2",
-        "adam_eps": "AdamW epsilon",
-        "weight_decay": "AdamW weight decay",
-        "clip_grad_norm": "global-norm gradient clip (None = off)",
-        "eps_low": "PPO clip below",
-        "eps_high": "PPO clip above (DAPO clip-higher)",
-        "dual_clip": "dual-clip bound for negative advantages (None = off)",
-        "tis_cap": "truncated importance weight cap (0 or None = off)",
-        "loss_norm": "token_mean | seq_mean_token_mean | constant",
-        "t_max": 'the constant of loss_norm="constant"',
-        "kl_coef": "k3 KL to the initial params (0 = off: no reference kept)",
-        "router_aux_coef": "MoE load-balancing loss weight (0 = off: the router trains through the policy loss)",
-        "vocab_chunk": "log-probs over the vocabulary this many entries at a time",
-        "advantage": "grpo | dr_grpo | rloo",
-        "dynamic_sampling": "DAPO: the coordinator trains only groups with reward variance, drawing more",
-        "num_updates": "optimizer updates per batch (the batch is split into this many)",
-        "micro_batch_size": "rows per forward/backward (and per recompute chunk)",
-        "length_bucket": "0: rows padded to the batch's length; N: micro-batches of like lengths padded to N * 2^k",
-        "micro_batch_tokens": "with length_bucket: 0 = micro_batch_size rows each; N = rows fitting N positions",
-        "max_nonfinite_in_a_row": "raise after this many skipped (non-finite) updates in a row",
-        "reuse_current_logps": "current-version rows: behaviour log-probs from the step's own forward",
-        "truncated_sampling_ratio": "with top_p/top_k: refuse | ignore (the ratio uses the untruncated distribution)",
-        "overlong_filter": "DAPO: samples cut at rollout.max_new_tokens are masked from the loss",
-    },
-}
 
 # Fields of the dataclasses a section is read into that the run sets, not the config: a config
 # that names one is told where its value comes from.
@@ -319,13 +266,12 @@ class ConfigField:
 def _fields_of(section: str, cls) -> tuple[ConfigField, ...]:
     """The config fields `cls` reads from `section`: its dataclass fields less those TAKEN_FROM the run."""
     hints = typing.get_type_hints(cls)
-    foreign = FOREIGN_HELP.get(cls.__name__, {})
     out = []
     for f in dataclasses.fields(cls):
         if f"{section}.{f.name}" in TAKEN_FROM:
             continue
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        description = f.metadata.get("help", foreign.get(f.name, ""))
+        description = f.metadata.get("help", "")
         out.append(ConfigField(section, f.name, hints[f.name], default, description))
     return tuple(out)
 

@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.core.records import TrainBatch
+from dora_jax.core.schema import setting
 from dora_jax.models.params import in_compute_dtype
 from dora_jax.parallel.sharding import (
     TRAINER_RULES,
@@ -56,39 +57,47 @@ TRUNCATED_SAMPLING_RATIOS = ("refuse", "ignore")
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
     # Optimizer (counts are optimizer updates: num_updates per batch).
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    schedule: str = "constant"  # "constant" | "cosine" after warm-up
-    decay_steps: int = 10_000  # cosine: updates from start to the end of decay
-    final_lr_fraction: float = 0.1  # cosine: end lr = lr * this
-    b1: float = 0.9
-    b2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_grad_norm: float | None = 1.0  # global-norm clip; None disables
+    lr: float = setting("AdamW peak learning rate", 1e-6)
+    warmup_steps: int = setting("linear warm-up updates", 0)
+    schedule: str = setting("constant | cosine after warm-up", "constant")
+    decay_steps: int = setting("cosine: updates from start to the end of decay", 10_000)
+    final_lr_fraction: float = setting("cosine: end lr = lr * this", 0.1)
+    b1: float = setting("AdamW beta1", 0.9)
+    b2: float = setting("AdamW beta2", 0.999)
+    adam_eps: float = setting("AdamW epsilon", 1e-8)
+    weight_decay: float = setting("AdamW weight decay", 0.01)
+    clip_grad_norm: float | None = setting("global-norm gradient clip (None = off)", 1.0)
     # Loss (see dora_jax.trainer.loss).
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = 3.0
-    tis_cap: float | None = None  # truncated importance weight cap C; None = off
-    loss_norm: str = "token_mean"  # "token_mean" | "seq_mean_token_mean" | "constant"
-    t_max: int = 4096  # the constant of loss_norm="constant"
-    kl_coef: float = 0.0  # k3 KL to the initial params; 0 = off (no reference kept)
-    router_aux_coef: float = 0.0  # MoE load-balancing loss weight; 0 = off (RL keeps the router as trained)
-    vocab_chunk: int = LossConfig.vocab_chunk  # log-probs over the vocabulary this many entries at a time
+    eps_low: float = setting("PPO clip below", 0.2)
+    eps_high: float = setting("PPO clip above (DAPO clip-higher)", 0.28)
+    dual_clip: float | None = setting("dual-clip bound for negative advantages (None = off)", 3.0)
+    tis_cap: float | None = setting("truncated importance weight cap (0 or None = off)", None)
+    loss_norm: str = setting("token_mean | seq_mean_token_mean | constant", "token_mean")
+    t_max: int = setting('the constant of loss_norm="constant"', 4096)
+    kl_coef: float = setting("k3 KL to the initial params (0 = off: no reference kept)", 0.0)
+    router_aux_coef: float = setting(
+        "MoE load-balancing loss weight (0 = off: the router trains through the policy loss)", 0.0
+    )
+    vocab_chunk: int = setting("log-probs over the vocabulary this many entries at a time", LossConfig.vocab_chunk)
     # Advantages (see dora_jax.trainer.advantages).
-    advantage: str = "grpo"  # "grpo" | "dr_grpo" | "rloo"
-    dynamic_sampling: bool = False  # DAPO: mask groups whose rewards are all equal
+    advantage: str = setting("grpo | dr_grpo | rloo", "grpo")
+    dynamic_sampling: bool = setting(
+        "DAPO: the coordinator trains only groups with reward variance, drawing more", False
+    )
     # Batching.
-    num_updates: int = 1  # optimizer updates per batch (the batch is split into this many)
-    micro_batch_size: int = 8  # rows per forward/backward (and per recompute chunk)
-    length_bucket: int = 0  # 0: every row padded to the batch's length; N: rows sorted by length and
-    #                         each micro-batch padded to its own N * 2^k (dora_jax.trainer.bucketed)
-    micro_batch_tokens: int = 0  # with length_bucket: 0 = micro_batch_size rows per micro-batch; N = as many
-    #                              rows as fit N positions at the micro-batch's length (long rows few, short many)
-    max_nonfinite_in_a_row: int = 3  # raise after this many skipped updates in a row
-    reuse_current_logps: bool = True  # rows the current version generated take their behaviour log-probs
-    #                                   from the step's own forward (first update only), not a recompute
+    num_updates: int = setting("optimizer updates per batch (the batch is split into this many)", 1)
+    micro_batch_size: int = setting("rows per forward/backward (and per recompute chunk)", 8)
+    # Length buckets: rows sorted by length, each micro-batch padded to its own N * 2^k
+    # (dora_jax.trainer.bucketed); with a token budget, long rows go few to a micro-batch, short many.
+    length_bucket: int = setting(
+        "0: rows padded to the batch's length; N: micro-batches of like lengths padded to N * 2^k", 0
+    )
+    micro_batch_tokens: int = setting(
+        "with length_bucket: 0 = micro_batch_size rows each; N = rows fitting N positions", 0
+    )
+    max_nonfinite_in_a_row: int = setting("raise after this many skipped (non-finite) updates in a row", 3)
+    # (the first update's forward only), not a recompute
+    reuse_current_logps: bool = setting("current-version rows: behaviour log-probs from the step's own forward", True)
     # The rollout's sampling temperature T: every log-prob the trainer takes (current policy,
     # behaviour recompute, KL reference) is of softmax(logits / T), as the engine's inference
     # log-probs are. Set by dora_jax.runtime.run_config from rollout.temperature, not by hand.
@@ -97,8 +106,10 @@ class TrainerConfig:
     # the sampling): "refuse" = such a training run is refused; "ignore" = the ratio uses the
     # untruncated temperature-scaled distribution (engine and trainer alike), the filter's truncation
     # left out of the importance weights.
-    truncated_sampling_ratio: str = "refuse"
-    overlong_filter: bool = False  # DAPO: samples cut at rollout.max_new_tokens are masked from the loss
+    truncated_sampling_ratio: str = setting(
+        "with top_p/top_k: refuse | ignore (the ratio uses the untruncated distribution)", "refuse"
+    )
+    overlong_filter: bool = setting("DAPO: samples cut at rollout.max_new_tokens are masked from the loss", False)
 
     def __post_init__(self):
         self.loss_config()  # validates the loss fields
