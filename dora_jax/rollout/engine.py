@@ -15,7 +15,8 @@ device state before it builds the `SlotState`.
 
 This module is the serving class; what it serves lives beside it: the static sizes
 (`engine_config`), the device state (`engine_state`), the jitted programs and how many there are
-(`programs`). Their public names are importable from here as before.
+(`programs`) and the paged cache's host bookkeeping (`slot_pages` over `pages`). Their public
+names are importable from here as before.
 
 Batched prefill (`prefill_insert`): several requests' prompts in one forward, each right-padded
 to the batch's bucket (causal attention: padding changes nothing before it; a padding row's
@@ -54,9 +55,19 @@ from dora_jax.models import (
 from dora_jax.parallel import sharding as sharding_lib
 from dora_jax.rollout import sampling
 from dora_jax.rollout.engine_config import EngineConfig, KVPoolTooSmall, check_sampling, size_pool
-from dora_jax.rollout.engine_state import PREFIX_KV_AXES, DecodeState, Prefix, ResultTokens, empty_prefix, pool_pack
+from dora_jax.rollout.engine_state import (
+    PREFIX_KV_AXES,
+    DecodeState,
+    Prefix,
+    ResultTokens,
+    empty_prefix,
+    host_length,
+    pool_pack,
+    with_host_length,
+)
 from dora_jax.rollout.pages import OutOfPages, PagePool
 from dora_jax.rollout.programs import decode_state_shapes, engine_programs
+from dora_jax.rollout.slot_pages import SlotPages
 
 # Names other modules import from here (they moved to the modules above).
 __all__ = [
@@ -187,11 +198,7 @@ class RolloutEngine:
             return self._pack > 0 and paged.uses_kernel(cfg.attention, cfg.dtype, width, backend=platform)
 
     def _reset_pages(self) -> None:
-        cfg = self.config
-        self._pages = PagePool(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.pages_per_slot) if cfg.paged else None
-        self._position = np.zeros((cfg.num_slots,), np.int64)  # the row each active slot writes next
-        self._active = np.zeros((cfg.num_slots,), bool)
-        self._table: tuple[tuple[int, int], Any] | None = None  # ((revision, width), device table)
+        self._slots: SlotPages | None = SlotPages(self.config, self._live_widths) if self.config.paged else None
 
     # ------------------------------------------------------------------ shardings
     def _spec(self, names: Sequence[str | None], shape) -> NamedSharding:
@@ -248,69 +255,29 @@ class RolloutEngine:
         """Paged: the slot's pages go back to the pool (its later garbage steps write to scratch).
         Dense: nothing to free, the next insert overwrites the slot."""
         self._check_slot(slot)
-        if self._pages is not None:
-            self._pages.release(slot)
-            self._active[slot] = False
+        if self._slots is not None:
+            self._slots.release(slot)
 
     # ------------------------------------------------------------------ pages
     @property
     def pages(self) -> PagePool | None:
         """The host's page pool of the live decode state (None: dense cache)."""
-        return self._pages
-
-    def _growing(self, skip: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(slots, their rows after the next step, pages each lacks for them) of the occupied slots
-        but `skip` (numpy over the slots: this runs before every decode step)."""
-        active = np.flatnonzero(self._active & (np.arange(self.config.num_slots) != skip))
-        rows = np.minimum(self._position[active] + 1, self.config.cache_length)
-        lacking = np.maximum(0, -(-rows // self.config.page_size) - self._pages.held[active])
-        return active, rows, lacking
-
-    def _decoding_shortfall(self, skip: int = -1) -> int:
-        return int(self._growing(skip)[2].sum())
+        return None if self._slots is None else self._slots.pool
 
     def page_shortfall(self) -> int:
         """Pages the next `generate` needs beyond those free (> 0: it would raise OutOfPages; the
         caller preempts first). 0 for a dense cache."""
-        if self._pages is None:
-            return 0
-        return max(0, self._decoding_shortfall() - self._pages.free_pages)
+        return 0 if self._slots is None else self._slots.step_shortfall()
 
     def admit_shortfall(self, slot: int, tokens: int, *, reserved: int = 0) -> int:
         """Pages short of admitting `tokens` prefilled tokens into `slot` now while keeping the
         pages the other slots' next step needs and `reserved` pages promised to requests admitted
         with it (0: admit). 0 for a dense cache."""
-        if self._pages is None:
-            return 0
-        need = self.pages_for_prefill(tokens) + self._decoding_shortfall(skip=slot) + reserved
-        return max(0, need - self._pages.free_pages)
+        return 0 if self._slots is None else self._slots.admit_shortfall(slot, tokens, reserved=reserved)
 
     def pages_for_prefill(self, tokens: int) -> int:
         """Pages a slot takes for `tokens` prefilled tokens and its pending token's row (0: dense)."""
-        return 0 if self._pages is None else self._pages.pages_for(min(tokens + 1, self.config.cache_length))
-
-    def _host_length(self, prefix: Prefix) -> int:
-        known = getattr(prefix, "_host_length", None)
-        if known is not None:
-            return known
-        length = prefix.length  # a Prefix built elsewhere: read this host's copy (one sync)
-        return int(length.addressable_data(0) if isinstance(length, jax.Array) else length)
-
-    def _page_row(self, slot: int, width: int) -> np.ndarray:
-        """The slot's first `width` page-table entries (0 = scratch past what it holds)."""
-        row = np.zeros((width,), np.int32)
-        held = self._pages.pages(slot)[:width]
-        row[: len(held)] = held
-        return row
-
-    def _device_table(self):
-        pool = self._pages
-        live = max(1, max((int(pool.held[s]) for s in np.flatnonzero(self._active)), default=1))
-        width = next(w for w in self._live_widths if w >= live)
-        key = (pool.revision, width)
-        if self._table is None or self._table[0] != key:
-            self._table = (key, self._put_table(pool.table[:, :width]))
-        return self._table[1]
+        return 0 if self._slots is None else self._slots.pages_for_prefill(tokens)
 
     def _put_table(self, table_BM: np.ndarray):
         # A copy: a CPU device_put may alias the host buffer, and the pool's table changes in place.
@@ -399,8 +366,7 @@ class RolloutEngine:
             sampler=sampler,
         )
         # The length as the host knows it, so that a paged insert need not wait for the prefill.
-        object.__setattr__(prefix, "_host_length", start + true_length - (0 if sample_first else 1))
-        return prefix, result
+        return with_host_length(prefix, start + true_length - (0 if sample_first else 1)), result
 
     def shared_prefix(self, decode_state: DecodeState, source: int, tokens: int) -> Prefix | None:
         """Paged: the first rows of a prompt of `tokens` tokens that slot `source` holds, as a Prefix
@@ -408,20 +374,16 @@ class RolloutEngine:
         `insert(..., shared_from=source)`: the new slot takes `source`'s whole pages below the prompt's
         end by reference instead of prefilling and storing the prompt again (a GRPO group's G samples).
         None when there is no whole page to share, or for a dense cache."""
-        if self._pages is None or not self._active[source] or tokens > self.config.max_prefill_length:
-            return None  # (a prompt past one prefill chunk is prefilled whole: its buckets are warm)
-        N = self.config.page_size
-        shared = min((tokens - 1) // N, int(self._pages.held[source]))
-        if shared < 1 or shared * N + self.config.min_prefill_bucket > self.config.cache_length:
+        shared = 0 if self._slots is None else self._slots.shareable(source, tokens)
+        if not shared:
             return None
+        N = self.config.page_size
         rows = self.config.rows_bucket(shared * N)
-        k, v, *_ = self._programs.read_slot(
-            decode_state, np.int32(source), self._page_row(source, rows // N), rows=rows
-        )
+        pages_Q = self._slots.page_row(source, rows // N)
+        k, v, *_ = self._programs.read_slot(decode_state, np.int32(source), pages_Q, rows=rows)
         k, v = jax.device_put((k, v), (self._prefix_shardings.k_LRKD, self._prefix_shardings.v_LRKD))
         prefix = empty_prefix(self.model_config, 1).replace(k_LRKD=k, v_LRKD=v, length=np.int32(shared * N))
-        object.__setattr__(prefix, "_host_length", shared * N)
-        return prefix
+        return with_host_length(prefix, shared * N)
 
     def insert(
         self, prefix: Prefix, decode_state: DecodeState, slot: int, *, shared_from: int | None = None
@@ -434,43 +396,10 @@ class RolloutEngine:
         rows = prefix.k_LRKD.shape[1]
         if rows > self.config.cache_length:
             raise ValueError(f"prefix has {rows} rows, more than cache_length={self.config.cache_length}")
-        if self._pages is None:
+        if self._slots is None:
             return self._programs.insert(prefix, decode_state, np.int32(slot))
-        shared = self._claim(slot, self._host_length(prefix), shared_from)
-        return self._programs.insert(prefix, decode_state, np.int32(slot), self._write_row(slot, rows, shared))
-
-    def _shared_pages(self, slot: int, length: int, shared_from: int | None) -> int:
-        """Whole pages below a prompt of `length` rows that `slot` would take from `shared_from`."""
-        if shared_from is None:
-            return 0
-        if shared_from == slot or not self._active[shared_from]:
-            raise ValueError(f"shared_from={shared_from}: expected another occupied slot than {slot}")
-        return min((length - 1) // self.config.page_size, int(self._pages.held[shared_from]))
-
-    def _claim(self, slot: int, length: int, shared_from: int | None) -> int:
-        """Paged host side of an insert: `slot` lets go of its pages and takes pages for `length`
-        rows and its pending token's, sharing `shared_from`'s whole pages below them (OutOfPages,
-        nothing changed, when the pool lacks them). Returns the pages shared."""
-        rows_held = min(length + 1, self.config.cache_length)  # its rows and its pending token's
-        shared = self._shared_pages(slot, length, shared_from)
-        need = self._pages.pages_for(rows_held) - shared
-        if need > self._pages.free_pages + self._pages.releasable(slot):
-            raise OutOfPages(
-                f"slot {slot}: a prefix of {length} tokens needs {need} pages; {self._pages.free_pages} are free"
-            )
-        self._pages.release(slot)
-        if shared:
-            self._pages.share(slot, shared_from, shared)
-        self._pages.grow(slot, rows_held)
-        self._position[slot], self._active[slot] = length, True
-        return shared
-
-    def _write_row(self, slot: int, rows: int, shared: int) -> np.ndarray:
-        """The pages `rows` rows written for `slot` go to; its shared pages are never written: their
-        rows go to scratch."""
-        pages_Q = self._page_row(slot, rows // self.config.page_size)
-        pages_Q[:shared] = paged.SCRATCH_PAGE
-        return pages_Q
+        shared = self._slots.claim(slot, host_length(prefix), shared_from)
+        return self._programs.insert(prefix, decode_state, np.int32(slot), self._slots.write_row(slot, rows, shared))
 
     # ------------------------------------------------------------------ batched prefill
     def prefill_insert(
@@ -486,7 +415,11 @@ class RolloutEngine:
         slots = [r.slot for r in requests]
         if len(set(slots)) != len(slots):
             raise ValueError(f"prefill_insert slots {slots}: expected each slot once")
-        shared = self._claim_all(requests, rows) if self._pages is not None else [0] * len(requests)
+        if self._slots is None:
+            shared = [0] * len(requests)
+        else:  # every request's pages, after checking the pool holds them all
+            lengths = [len(tokens) - (0 if r.sample_first else 1) for r, (tokens, *_) in zip(requests, rows)]
+            shared = self._slots.claim_all([(r.slot, n, r.shared_from) for r, n in zip(requests, lengths)])
         out = []
         for count, bucket, members in self._batch_plan([len(tokens) for tokens, *_ in rows]):
             if count == 1:  # a bucket no batched program takes: one prefill and its insert
@@ -501,7 +434,7 @@ class RolloutEngine:
                     sampling=sampling_params,
                     sample_first=requests[i].sample_first,
                 )
-                pages_Q = None if self._pages is None else self._write_row(slots[i], bucket, shared[i])
+                pages_Q = None if self._slots is None else self._slots.write_row(slots[i], bucket, shared[i])
                 args = () if pages_Q is None else (pages_Q,)
                 decode_state = self._programs.insert(prefix, decode_state, np.int32(slots[i]), *args)
             else:
@@ -523,27 +456,6 @@ class RolloutEngine:
         self._check_ids(tokens, "tokens")
         sampling_params = self._check_sampling(request.sampling or self.config.default_sampling)
         return tokens, sampling_params, self._key_data(request.rng, sampling_params)
-
-    def _claim_all(self, requests: Sequence[PrefillRequest], rows) -> list[int]:
-        """Paged: every request's pages, in order (`_claim`), after checking the pool holds them all."""
-        pool, held, need = self._pages, {}, 0
-        for request, (tokens, *_) in zip(requests, rows):
-            length = len(tokens) - (0 if request.sample_first else 1)
-            source = request.shared_from
-            if source is not None and source not in held and (source == request.slot or not self._active[source]):
-                raise ValueError(f"shared_from={source}: expected another occupied slot or an earlier request's")
-            full = pool.pages_for(min(length + 1, self.config.cache_length))
-            donor = held.get(source, 0 if source is None else int(pool.held[source]))
-            need += full - (0 if source is None else min((length - 1) // self.config.page_size, donor))
-            held[request.slot] = full
-        free = pool.free_pages + sum(pool.releasable(slot) for slot in held)
-        if need > free:
-            raise OutOfPages(f"{len(requests)} prefills need {need} pages; {free} are free or freed by their slots")
-        shared = []
-        for request, (tokens, *_) in zip(requests, rows):
-            length = len(tokens) - (0 if request.sample_first else 1)
-            shared.append(self._claim(request.slot, length, request.shared_from))
-        return shared
 
     def _batch_plan(self, lengths: Sequence[int]) -> list[tuple[int, int, list[int]]]:
         """Programs for prompts of `lengths`: (count C, bucket T, indices), the shortest first, each
@@ -575,14 +487,14 @@ class RolloutEngine:
         key_data_C2 = np.zeros((count, 2), np.uint32)
         temperature_C, top_p_C = np.zeros((count,), np.float32), np.ones((count,), np.float32)
         top_k_C, sample_first_C = np.zeros((count,), np.int32), np.zeros((count,), bool)
-        pages_CQ = None if self._pages is None else np.zeros((count, bucket // self.config.page_size), np.int32)
+        pages_CQ = None if self._slots is None else np.zeros((count, bucket // self.config.page_size), np.int32)
         for c, (request, (tokens, sampling_params, key_data), shared) in enumerate(members):
             tokens_CT[c, : len(tokens)] = tokens
             length_C[c], slot_C[c], key_data_C2[c] = len(tokens), request.slot, key_data
             temperature_C[c], top_p_C[c] = sampling_params.temperature, sampling_params.top_p
             top_k_C[c], sample_first_C[c] = sampling_params.top_k, request.sample_first
             if pages_CQ is not None:
-                pages_CQ[c] = self._write_row(request.slot, bucket, shared)
+                pages_CQ[c] = self._slots.write_row(request.slot, bucket, shared)
         vectors = (tokens_CT, length_C, slot_C, key_data_C2, temperature_C, top_p_C, top_k_C, sample_first_C)
         pages = () if pages_CQ is None else (pages_CQ,)
         return self._programs.prefill_insert(params, decode_state, *vectors, *pages, sampler=sampler)
@@ -593,17 +505,11 @@ class RolloutEngine:
         """One decode step over every slot; donates decode_state. Paged, every occupied slot first
         takes the page its next row lands in (OutOfPages if the pool lacks them: `page_shortfall`
         says so beforehand)."""
-        if self._pages is None:
+        if self._slots is None:
             return self._programs.generate(params, decode_state, sampler=sampler)
-        if self.page_shortfall():
-            raise OutOfPages(
-                f"the next decode step needs {self._decoding_shortfall()} more pages; {self._pages.free_pages} are free"
-            )
-        active, rows, lacking = self._growing()
-        for slot, n in zip(active[lacking > 0].tolist(), rows[lacking > 0].tolist()):  # a new page every N steps
-            self._pages.grow(slot, n)
-        out = self._programs.generate(params, decode_state, self._device_table(), sampler=sampler)
-        self._position[active] = np.minimum(self._position[active] + 1, self.config.cache_length - 1)
+        active = self._slots.grow_for_step()
+        out = self._programs.generate(params, decode_state, self._slots.device_table(self._put_table), sampler=sampler)
+        self._slots.stepped(active)
         return out
 
     # ------------------------------------------------------------------ migration
@@ -634,7 +540,7 @@ class RolloutEngine:
         # the device's own position is checked against it below.
         expected = len(request.prompt_ids) + len(response_ids) - 1
         rows = self.config.rows_bucket(max(expected, 1))
-        pages_Q = None if self._pages is None else self._page_row(slot, rows // self.config.page_size)
+        pages_Q = None if self._slots is None else self._slots.page_row(slot, rows // self.config.page_size)
         k, v, *vectors = self._programs.read_slot(decode_state, np.int32(slot), pages_Q, rows=rows)
         position, token, key_data = jax.device_get(vectors)
         if to_host:
@@ -692,8 +598,7 @@ class RolloutEngine:
             top_k=np.int32(params.top_k),
             generated=np.int32(len(state.response_ids)),
         )
-        prefix = jax.device_put(prefix, self._prefix_shardings)
-        object.__setattr__(prefix, "_host_length", state.position)
+        prefix = with_host_length(jax.device_put(prefix, self._prefix_shardings), state.position)
         return self.insert(prefix, decode_state, slot)
 
     # ------------------------------------------------------------------ helpers
@@ -716,11 +621,11 @@ class RolloutEngine:
         chunk of a two-chunk prefill (a re-prefill up to 2 x max_prefill_length); with `migration`,
         also the insert and slot read of every row bucket (so that imports and exports compile
         nothing later). Its own decode state: a live one's pages are left as they were."""
-        held = (self._pages, self._position, self._active, self._table)
+        held = self._slots
         try:
             self._warm(params, migration)
         finally:
-            self._pages, self._position, self._active, self._table = held
+            self._slots = held
 
     def _warm(self, params, migration: bool) -> None:
         state = self.init_decode_state()
@@ -757,7 +662,7 @@ class RolloutEngine:
         rows = sorted({self.config.rows_bucket(n) for n in range(1, self.config.cache_length + 1)}) if migration else []
         for size in rows:
             state = self.insert(jax.device_put(empty_prefix(self.model_config, size), self._prefix_shardings), state, 0)
-            pages_Q = None if self._pages is None else self._page_row(0, size // self.config.page_size)
+            pages_Q = None if self._slots is None else self._slots.page_row(0, size // self.config.page_size)
             jax.block_until_ready(self._programs.read_slot(state, np.int32(0), pages_Q, rows=size))
         jax.block_until_ready((state, result))
 

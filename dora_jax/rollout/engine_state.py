@@ -89,6 +89,22 @@ def empty_prefix(model_config: ModelConfig, rows: int) -> Prefix:
     )
 
 
+def with_host_length(prefix: Prefix, length: int) -> Prefix:
+    """`prefix` carrying its length as the host knows it, so that a paged insert need not wait for
+    the device (`host_length` reads it back)."""
+    object.__setattr__(prefix, "_host_length", length)
+    return prefix
+
+
+def host_length(prefix: Prefix) -> int:
+    """The prefix's valid rows: as the host knows them, or read from this host's copy (one sync)."""
+    known = getattr(prefix, "_host_length", None)
+    if known is not None:
+        return known
+    length = prefix.length  # a Prefix built elsewhere: read this host's copy (one sync)
+    return int(length.addressable_data(0) if isinstance(length, jax.Array) else length)
+
+
 def _combined(mesh: Mesh) -> bool:
     """A paged pool in the TPU kernel's combined layout on TPU, split into keys and values elsewhere."""
     return mesh.devices.flat[0].platform == "tpu"
