@@ -15,15 +15,9 @@ device state before it builds the `SlotState`.
 
 This module is the serving class; what it serves lives beside it: the static sizes
 (`engine_config`), the device state (`engine_state`), the jitted programs and how many there are
-(`programs`) and the paged cache's host bookkeeping (`slot_pages` over `pages`). Their public
-names are importable from here as before.
-
-Batched prefill (`prefill_insert`): several requests' prompts in one forward, each right-padded
-to the batch's bucket (causal attention: padding changes nothing before it; a padding row's
-writes are dropped), their first tokens sampled with their own keys and positions, and their KV
-rows written into their slots (paged: every page of the batch in one scatter) in the same
-program. A request's tokens and log-probs are those of `prefill` + `insert`: only the batch's
-shapes differ (C letters the rows).
+(`programs`), the paged cache's host bookkeeping (`slot_pages` over `pages`), batched prefill
+(`batched_prefill`: several prompts in one program, as `prefill` + `insert` of each) and a slot's
+export and import (`slot_transfer`). Their public names are importable from here as before.
 """
 
 from __future__ import annotations
@@ -53,7 +47,8 @@ from dora_jax.models import (
     split,
 )
 from dora_jax.parallel import sharding as sharding_lib
-from dora_jax.rollout import sampling
+from dora_jax.rollout import sampling, slot_transfer
+from dora_jax.rollout.batched_prefill import PrefillRequest, batch_arrays, batch_plan, batch_shapes
 from dora_jax.rollout.engine_config import EngineConfig, KVPoolTooSmall, check_sampling, size_pool
 from dora_jax.rollout.engine_state import (
     PREFIX_KV_AXES,
@@ -82,34 +77,6 @@ __all__ = [
     "RolloutEngine",
     "check_sampling",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillRequest:
-    """One request of a batched prefill (`RolloutEngine.prefill_insert`): `tokens` (one chunk, at
-    most max_prefill_length) prefilled into `slot`; the other fields as `prefill`'s and `insert`'s."""
-
-    slot: int
-    tokens: Sequence[int]  # prompt ids (+ a response prefix when re-prefilled)
-    sampling: SamplingParams | None = None  # None: EngineConfig.default_sampling
-    rng: Any = None  # the request's base key (typed key or uint32[2]); None: from sampling.seed
-    sample_first: bool = True  # False: the last token stays pending (resuming a response)
-    shared_from: int | None = None  # paged: take this slot's whole pages below the prompt's end
-
-
-def _batch_shapes(config: EngineConfig, count: int, bucket: int) -> list[jax.ShapeDtypeStruct]:
-    """The host arguments of a batched prefill of `count` rows of `bucket` tokens, as shapes."""
-    i32, C = jnp.int32, count
-    shapes = [((C, bucket), i32), ((C,), i32), ((C,), i32), ((C, 2), jnp.uint32)]
-    shapes += [((C,), jnp.float32), ((C,), jnp.float32), ((C,), i32), ((C,), jnp.bool_)]
-    if config.paged:
-        shapes.append(((C, bucket // config.page_size), i32))
-    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-
-
-def _power_of_two(n: int) -> int:
-    """The smallest power of two >= n."""
-    return 1 << (n - 1).bit_length()
 
 
 def _seconds(fn: Callable) -> float:
@@ -421,7 +388,7 @@ class RolloutEngine:
             lengths = [len(tokens) - (0 if r.sample_first else 1) for r, (tokens, *_) in zip(requests, rows)]
             shared = self._slots.claim_all([(r.slot, n, r.shared_from) for r, n in zip(requests, lengths)])
         out = []
-        for count, bucket, members in self._batch_plan([len(tokens) for tokens, *_ in rows]):
+        for count, bucket, members in batch_plan(self.config, [len(tokens) for tokens, *_ in rows]):
             if count == 1:  # a bucket no batched program takes: one prefill and its insert
                 (i,) = members
                 tokens, sampling_params, key_data = rows[i]
@@ -457,47 +424,11 @@ class RolloutEngine:
         sampling_params = self._check_sampling(request.sampling or self.config.default_sampling)
         return tokens, sampling_params, self._key_data(request.rng, sampling_params)
 
-    def _batch_plan(self, lengths: Sequence[int]) -> list[tuple[int, int, list[int]]]:
-        """Programs for prompts of `lengths`: (count C, bucket T, indices), the shortest first, each
-        the most prompts a batched program takes (count 1: a bucket no batched program takes)."""
-        programs = set(self.config.prefill_batches)
-        plan, group = [], []
-        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-            grown = group + [i]
-            bucket = self.config.prefill_bucket(max(lengths[j] for j in grown))
-            if len(grown) == 1 or (_power_of_two(len(grown)), bucket) in programs:
-                group = grown
-                continue
-            plan.append(group)
-            group = [i]
-        plan.append(group)
-        out = []
-        for members in plan:
-            bucket = self.config.prefill_bucket(max(lengths[j] for j in members))
-            count = _power_of_two(len(members)) if (2, bucket) in programs else 1
-            out.append((count, bucket, members))
-        return out
-
     def _dispatch_batch(self, params, decode_state, members, count: int, bucket: int, sampler):
         """One batched program over `members` [(request, (tokens, sampling, key data), shared pages)],
         padded to `count` rows of `bucket` tokens."""
-        tokens_CT = np.zeros((count, bucket), np.int32)
-        length_C = np.ones((count,), np.int32)
-        slot_C = np.full((count,), self.config.num_slots, np.int32)  # past the slots: dropped
-        key_data_C2 = np.zeros((count, 2), np.uint32)
-        temperature_C, top_p_C = np.zeros((count,), np.float32), np.ones((count,), np.float32)
-        top_k_C, sample_first_C = np.zeros((count,), np.int32), np.zeros((count,), bool)
-        pages_CQ = None if self._slots is None else np.zeros((count, bucket // self.config.page_size), np.int32)
-        for c, (request, (tokens, sampling_params, key_data), shared) in enumerate(members):
-            tokens_CT[c, : len(tokens)] = tokens
-            length_C[c], slot_C[c], key_data_C2[c] = len(tokens), request.slot, key_data
-            temperature_C[c], top_p_C[c] = sampling_params.temperature, sampling_params.top_p
-            top_k_C[c], sample_first_C[c] = sampling_params.top_k, request.sample_first
-            if pages_CQ is not None:
-                pages_CQ[c] = self._slots.write_row(request.slot, bucket, shared)
-        vectors = (tokens_CT, length_C, slot_C, key_data_C2, temperature_C, top_p_C, top_k_C, sample_first_C)
-        pages = () if pages_CQ is None else (pages_CQ,)
-        return self._programs.prefill_insert(params, decode_state, *vectors, *pages, sampler=sampler)
+        arrays = batch_arrays(self.config, members, count, bucket, self._slots)
+        return self._programs.prefill_insert(params, decode_state, *arrays, sampler=sampler)
 
     def generate(
         self, params, decode_state: DecodeState, sampler: Callable | None = None
@@ -536,10 +467,7 @@ class RolloutEngine:
         the record's position, and their tokens are dropped (the importer recomputes the same ones:
         sampling is counter-based per position)."""
         self._check_slot(slot)
-        # The rows to read come from the host record (the device vector may span other processes);
-        # the device's own position is checked against it below.
-        expected = len(request.prompt_ids) + len(response_ids) - 1
-        rows = self.config.rows_bucket(max(expected, 1))
+        expected, rows = slot_transfer.export_rows(self.config, request, response_ids)
         pages_Q = None if self._slots is None else self._slots.page_row(slot, rows // self.config.page_size)
         k, v, *vectors = self._programs.read_slot(decode_state, np.int32(slot), pages_Q, rows=rows)
         position, token, key_data = jax.device_get(vectors)
@@ -547,57 +475,27 @@ class RolloutEngine:
             k, v = (np.asarray(x)[:, :expected] for x in jax.device_get((k, v)))
         else:
             k, v = jax.device_put((k, v), (self._prefix_shardings.k_LRKD, self._prefix_shardings.v_LRKD))
-        position = int(position)
-        pending = response_ids[-1] if response_ids else None
-        if pending is None or position != expected + in_flight or (not in_flight and int(token) != pending):
-            raise ValueError(
-                f"slot {slot} holds position {position} / token {int(token)} but the record expects "
-                f"position {expected} + {in_flight} in flight / token {pending}"
-            )
-        return SlotState(
+        return slot_transfer.slot_state(
+            slot,
+            k,
+            v,
+            position,
+            token,
+            key_data,
+            expected=expected,
+            in_flight=in_flight,
             request=request,
-            k_LSKD=k,
-            v_LSKD=v,
-            position=expected,
-            last_token=int(pending),
-            response_ids=tuple(int(t) for t in response_ids),
-            logprobs=tuple(float(x) for x in logprobs),
-            token_versions=tuple(int(x) for x in token_versions),
-            rng_key=np.asarray(key_data, np.uint32),
-            version=int(version),
+            response_ids=response_ids,
+            logprobs=logprobs,
+            token_versions=token_versions,
+            version=version,
         )
 
     def import_slot(self, decode_state: DecodeState, slot: int, state: SlotState) -> DecodeState:
         """Writes an exported slot into `slot`; decoding continues with no prefill (donates decode_state).
         Its KV rows are numpy (rows 0..position-1) or arrays on any devices (those rows or their rows
         bucket, as `export_slot(to_host=False)` leaves them: copied here device to device)."""
-        cfg = self.model_config
-        rows = self.config.rows_bucket(max(state.position, 1))
-        shapes = [(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim) for n in (state.position, rows)]
-        if state.k_LSKD.shape not in shapes or state.v_LSKD.shape != state.k_LSKD.shape:
-            raise ValueError(
-                f"slot state KV has shapes {state.k_LSKD.shape} / {state.v_LSKD.shape}, expected {shapes[0]} "
-                f"(or its rows bucket, {shapes[1]}) for this model"
-            )
-        if state.position + 1 > self.config.cache_length:
-            raise ValueError(
-                f"slot state position {state.position} does not fit cache_length={self.config.cache_length}"
-            )
-        params = self._check_sampling(state.request.sampling)
-        pad = ((0, 0), (0, rows - state.k_LSKD.shape[1]), (0, 0), (0, 0))
-        padded = lambda x: x if x.shape[1] == rows else np.pad(np.asarray(x), pad)  # noqa: E731
-        prefix = Prefix(
-            k_LRKD=padded(state.k_LSKD),
-            v_LRKD=padded(state.v_LSKD),
-            length=np.int32(state.position),
-            token=np.int32(state.last_token),
-            logp=np.float32(0.0),
-            key_data=np.asarray(state.rng_key, np.uint32),
-            temperature=np.float32(params.temperature),
-            top_p=np.float32(params.top_p),
-            top_k=np.int32(params.top_k),
-            generated=np.int32(len(state.response_ids)),
-        )
+        prefix = slot_transfer.import_prefix(self.model_config, self.config, state)
         prefix = with_host_length(jax.device_put(prefix, self._prefix_shardings), state.position)
         return self.insert(prefix, decode_state, slot)
 
@@ -689,7 +587,7 @@ class RolloutEngine:
             programs.append((f"prefill[T={bucket}]", lowered))
         for count, bucket in self.config.prefill_batches:
             lowered = self._programs.prefill_insert.lower(
-                params, state, *_batch_shapes(self.config, count, bucket), sampler=None
+                params, state, *batch_shapes(self.config, count, bucket), sampler=None
             )
             programs.append((f"prefill_insert[C={count},T={bucket}]", lowered))
         if self.config.paged:
