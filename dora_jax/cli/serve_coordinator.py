@@ -116,9 +116,10 @@ def serve(config, workdir: str, stop: threading.Event, trace=None, security=(Non
     from dora_jax.runtime import resume
     from dora_jax.runtime.build import make_tokenizer, vocab_size
     from dora_jax.runtime.run_config import task_config
+    from dora_jax.tasks.eval_set import LeakCounter, eval_prompts
     from dora_jax.tasks.reward_scorer import RewardPoolScorer
     from dora_jax.tasks.task import make_task
-    from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
+    from dora_jax.transport.service import CoordinatorService, HeldOut, Identity, Timing, make_server
 
     identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
     heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
@@ -145,6 +146,9 @@ def serve(config, workdir: str, stop: threading.Event, trace=None, security=(Non
     coordinator_config = dataclasses.replace(config.coordinator, vocab_size=vocab_size(config, tokenizer))
     pool_task = make_task(task_config(config), tokenizer)
     pool = pool_task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
+    held_out = []  # the prompts `Evaluate` answers (the trainer asks for rounds, as the embedded run does)
+    if config.eval.enabled:
+        held_out = eval_prompts(task_config(config), pool_task, tokenizer, config.eval.num_prompts, config.eval.path)
     if resuming:
         repair_torn_tail(ledger_path)
         _log(f"{ledger_path} exists: resuming that run from the trainer's newest checkpoint")
@@ -160,10 +164,13 @@ def serve(config, workdir: str, stop: threading.Event, trace=None, security=(Non
             # restores the source's position from the checkpoint (or starts it over).
             task = pool_task if generation == 0 else make_task(task_config(config), tokenizer)
             prompts = resume.PromptBook()
+            prompts.keep(held_out)
+            leaks = LeakCounter(held_out)  # training prompts that are also evaluation prompts
 
-            def next_prompt(task=task, prompts=prompts):
+            def next_prompt(task=task, prompts=prompts, leaks=leaks):
                 prompt = task.source.next()
                 prompts.add(prompt)
+                leaks.check(prompt)
                 return prompt.prompt_id, prompt.prompt_ids
 
             coord = Coordinator(
@@ -190,6 +197,16 @@ def serve(config, workdir: str, stop: threading.Event, trace=None, security=(Non
                 coord,
                 list(ports.values()),
                 snapshot_extra=lambda task=task, prompts=prompts: prompts.snapshot_extra(task.source),
+                held_out=HeldOut(
+                    tuple((p.prompt_id, tuple(p.prompt_ids)) for p in held_out),
+                    config.eval.samples,
+                    lambda leaks=leaks: {
+                        "eval/leaked_train_prompts": leaks.leaked,
+                        "eval/prompts_seen_in_training": leaks.eval_prompts_seen_in_training,
+                    },
+                )
+                if held_out
+                else None,
             )
             _log(f"all roles joined; dispatching from version {version}")
             coord.start()

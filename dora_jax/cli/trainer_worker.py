@@ -8,8 +8,11 @@ With `rollout.weights_transfer` (a one-host trainer), every version is also offe
 slices device to device (dora_jax/transport/weights.py) before the coordinator hears of it.
 Then `config.num_steps` times: TakeBatch -> make_train_batch -> train_step -> publish ->
 ReportPublished, retiring the versions the coordinator no longer needs; at the end `Finish`
-(the coordinator stops the rollout workers and exits). Writes W/metrics.jsonl (and TensorBoard
-events) like the embedded run. Exits 0 when done, 1 with the reason otherwise.
+(the coordinator stops the rollout workers and exits). With `eval.every_steps` it asks the
+coordinator for evaluation rounds (`Evaluate`, dora_jax.transport.evaluation) at the versions the
+embedded run evaluates, through the same `Evaluator`, and waits for the last one before `Finish`.
+Writes W/metrics.jsonl (with the `eval/*` rows), W/eval_samples.jsonl, TensorBoard events, W&B
+and W/reward_curve.png like the embedded run. Exits 0 when done, 1 with the reason otherwise.
 
 Every `checkpoint.every_steps` steps it saves a run checkpoint (W/checkpoints, as the embedded
 run does: trainer state, the older versions still needed, and the coordinator's state from its
@@ -79,7 +82,7 @@ def train(config, workdir: str, client, stop: threading.Event | None = None) -> 
 
     from dora_jax.parallel import sharding
     from dora_jax.runtime import training_loop
-    from dora_jax.runtime.metrics import MetricsWriter
+    from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, draw_reward_curve
     from dora_jax.trainer import Trainer
     from dora_jax.transport import dora_pb2 as pb
     from dora_jax.transport.client import CoordinatorUnreachable, SessionLost
@@ -139,7 +142,14 @@ def train(config, workdir: str, client, stop: threading.Event | None = None) -> 
     report(trainer.version)
     _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
     source = _BatchSource(client, channel, report)
-    writer = MetricsWriter(workdir, tensorboard=config.tensorboard) if leader else None
+    writer, evaluation, evaluator = None, None, None
+    if leader:
+        writer = MetricsWriter(
+            workdir, tensorboard=config.tensorboard, wandb=WandbSpec.of(config.log), config=roles.config_json()
+        )
+        evaluation, evaluator = _evaluator(config, setup, client, workdir, writer)
+        evaluator.maybe_request(trainer.version)
+    after_step = functools.partial(_after_step, evaluator, checkpoints)
     start = time.perf_counter()
 
     def on_row(row: dict) -> None:
@@ -157,7 +167,7 @@ def train(config, workdir: str, client, stop: threading.Event | None = None) -> 
                     source,
                     **training_loop.sizes(config, setup.tokenizer.pad_id),
                     writer=writer,
-                    after_step=checkpoints.after_step,
+                    after_step=after_step,
                     on_row=on_row,
                     start=start,
                     should_stop=stop.is_set if stop is not None and channel is None else None,
@@ -169,14 +179,22 @@ def train(config, workdir: str, client, stop: threading.Event | None = None) -> 
                 _log(f"lost the coordinator ({err}); joining again to resume from the newest checkpoint")
                 _rejoin(client, store, trainer, checkpoints)
                 report(trainer.version)
-        if trainer.version < config.num_steps and checkpoints.last_saved != trainer.version:
-            checkpoints.save()  # stopped between scheduled checkpoints
+        if trainer.version < config.num_steps:
+            if checkpoints.last_saved != trainer.version:
+                checkpoints.save()  # stopped between scheduled checkpoints
+        elif evaluator is not None:
+            evaluator.harvest(timeout=config.eval.final_timeout_s)  # the last version's round
+            if evaluator.pending:
+                _log(f"{evaluator.pending} evaluation rounds did not finish; their rows are missing")
     except BaseException:
         source.abort()
         raise
     finally:
+        if evaluation is not None:
+            evaluation.close()
         if writer is not None:
-            writer.close()
+            curve = draw_reward_curve(workdir)
+            writer.close(images={"reward_curve": curve} if curve else None)
         checkpoints.close()
         try:
             store.flush()  # the last version durable before the coordinator stops the slices
@@ -194,6 +212,34 @@ def train(config, workdir: str, client, stop: threading.Event | None = None) -> 
         ),
         flush=True,
     )
+
+
+def _evaluator(config, setup, client, workdir: str, writer):
+    """(the port, the Evaluator) of host 0: rounds asked over gRPC (`Evaluate`), the rows
+    written here. The trainer's copy of the held-out prompts gives the responses' prompts text."""
+    from dora_jax.runtime.evaluator import Evaluator
+    from dora_jax.runtime.run_config import task_config
+    from dora_jax.tasks.eval_set import eval_prompts
+    from dora_jax.transport.evaluation import RemoteEvaluation
+
+    held_out = []
+    if config.eval.enabled:
+        held_out = eval_prompts(
+            task_config(config), setup.task, setup.tokenizer, config.eval.num_prompts, config.eval.path
+        )
+    evaluation = RemoteEvaluation(client)
+    # Leaks: None: the training prompts are drawn at the coordinator, whose rounds count them.
+    decode = setup.tokenizer.decode
+    evaluator = Evaluator(config.eval, config.num_steps, held_out, None, evaluation, decode, workdir, writer)
+    return evaluation, evaluator
+
+
+def _after_step(evaluator, checkpoints, step: int) -> dict:
+    """As the embedded run: the next version's round asked, finished rounds written, a checkpoint."""
+    if evaluator is not None:
+        evaluator.maybe_request(step + 1)
+        evaluator.harvest()
+    return checkpoints.after_step(step)
 
 
 def _rejoin(client, store, trainer, checkpoints) -> None:
@@ -252,6 +298,7 @@ class _Checkpoints:
         start = trainer.version
         if self._client is not None:
             resume.trim_rows(fs.join(self._workdir, "metrics.jsonl"), start)
+            resume.trim_rows(fs.join(self._workdir, "eval_samples.jsonl"), start)
             request = pb.ResumeRequest(
                 session=self._client.session, has_state=state is not None, state_json=json.dumps(state or {})
             )

@@ -47,7 +47,7 @@ from dora_jax.runtime import faults, resume, training_loop
 from dora_jax.runtime.build import Setup, build_setup
 from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
 from dora_jax.runtime.evaluator import Evaluator
-from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, plot_reward_curve
+from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, draw_reward_curve
 from dora_jax.runtime.run_config import RunConfig, task_config
 from dora_jax.runtime.supervisor import SliceSupervisor
 from dora_jax.store import InProcessTier, ParamStore, StoreError
@@ -204,7 +204,7 @@ def _run(
     resume.trim_rows(fs.join(workdir, "metrics.jsonl"), start_step)
     resume.trim_rows(fs.join(workdir, "eval_samples.jsonl"), start_step)
     metrics_writer = MetricsWriter(
-        workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
+        workdir, tensorboard=config.tensorboard, wandb=WandbSpec.of(config.log), config=write_config
     )
     evaluator = Evaluator(
         config.eval, config.num_steps, held_out, leaks, coord, setup.tokenizer.decode, workdir, metrics_writer
@@ -295,7 +295,7 @@ def _run(
         for t in all_threads:
             t.stop()
         bar.close()
-        curve = _reward_curve(workdir)
+        curve = draw_reward_curve(workdir)
         metrics_writer.close(images={"reward_curve": curve} if curve else None)
         ledger.close()
         if pool is not None:
@@ -328,21 +328,6 @@ def _run(
         evals=evaluator.results,
         reward_curve=curve,
     )
-
-
-def wandb_spec(config: RunConfig) -> WandbSpec | None:
-    g = config.log
-    return WandbSpec(g.wandb_project, g.wandb_name, g.wandb_tags, g.wandb_mode) if g.wandb else None
-
-
-def _reward_curve(workdir: str) -> str | None:
-    """Draws WORKDIR/reward_curve.png (training reward and evaluation curves) for the trackers and
-    the caller; None when there is nothing to draw or drawing failed."""
-    try:
-        return plot_reward_curve(workdir)
-    except Exception as err:  # a plot is never worth the run's results
-        log.warning("reward curve not drawn: %s", err)
-        return None
 
 
 class CoordinatorSource:
