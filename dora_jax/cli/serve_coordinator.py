@@ -23,7 +23,9 @@ told: launch_local passes 127.0.0.1, a pod the VM's internal address).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -34,6 +36,8 @@ from absl import app, flags
 
 from dora_jax import cli
 from dora_jax.cli import roles
+
+log = logging.getLogger(__name__)
 
 HOST = flags.DEFINE_string(
     "host",
@@ -62,6 +66,7 @@ REJOIN_TIMEOUT_S = flags.DEFINE_float(
 def main(argv):
     del argv
     roles.quiet_library_logs()
+    roles.log_as("coordinator")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never take an accelerator a worker on this host needs
     cli.prepare_devices(cli.CONFIG.value)
     workdir = roles.require(cli.WORKDIR, "workdir")
@@ -82,7 +87,7 @@ def main(argv):
     fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
     stop = threading.Event()
     try:  # one coordinator per workdir (dora_jax.coordinator.lease); a lost lease stops this one
-        lease = WriterLease.acquire(workdir, on_lost=lambda why: (_log(f"stopping: {why}"), stop.set()))
+        lease = WriterLease.acquire(workdir, on_lost=lambda why: (log.info("stopping: %s", why), stop.set()))
     except LeaseHeld as err:
         roles.fail(str(err))
     with lease:
@@ -108,50 +113,22 @@ def _security(num_slices: int):
 def serve(config, workdir: str, stop: threading.Event, trace=None, security=(None, None)) -> int:
     """`trace`: (LengthDistribution, seed) for a trace-driven run (--trace_lengths), else None.
     `security`: (Authenticator, ServerTls or None), what `_security` read."""
-    import dora_jax
-    from dora_jax.coordinator.coordinator import Coordinator
     from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
-    from dora_jax.coordinator.trace import ConstantScorer
     from dora_jax.core import fs
-    from dora_jax.runtime import resume
     from dora_jax.runtime.build import make_tokenizer, vocab_size
+    from dora_jax.runtime.roles import coordinator as coordinator_role
     from dora_jax.runtime.run_config import task_config
-    from dora_jax.tasks.eval_set import LeakCounter, eval_prompts
-    from dora_jax.tasks.reward_scorer import RewardPoolScorer
     from dora_jax.tasks.task import make_task
-    from dora_jax.transport.service import CoordinatorService, HeldOut, Identity, Timing, make_server
 
-    identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
-    heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
     ledger_path = fs.join(workdir, "ledger.jsonl")
-    resuming = fs.exists(ledger_path)
-    service = CoordinatorService(
-        identity,
-        Timing(
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            command_timeout_s=COMMAND_TIMEOUT_S.value,
-            rejoin_timeout_s=REJOIN_TIMEOUT_S.value,
-        ),
-        resume=resuming,
-    )
-    authenticator, tls = security
-    server, port = make_server(service, cli.flag_or(cli.PORT, 50051), host=HOST.value, auth=authenticator, tls=tls)
-    _log(
-        f"listening on {HOST.value}:{port} ({'TLS' if tls else 'plaintext'}, role tokens "
-        f"{'checked' if authenticator else 'NOT checked'}); waiting for {config.rollout.num_slices} rollout "
-        "slices and the trainer"
-    )
+    service, server = _start_service(config, fs.exists(ledger_path), security)
     tokenizer = make_tokenizer(config)
-    # Results are checked against the model's vocabulary (dora_jax.coordinator.intake).
-    coordinator_config = dataclasses.replace(config.coordinator, vocab_size=vocab_size(config, tokenizer))
     pool_task = make_task(task_config(config), tokenizer)
     pool = pool_task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
-    held_out = []  # the prompts `Evaluate` answers (the trainer asks for rounds, as the embedded run does)
-    if config.eval.enabled:
-        held_out = eval_prompts(task_config(config), pool_task, tokenizer, config.eval.num_prompts, config.eval.path)
-    if resuming:
+    held_out = coordinator_role.held_out_prompts(config, pool_task, tokenizer)  # what `Evaluate` answers
+    if service.resume:
         repair_torn_tail(ledger_path)
-        _log(f"{ledger_path} exists: resuming that run from the trainer's newest checkpoint")
+        log.info("%s exists: resuming that run from the trainer's newest checkpoint", ledger_path)
     ledger = Ledger(ledger_path)
     coord, code = None, 0
     try:
@@ -163,70 +140,100 @@ def serve(config, workdir: str, stop: threading.Event, trace=None, security=(Non
             # The prompt source and the prompts it handed out belong to one generation: a rewind
             # restores the source's position from the checkpoint (or starts it over).
             task = pool_task if generation == 0 else make_task(task_config(config), tokenizer)
-            prompts = resume.PromptBook()
-            prompts.keep(held_out)
-            leaks = LeakCounter(held_out)  # training prompts that are also evaluation prompts
-
-            def next_prompt(task=task, prompts=prompts, leaks=leaks):
-                prompt = task.source.next()
-                prompts.add(prompt)
-                leaks.check(prompt)
-                return prompt.prompt_id, prompt.prompt_ids
-
-            coord = Coordinator(
-                coordinator_config,
+            drawer = coordinator_role.PromptDrawer(task, held_out)
+            scorer = _scorer(trace, pool, drawer, tokenizer)
+            coord = coordinator_role.build(
+                config,
                 ports,
-                next_prompt,
-                ConstantScorer() if trace else RewardPoolScorer(pool, prompts, tokenizer.decode),
+                drawer,
+                scorer,
                 ledger,
-                forced_length=(lambda pid, i, lengths=trace[0], seed=trace[1]: lengths.draw(pid, i, seed))
-                if trace
-                else None,
+                vocab_size=vocab_size(config, tokenizer),
                 initial_version=version,
+                forced_length=_forced_length(trace),
                 on_slice_dropped=service.slice_dropped,
             )
-            prompts.follow(coord)
             if service.resume:
-                state = service.resume_state
-                if state:
-                    task.source.restore(state["coordinator"]["extra"]["source"])
-                    prompts.update(resume.prompts_from_json(state["prompts"]))
-                coord.restore(state["coordinator"] if state else None)
-                _log(f"restored the state of version {version}" if state else "no checkpoint: starting over")
-            service.attach(
-                coord,
-                list(ports.values()),
-                snapshot_extra=lambda task=task, prompts=prompts: prompts.snapshot_extra(task.source),
-                held_out=HeldOut(
-                    tuple((p.prompt_id, tuple(p.prompt_ids)) for p in held_out),
-                    config.eval.samples,
-                    lambda leaks=leaks: {
-                        "eval/leaked_train_prompts": leaks.leaked,
-                        "eval/prompts_seen_in_training": leaks.eval_prompts_seen_in_training,
-                    },
-                )
-                if held_out
-                else None,
-            )
-            _log(f"all roles joined; dispatching from version {version}")
+                state = service.resume_state or None  # {}: no checkpoint, the run starts over
+                coordinator_role.restore(coord, drawer, state)
+                log.info(f"restored the state of version {version}" if state else "no checkpoint: starting over")
+            held = _held_out(config, held_out, drawer)
+            service.attach(coord, list(ports.values()), snapshot_extra=drawer.snapshot_extra, held_out=held)
+            log.info("all roles joined; dispatching from version %d", version)
             coord.start()
             if _serve_generation(coord, service, generation, stop):
-                _log("the trainer is done: stopping the rollout workers")
+                log.info("the trainer is done: stopping the rollout workers")
                 return 0
             coord.closed = True  # a rewind: what it posts from now on is never handled
     except Exception as err:  # the run cannot go on: the trainer's next TakeBatch says so
-        _log(f"stopping: {type(err).__name__}: {err}")
+        log.info("stopping: %s: %s", type(err).__name__, err)
         code = 1
     finally:
-        if coord is not None:
-            coord.closed = True
-            _log("stats " + json.dumps(_stats(coord, service)))
-        service.stop("the run is over")
-        time.sleep(0.5)  # let the Stop commands reach the workers
-        server.stop(grace=2).wait()
-        ledger.close()
-        pool.close()
+        _close(coord, service, server, ledger, pool)
     return code
+
+
+def _start_service(config, resuming: bool, security):
+    """The gRPC service, listening: (service, server)."""
+    import dora_jax
+    from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
+
+    identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
+    timing = Timing(
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s,
+        command_timeout_s=COMMAND_TIMEOUT_S.value,
+        rejoin_timeout_s=REJOIN_TIMEOUT_S.value,
+    )
+    service = CoordinatorService(identity, timing, resume=resuming)
+    authenticator, tls = security
+    server, port = make_server(service, cli.flag_or(cli.PORT, 50051), host=HOST.value, auth=authenticator, tls=tls)
+    log.info(
+        f"listening on {HOST.value}:{port} ({'TLS' if tls else 'plaintext'}, role tokens "
+        f"{'checked' if authenticator else 'NOT checked'}); waiting for {config.rollout.num_slices} rollout "
+        "slices and the trainer"
+    )
+    return service, server
+
+
+def _scorer(trace, pool, drawer, tokenizer):
+    """A trace-driven run's constant reward, or the reward pool grading against the drawer's prompts."""
+    from dora_jax.coordinator.trace import ConstantScorer
+    from dora_jax.tasks.reward_scorer import RewardPoolScorer
+
+    return ConstantScorer() if trace else RewardPoolScorer(pool, drawer.book, tokenizer.decode)
+
+
+def _forced_length(trace):
+    """A trace-driven run's drawn response length per (prompt id, sample), or None."""
+    if trace is None:
+        return None
+    lengths, seed = trace
+    return functools.partial(_draw_length, lengths, seed)
+
+
+def _draw_length(lengths, seed: int, prompt_id: str, index: int) -> int:
+    return lengths.draw(prompt_id, index, seed)
+
+
+def _held_out(config, held_out, drawer):
+    """What `Evaluate` evaluates (None when the run does not evaluate); the leak counts come from
+    this generation's drawer."""
+    from dora_jax.transport.service import HeldOut
+
+    if not held_out:
+        return None
+    return HeldOut(tuple((p.prompt_id, tuple(p.prompt_ids)) for p in held_out), config.eval.samples, drawer.leak_counts)
+
+
+def _close(coord, service, server, ledger, pool) -> None:
+    if coord is not None:
+        coord.closed = True
+        log.info("stats %s", json.dumps(_stats(coord, service)))
+    service.stop("the run is over")
+    time.sleep(0.5)  # let the Stop commands reach the workers
+    server.stop(grace=2).wait()
+    ledger.close()
+    pool.close()
 
 
 def _serve_generation(coord, service, generation: int, stop: threading.Event) -> bool:
@@ -234,17 +241,19 @@ def _serve_generation(coord, service, generation: int, stop: threading.Event) ->
     trainer's rewind fails every rollout port, possibly while `coord` is calling one (the lock is
     released across a call): the error that raises in this generation belongs to the run that was
     rewound, so it ends the generation, not the run."""
-    while not stop.is_set() and service.generation == generation:
-        try:
-            coord.process(timeout=0.005)
-        except Exception as err:
-            if service.generation == generation:
-                raise
-            _log(f"generation {generation} ended by the rewind ({type(err).__name__}: {err})")
-            return False
-        if service.finished.is_set():
-            return True
-    return False
+    from dora_jax.runtime.roles import coordinator as coordinator_role
+
+    def running() -> bool:
+        return not stop.is_set() and service.generation == generation and not service.finished.is_set()
+
+    try:
+        coordinator_role.serve(coord, running)
+    except Exception as err:
+        if service.generation == generation:
+            raise
+        log.info("generation %d ended by the rewind (%s: %s)", generation, type(err).__name__, err)
+        return False
+    return service.finished.is_set()
 
 
 def _wait_ready(service, stop: threading.Event):
@@ -262,10 +271,6 @@ def _stats(coord, service) -> dict:
     stats = dataclasses.asdict(coord.stats)
     stats["slice_failures_seen"] = [f"slice {s}: {r}" for s, r in service.failures if r != "stopped"]
     return stats
-
-
-def _log(message: str) -> None:
-    print(f"[coordinator] {message}", file=sys.stderr, flush=True)
 
 
 def run() -> None:

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import signal
 import sys
 import threading
@@ -43,6 +44,9 @@ from absl import app, flags
 from dora_jax import cli
 from dora_jax.cli import roles
 from dora_jax.core import fs
+from dora_jax.runtime.roles import trainer as trainer_role
+
+log = logging.getLogger(__name__)
 
 POLL_S = flags.DEFINE_float("poll_s", 10.0, "long-poll window of one TakeBatch call")
 
@@ -50,6 +54,7 @@ POLL_S = flags.DEFINE_float("poll_s", 10.0, "long-poll window of one TakeBatch c
 def main(argv):
     del argv
     roles.quiet_library_logs()
+    roles.log_as("trainer")
     cli.prepare_devices(cli.CONFIG.value)
     host_id = roles.initialize_distributed("trainer")
     workdir = roles.require(cli.WORKDIR, "workdir")
@@ -78,168 +83,209 @@ def train(config, workdir: str, client, stop: threading.Event | None = None) -> 
     batch from host 0 (`_BatchSource`) and run the same step and publish. `stop` set (SIGTERM on a
     one-host trainer) ends it after the step in progress with a checkpoint: exit status 75, the run
     not finished (the same command on the workdir resumes it)."""
+    role = _PodTrainer(config, workdir, client, stop)
+    role.build()
+    start = time.perf_counter()
+    role.run(start)
+    if role.trainer.version < config.num_steps:  # stopped (SIGTERM) after its checkpoint: not finished
+        log.info("stopped at step %d of %d after a checkpoint; rerun to resume", role.trainer.version, config.num_steps)
+        sys.exit(75)
+    if client is not None:  # after the last checkpoint: the coordinator stops the workers and exits
+        from dora_jax.transport import dora_pb2 as pb
+
+        finish = pb.FinishRequest(session=client.session)
+        client.call("Finish", lambda t: client.stub.Finish(finish, timeout=t))
+    summary = {"steps": config.num_steps, "version": role.trainer.version}
+    print(json.dumps({**summary, "wall_s": round(time.perf_counter() - start, 2)}), flush=True)
+
+
+class _PodTrainer:
+    """The process placement of the trainer role (dora_jax.runtime.roles.trainer): its ports are
+    the coordinator's gRPC service (host 0) and, on several hosts, a JAX collective to the others."""
+
+    def __init__(self, config, workdir: str, client, stop: threading.Event | None):
+        import jax
+
+        self.config, self.workdir, self.client, self.stop = config, workdir, client, stop
+        self.leader = client is not None
+        self.channel = _host_channel() if jax.process_count() > 1 else None
+        self.writer = self.evaluation = self.evaluator = None
+
+    def build(self) -> None:
+        """Registers, builds the trainer (restored from the newest checkpoint when the run
+        resumes), publishes and reports its version, and opens what host 0 writes."""
+        from dora_jax.trainer import Trainer
+
+        config, workdir = self.config, self.workdir
+        resuming = self._register()
+        fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
+        mesh = _trainer_mesh(config)
+        self.setup, self.store = _setup_and_store(config, workdir, self.channel, mesh)
+        setup = self.setup
+        self.trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, self.store)
+        self.checkpoints = _Checkpoints(config, workdir, self.trainer, self.store, setup, self.client, self.channel)
+        if resuming:
+            self.checkpoints.restore()
+        elif self.checkpoints.steps():
+            raise SystemExit(
+                f"{self.checkpoints.directory} holds checkpoints {self.checkpoints.steps()} but the coordinator "
+                "found no ledger in the workdir: not this run's; give a new --workdir or remove them"
+            )
+        self.trainer.publish()
+        offer = _weight_offer(config, setup, self.trainer, workdir) if self._offers() else None
+        # The store has the version (the slices fetch it and warm up meanwhile): compile every train-step
+        # shape before the coordinator hears of it, so no step compiles while the run is timed.
+        widths = self.trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
+        if widths:
+            log.info("compiled the train step for micro-batch lengths %s", widths)
+        before = functools.partial(_offer, offer, self.trainer) if offer else None
+        self.report = _reporter(self.client, self.store, before) if self.leader else _report_nothing
+        self.report(self.trainer.version)
+        log.info("published version %d to %s", self.trainer.version, roles.versions_root(workdir))
+        self.source = _BatchSource(self.client, self.channel, self.report)
+        if self.leader:
+            self.writer = trainer_role.open_writer(config, workdir, roles.config_json())
+            self.evaluation, self.evaluator = _evaluator(config, setup, self.client, workdir, self.writer)
+            self.evaluator.maybe_request(self.trainer.version)
+
+    def _register(self) -> bool:
+        """Host 0 joins the run; returns whether it resumes (every host hears it: orbax restores
+        collectively)."""
+        from dora_jax.transport import dora_pb2 as pb
+
+        resuming = False
+        if self.leader:
+            resuming = self.client.register(pb.TRAINER, roles.identity_hash(), host_id=0).resume
+            log.info("registered with the coordinator at %s; building the setup", self.client.address)
+        if self.channel is not None:
+            resuming = self.channel.exchange(b"resume" if resuming else None) == b"resume"
+        return resuming
+
+    def _offers(self) -> bool:
+        """Whether versions also go device to device (host 0 of a one-host trainer, when asked)."""
+        return self.leader and self.channel is None and self.config.rollout.weights_transfer
+
+    def run(self, start: float) -> None:
+        """Trains to `num_steps` (or a stop), then checkpoints a stop or waits for the last round."""
+        config, trainer = self.config, self.trainer
+        try:
+            self._steps(start)
+            if trainer.version < config.num_steps:
+                if self.checkpoints.last_saved != trainer.version:
+                    self.checkpoints.save()  # stopped between scheduled checkpoints
+            else:
+                trainer_role.finish_evaluation(self.evaluator, config.eval.final_timeout_s)
+        except BaseException:
+            self.source.abort()
+            raise
+        finally:
+            self._close()
+
+    def _steps(self, start: float) -> None:
+        """The training loop; a lost coordinator is joined again from the newest checkpoint."""
+        from dora_jax.runtime import training_loop
+        from dora_jax.transport.client import CoordinatorUnreachable, SessionLost
+
+        stop = self.stop
+        while True:
+            try:
+                training_loop.train(
+                    self.trainer,
+                    self.source,
+                    **training_loop.sizes(self.config, self.setup.tokenizer.pad_id),
+                    writer=self.writer,
+                    after_step=trainer_role.AfterStep(self.evaluator, self.checkpoints.after_step),
+                    on_row=self._on_row,
+                    start=start,
+                    should_stop=stop.is_set if stop is not None and self.channel is None else None,
+                )
+                return
+            except (SessionLost, CoordinatorUnreachable) as err:
+                if self.channel is not None or not self.checkpoints.steps():
+                    raise  # a multi-host trainer, or nothing to go back to: the job is relaunched
+                log.info("lost the coordinator (%s); joining again to resume from the newest checkpoint", err)
+                _rejoin(self.client, self.store, self.trainer, self.checkpoints)
+                self.report(self.trainer.version)
+
+    def _on_row(self, row: dict) -> None:
+        if self.leader:
+            log.info(
+                "step %d/%d reward %.3f staleness %s versions in flight %s",
+                self.trainer.version,
+                self.config.num_steps,
+                row["reward_mean"],
+                row["staleness_max"],
+                row["versions_in_flight"],
+            )
+
+    def _close(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation.close()
+        if self.writer is not None:
+            trainer_role.close_writer(self.writer, self.workdir)
+        self.checkpoints.close()
+        try:
+            self.store.flush()  # the last version durable before the coordinator stops the slices
+        except OSError as err:
+            log.info("%s", err)
+
+
+def _report_nothing(version: int, behaviour_digests=None) -> None:
+    """Hosts 1.. of a multi-host trainer: host 0 reports."""
+
+
+def _trainer_mesh(config):
     import jax
 
     from dora_jax.parallel import sharding
-    from dora_jax.runtime import training_loop
-    from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, draw_reward_curve
-    from dora_jax.trainer import Trainer
-    from dora_jax.transport import dora_pb2 as pb
-    from dora_jax.transport.client import CoordinatorUnreachable, SessionLost
 
-    leader = client is not None
-    channel = _host_channel() if jax.process_count() > 1 else None
-    resuming = False
-    if leader:
-        resuming = client.register(pb.TRAINER, roles.identity_hash(), host_id=0).resume
-        _log(f"registered with the coordinator at {client.address}; building the setup")
-    if channel is not None:  # every host restores (orbax restores collectively)
-        resuming = channel.exchange(b"resume" if resuming else None) == b"resume"
-    fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
     try:
-        mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
+        return sharding.make_mesh(jax.devices(), dict(config.mesh.trainer))
     except ValueError as err:
         raise SystemExit(
             f"mesh.trainer={dict(config.mesh.trainer)} over {jax.process_count()} host(s): {err}"
         ) from None
-    setup, store = _setup_and_store(config, workdir, channel, mesh)
-    trainer = Trainer(setup.graphdef, setup.params, setup.axes, mesh, config.trainer, store)
-    checkpoints = _Checkpoints(config, workdir, trainer, store, setup, client, channel)
-    if resuming:
-        checkpoints.restore()
-    elif checkpoints.steps():
-        raise SystemExit(
-            f"{checkpoints.directory} holds checkpoints {checkpoints.steps()} but the coordinator found no "
-            "ledger in the workdir: not this run's; give a new --workdir or remove them"
-        )
-    trainer.publish()
-    offer = None
-    if leader and channel is None and config.rollout.weights_transfer:
-        from dora_jax.transport.weights import WeightOffer
 
-        try:
-            offer = WeightOffer(
-                jax.devices(),
-                dict(config.mesh.rollout),
-                setup.axes,
-                trainer.serve_dtype,
-                config.rollout.num_slices,
-                workdir,
-                keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
-                host=roles.transfer_host(),
-                port=roles.transfer_port(),
-            )
-            _log(f"offering every version device to device at {offer.address}")
-        except Exception as err:  # the slices read the tensorstore tier, as without the option
-            _log(f"no transfer server ({type(err).__name__}: {err}); versions go through the tensorstore tier only")
-    # The store has the version (the slices fetch it and warm up meanwhile): compile every train-step
-    # shape before the coordinator hears of it, so no step compiles while the run is timed.
-    widths = trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
-    if widths:
-        _log(f"compiled the train step for micro-batch lengths {widths}")
-    before = functools.partial(_offer, offer, trainer) if offer else None
-    report = _reporter(client, store, before) if leader else (lambda version, digests=None: None)
-    report(trainer.version)
-    _log(f"published version {trainer.version} to {roles.versions_root(workdir)}")
-    source = _BatchSource(client, channel, report)
-    writer, evaluation, evaluator = None, None, None
-    if leader:
-        writer = MetricsWriter(
-            workdir, tensorboard=config.tensorboard, wandb=WandbSpec.of(config.log), config=roles.config_json()
-        )
-        evaluation, evaluator = _evaluator(config, setup, client, workdir, writer)
-        evaluator.maybe_request(trainer.version)
-    after_step = functools.partial(_after_step, evaluator, checkpoints)
-    start = time.perf_counter()
 
-    def on_row(row: dict) -> None:
-        if leader:
-            _log(
-                f"step {trainer.version}/{config.num_steps} reward {row['reward_mean']:.3f} "
-                f"staleness {row['staleness_max']} versions in flight {row['versions_in_flight']}"
-            )
+def _weight_offer(config, setup, trainer, workdir: str):
+    """Every version offered device to device (dora_jax/transport/weights.py), or None: the slices
+    read the tensorstore tier, as without the option."""
+    import jax
+
+    from dora_jax.transport.weights import WeightOffer
 
     try:
-        while True:
-            try:
-                training_loop.train(
-                    trainer,
-                    source,
-                    **training_loop.sizes(config, setup.tokenizer.pad_id),
-                    writer=writer,
-                    after_step=after_step,
-                    on_row=on_row,
-                    start=start,
-                    should_stop=stop.is_set if stop is not None and channel is None else None,
-                )
-                break
-            except (SessionLost, CoordinatorUnreachable) as err:
-                if channel is not None or not checkpoints.steps():
-                    raise  # a multi-host trainer, or nothing to go back to: the job is relaunched
-                _log(f"lost the coordinator ({err}); joining again to resume from the newest checkpoint")
-                _rejoin(client, store, trainer, checkpoints)
-                report(trainer.version)
-        if trainer.version < config.num_steps:
-            if checkpoints.last_saved != trainer.version:
-                checkpoints.save()  # stopped between scheduled checkpoints
-        elif evaluator is not None:
-            evaluator.harvest(timeout=config.eval.final_timeout_s)  # the last version's round
-            if evaluator.pending:
-                _log(f"{evaluator.pending} evaluation rounds did not finish; their rows are missing")
-    except BaseException:
-        source.abort()
-        raise
-    finally:
-        if evaluation is not None:
-            evaluation.close()
-        if writer is not None:
-            curve = draw_reward_curve(workdir)
-            writer.close(images={"reward_curve": curve} if curve else None)
-        checkpoints.close()
-        try:
-            store.flush()  # the last version durable before the coordinator stops the slices
-        except OSError as err:
-            _log(str(err))
-    if trainer.version < config.num_steps:  # stopped (SIGTERM) after its checkpoint: not finished
-        _log(f"stopped at step {trainer.version} of {config.num_steps} after a checkpoint; rerun to resume")
-        sys.exit(75)
-    if leader:  # after the last checkpoint: the coordinator stops the workers and exits
-        finish = pb.FinishRequest(session=client.session)
-        client.call("Finish", lambda t: client.stub.Finish(finish, timeout=t))
-    print(
-        json.dumps(
-            {"steps": config.num_steps, "version": trainer.version, "wall_s": round(time.perf_counter() - start, 2)}
-        ),
-        flush=True,
-    )
+        offer = WeightOffer(
+            jax.devices(),
+            dict(config.mesh.rollout),
+            setup.axes,
+            trainer.serve_dtype,
+            config.rollout.num_slices,
+            workdir,
+            keep_versions=config.coordinator.k_max + 2,  # a slice loads a version within C3's window
+            host=roles.transfer_host(),
+            port=roles.transfer_port(),
+        )
+    except Exception as err:
+        log.info("no transfer server (%s: %s); versions go through the tensorstore tier only", type(err).__name__, err)
+        return None
+    log.info("offering every version device to device at %s", offer.address)
+    return offer
 
 
 def _evaluator(config, setup, client, workdir: str, writer):
     """(the port, the Evaluator) of host 0: rounds asked over gRPC (`Evaluate`), the rows
     written here. The trainer's copy of the held-out prompts gives the responses' prompts text."""
     from dora_jax.runtime.evaluator import Evaluator
-    from dora_jax.runtime.run_config import task_config
-    from dora_jax.tasks.eval_set import eval_prompts
+    from dora_jax.runtime.roles import coordinator as coordinator_role
     from dora_jax.transport.evaluation import RemoteEvaluation
 
-    held_out = []
-    if config.eval.enabled:
-        held_out = eval_prompts(
-            task_config(config), setup.task, setup.tokenizer, config.eval.num_prompts, config.eval.path
-        )
+    held_out = coordinator_role.held_out_prompts(config, setup.task, setup.tokenizer)
     evaluation = RemoteEvaluation(client)
-    # Leaks: None: the training prompts are drawn at the coordinator, whose rounds count them.
     decode = setup.tokenizer.decode
+    # Leaks: None: the training prompts are drawn at the coordinator, whose rounds count them.
     evaluator = Evaluator(config.eval, config.num_steps, held_out, None, evaluation, decode, workdir, writer)
     return evaluation, evaluator
-
-
-def _after_step(evaluator, checkpoints, step: int) -> dict:
-    """As the embedded run: the next version's round asked, finished rounds written, a checkpoint."""
-    if evaluator is not None:
-        evaluator.maybe_request(step + 1)
-        evaluator.harvest()
-    return checkpoints.after_step(step)
 
 
 def _rejoin(client, store, trainer, checkpoints) -> None:
@@ -256,9 +302,8 @@ def _rejoin(client, store, trainer, checkpoints) -> None:
 
 
 class _Checkpoints:
-    """The trainer role's run checkpoints (dora_jax.runtime.checkpoint, meta as
-    dora_jax.runtime.resume says). Host 0 gets the coordinator's state; every host saves and
-    restores its shards."""
+    """The trainer role's run checkpoints (dora_jax.runtime.roles.trainer). Host 0 gets the
+    coordinator's state from its `Snapshot`; every host saves and restores its shards."""
 
     def __init__(self, config, workdir: str, trainer, store, setup, client, channel):
         from dora_jax.runtime import resume
@@ -279,31 +324,19 @@ class _Checkpoints:
         """Loads the newest checkpoint that restores into the trainer and the store, and hands
         its coordinator state to the coordinator (host 0); without one the run starts over.
         Returns whether a checkpoint was restored."""
-        from dora_jax.runtime import resume
-        from dora_jax.runtime.checkpoint import abstract_like
         from dora_jax.transport import dora_pb2 as pb
 
-        trainer = self._trainer
-        restored = self._checkpointer.restore_latest(
-            lambda: abstract_like(trainer.state, trainer.state_shardings),
-            lambda: abstract_like(trainer.params, trainer.param_shardings),
-        )
-        state = None
-        if restored is not None:
-            resume.check_resumable(restored.meta["fingerprint"], self._fingerprint)
-            trainer.load_state(restored.trainer_state, restored.meta["trainer_version"])
-            for version in sorted(restored.versions):  # the store was emptied at start
-                self._store.publish(version, restored.versions[version])
-            state = {"coordinator": restored.meta["coordinator"], "prompts": restored.meta["prompts"]}
-        start = trainer.version
+        restored = trainer_role.restore(self._checkpointer, self._trainer, self._store, self._fingerprint)
+        state = trainer_role.coordinator_state(restored)
+        start = self._trainer.version
         if self._client is not None:
-            resume.trim_rows(fs.join(self._workdir, "metrics.jsonl"), start)
-            resume.trim_rows(fs.join(self._workdir, "eval_samples.jsonl"), start)
+            trainer_role.trim_rows(self._workdir, start)
             request = pb.ResumeRequest(
                 session=self._client.session, has_state=state is not None, state_json=json.dumps(state or {})
             )
             self._client.call("Resume", lambda t: self._client.stub.Resume(request, timeout=t))
-            _log(f"resumed from the checkpoint of step {start}" if state else "no checkpoint restores: starting over")
+            said = f"resumed from the checkpoint of step {start}" if state else "no checkpoint restores: starting over"
+            log.info(said)
         return state is not None
 
     def after_step(self, step: int) -> dict:
@@ -321,30 +354,26 @@ class _Checkpoints:
             try:
                 meta = self._meta()
             except Exception as err:  # the run goes on; the previous checkpoint stays in use
-                _log(f"no checkpoint at step {trainer.version}: {err}")
+                log.info("no checkpoint at step %d: %s", trainer.version, err)
         if self._channel is not None:
             meta = json.loads(self._channel.exchange(json.dumps(meta).encode() if self._channel.is_leader else None))
         if meta is None:
             return {"checkpoint_error": 1}
-        versions = {v: self._store.get(v, trainer.param_shardings, copy=False) for v in meta["versions"]}
         try:
-            self._checkpointer.save(trainer.version, trainer.state, versions, meta)
+            trainer_role.save(self._checkpointer, trainer, self._store, meta)
         except CheckpointError as err:
-            _log(f"{err}; the previous checkpoint stays in use")
+            log.info("%s; the previous checkpoint stays in use", err)
             return {"checkpoint_error": 1}
         self.last_saved = trainer.version
         return {"checkpoint_s": time.perf_counter() - t0}
 
     def _meta(self) -> dict:
-        from dora_jax.runtime import resume
         from dora_jax.transport import dora_pb2 as pb
 
         version = self._trainer.version
         request = pb.SnapshotRequest(session=self._client.session, trainer_version=version)
         reply = self._client.call("Snapshot", lambda t: self._client.stub.Snapshot(request, timeout=t))
-        state = json.loads(reply.state_json)
-        prompts = state["extra"].pop("prompts")
-        return resume.meta(state, version, prompts, self._fingerprint)
+        return trainer_role.checkpoint_meta(json.loads(reply.state_json), version, self._fingerprint)
 
     def close(self) -> None:
         from dora_jax.runtime.checkpoint import CheckpointError
@@ -352,7 +381,7 @@ class _Checkpoints:
         try:
             self._checkpointer.close()
         except CheckpointError as err:
-            _log(str(err))
+            log.info("%s", err)
 
 
 def _host_channel():
@@ -468,7 +497,7 @@ def _offer(offer, trainer, version: int) -> None:
     try:
         offer.offer(version, trainer.served_params())
     except Exception as err:
-        _log(f"version {version} not offered device to device ({type(err).__name__}: {err}); the tier has it")
+        log.info("version %d not offered device to device (%s: %s); the tier has it", version, type(err).__name__, err)
 
 
 def _reporter(client, store, before=None):
@@ -501,10 +530,6 @@ def _take_batch(client, version: int):
         )
         if reply.ready:
             return reply
-
-
-def _log(message: str) -> None:
-    print(f"[trainer] {message}", file=sys.stderr, flush=True)
 
 
 def run() -> None:
