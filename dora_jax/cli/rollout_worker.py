@@ -18,7 +18,6 @@ hosts 1..H-1, which run `follow` (dora_jax/transport/host_mirror.py) and need no
 from __future__ import annotations
 
 import logging
-import time
 
 from absl import app, flags
 
@@ -42,17 +41,19 @@ def main(argv):
     slice_id = roles.require(SLICE_ID, "slice_id")
     roles.log_as(f"rollout {slice_id}" + (f" host {host_id}" if host_id else ""))
     from dora_jax.runtime import run_config
+    from dora_jax.runtime.placements.rollout_process import follow, serve
 
     config = run_config.parse(cli.CONFIG.value)
+    context = _context(workdir)
     if host_id > 0:
-        log.info("%s", follow(config, workdir, slice_id, host_id))
+        log.info("%s", follow(config, slice_id, context))
         return
     address = roles.require(roles.COORDINATOR, "coordinator")
     from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused
 
     client = Client(address, roles.client_timing(), roles.client_credentials())
     try:
-        outcome = serve(config, workdir, client, slice_id)
+        outcome = serve(config, workdir, client, slice_id, context)
     except (CoordinatorUnreachable, Refused, CallFailed) as err:
         roles.fail(str(err))
     finally:
@@ -60,161 +61,17 @@ def main(argv):
     log.info("%s", outcome)
 
 
-def _build_worker(config, slice_id: int):
-    """This slice's engine (its mesh spans every host of the slice) and worker."""
-    import jax
+def _context(workdir: str):
+    from dora_jax.runtime.placements.rollout_process import Context
 
-    from dora_jax.parallel import sharding
-    from dora_jax.runtime.build import make_tokenizer
-    from dora_jax.runtime.roles import rollout as rollout_role
-
-    tokenizer = make_tokenizer(config)
-    served = rollout_role.model_config(config, tokenizer)
-    try:
-        mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.rollout))
-    except ValueError as err:
-        raise SystemExit(
-            f"mesh.rollout={dict(config.mesh.rollout)} over this slice's {jax.process_count()} host(s): {err}"
-        ) from None
-    engine = rollout_role.build_engine(config, served, mesh, tokenizer)
-    return rollout_role.make_worker(config, engine, slice_id, tuple(served.eos_ids) or tuple(tokenizer.eos_ids))
-
-
-def _host_channel(slice_id: int):
-    """The slice's leader-to-followers channel, after every host checked it runs the same slice."""
-    import jax
-
-    import dora_jax
-    from dora_jax.transport.host_mirror import HostChannel, check_same_slice
-
-    check_same_slice(
-        {
-            "config_hash": roles.identity_hash(),
-            "package_version": dora_jax.__version__,
-            "slice_id": slice_id,
-            "num_hosts": jax.process_count(),
-        }
+    return Context(
+        identity_hash=roles.identity_hash(),
+        versions_root=roles.versions_root(workdir),
+        transfer_host=roles.transfer_host(),
+        transfer_port=roles.transfer_port(),
+        connect_timeout_s=roles.CONNECT_TIMEOUT_S.value,
+        version_wait_s=VERSION_WAIT_S.value,
     )
-    return HostChannel()
-
-
-def _kv_transfer(engine, slice_id: int):
-    """Migrated KV rows device to device (a single-process slice), or None: through the coordinator."""
-    from dora_jax.transport.kv_transfer import KVTransfer
-
-    try:
-        return KVTransfer(engine, host=roles.transfer_host(), port=roles.transfer_port())
-    except Exception as err:  # noqa: BLE001 - the rows still move, through the coordinator
-        log.info(f"no transfer server for KV migration ({type(err).__name__}: {err}); sending KV inline")
-        return None
-
-
-def serve(config, workdir: str, client, slice_id: int) -> str:
-    """Host 0: registers with the coordinator and serves its commands (mirrored to the other hosts)."""
-    import jax
-
-    from dora_jax.rollout import timeline
-    from dora_jax.transport.host_mirror import MirroredWorker
-    from dora_jax.transport.rollout_agent import RolloutAgent, fetch_from_store
-
-    worker = _build_worker(config, slice_id)
-    engine = worker.engine
-    opened = []  # the store, once the trainer has created it
-    puller = None
-    if config.rollout.weights_transfer and jax.process_count() == 1:
-        from dora_jax.transport.weights import WeightPull
-
-        try:
-            puller = WeightPull(
-                jax.devices(), workdir, slice_id, host=roles.transfer_host(), port=roles.transfer_port()
-            )
-        except Exception as err:  # every version from the tensorstore tier, as without the option
-            log.info(f"no transfer server ({type(err).__name__}: {err}); reading the tensorstore tier only")
-
-    def fetch(version: int):
-        if puller is not None:
-            try:
-                return puller.pull(version, engine.served_abstract_params())
-            except Exception as err:  # not offered, expired, or the trainer is gone: the durable copy
-                log.info(f"version {version} from the tensorstore tier ({type(err).__name__}: {err})")
-        return fetch_from_store(opened[0], engine.param_shardings, wait_s=60.0)(version)
-
-    mirror = MirroredWorker(worker, _host_channel(slice_id), fetch) if jax.process_count() > 1 else None
-    agent = RolloutAgent(
-        client,
-        mirror or worker,
-        mirror.fetch if mirror else fetch,
-        roles.identity_hash(),
-        silence_s=roles.CONNECT_TIMEOUT_S.value,
-        kv_transfer=None if mirror else _kv_transfer(engine, slice_id),
-        log=log.info,
-    )
-    try:
-        agent.register()  # refused or unreachable: fail now, before any wait or compile
-        log.info(f"registered with the coordinator at {client.address}; waiting for the first version")
-        opened.append(_open_store(roles.versions_root(workdir), VERSION_WAIT_S.value))
-        first = _first_version(opened[0], VERSION_WAIT_S.value)
-        if mirror is not None:
-            mirror.warmup(first)
-        else:
-            engine.warmup(fetch(first))
-        log.info(f"ready ({len(jax.devices())} devices on {jax.process_count()} host(s), {worker.num_slots} slots)")
-        outcome = agent.run()
-    except BaseException as err:
-        if mirror is not None:
-            mirror.stop(f"host 0 failed: {type(err).__name__}: {err}")
-        raise
-    if mirror is not None:
-        mirror.stop(outcome)
-    try:
-        timeline.write(workdir, slice_id, agent.timeline, worker.counters)
-    except OSError as err:  # the run is over; only the plot's input is lost
-        log.info(f"could not write its timeline: {err}")
-    return outcome
-
-
-def follow(config, workdir: str, slice_id: int, host_id: int) -> str:
-    """Hosts 1..: replay host 0's engine calls until it stops; versions come from the same store."""
-    from dora_jax.transport import host_mirror
-    from dora_jax.transport.rollout_agent import fetch_from_store
-
-    worker = _build_worker(config, slice_id)
-    channel = _host_channel(slice_id)
-    opened = []
-
-    def fetch(version: int):
-        if not opened:  # host 0 saw this version committed: the store exists
-            opened.append(_open_store(roles.versions_root(workdir), VERSION_WAIT_S.value))
-        return fetch_from_store(opened[0], worker.engine.param_shardings, wait_s=60.0)(version)
-
-    log.info("following host 0")
-    reason = host_mirror.follow(worker, channel, fetch, log=log.info)
-    return f"stopped by host 0: {reason}"
-
-
-def _open_store(root: str, wait_s: float):
-    from dora_jax.store import ParamStore, TensorStoreTier
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return ParamStore(TensorStoreTier(root, read_only=True))
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"no param store at {root} after {wait_s:.0f}s: is the trainer running with the "
-                    "same --workdir / --versions?"
-                ) from None
-            time.sleep(0.5)
-
-
-def _first_version(store, wait_s: float) -> int:
-    deadline = time.monotonic() + wait_s
-    while not store.versions():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the trainer published no version within {wait_s:.0f}s")
-        time.sleep(0.5)
-    return store.versions()[-1]
 
 
 def run() -> None:

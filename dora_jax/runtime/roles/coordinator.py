@@ -3,7 +3,7 @@ evaluation prompts, the `Coordinator` built over the rollout slices' ports, its 
 checkpoint's state, and its event loop (`serve`).
 
 The embedded placement (dora_jax.runtime.runner) calls these with in-process ports and a loop
-thread; the process placement (dora_jax.cli.serve_coordinator) with the gRPC service's ports, one
+thread; the process placement (dora_jax.runtime.placements.coordinator_process) with the gRPC service's ports, one
 generation per trainer (re)start.
 """
 

@@ -1,7 +1,7 @@
 """The rollout slice role, for every placement: the served model's shapes, the slice's engine
 on its mesh, and the worker over that engine (a restarted slice gets a fresh worker on the same,
 warm engine). The embedded placement (dora_jax.runtime.runner) runs the worker on a thread behind
-an in-process port; the process placement (dora_jax.cli.rollout_worker) behind a `RolloutAgent`
+an in-process port; the process placement (dora_jax.runtime.placements.rollout_process) behind a `RolloutAgent`
 speaking gRPC, its versions fetched from the tensorstore tier or pulled device to device.
 """
 

@@ -4,7 +4,7 @@ written, the placement's own hook, a checkpoint when due), its metrics writer, a
 run (the last evaluation round, the reward PNG).
 
 The embedded placement (dora_jax.runtime.runner) takes the coordinator's state for a checkpoint
-from the in-process Coordinator; the process placement (dora_jax.cli.trainer_worker) from its
+from the in-process Coordinator; the process placement (dora_jax.runtime.placements.trainer_process) from its
 `Snapshot` call, host 0 handing the meta to the other hosts of a multi-host trainer.
 """
 
