@@ -479,8 +479,8 @@ class _SliceLoad:
 
 def _steps_done(workdir: str) -> int:
     path = fs.join(workdir, "metrics.jsonl")
-    with contextlib.suppress(OSError), fs.open(path) as f:
-        return sum(1 for line in f if line.strip())
+    with contextlib.suppress(OSError), fs.open(path) as f:  # training rows, not evaluation rows
+        return sum(1 for line in f if '"reward_mean":' in line)
     return 0
 
 

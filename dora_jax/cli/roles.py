@@ -12,6 +12,7 @@ trainer and each rollout slice their own role token, from the files the launcher
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -63,6 +64,18 @@ JAX_COORDINATOR = flags.DEFINE_string(
     "HOST:PORT where host 0 of this slice serves "
     "jax.distributed (each slice its own); empty = auto-detect (Cloud TPU only)",
 )
+
+
+def log_as(role: str) -> None:
+    """This process's own lines (the `dora_jax` loggers, INFO and up) go to stderr as `[role]
+    message`, one per line, as the launchers' log files expect; libraries keep their warnings
+    (`quiet_library_logs`)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{role}] %(message)s"))
+    logger = logging.getLogger("dora_jax")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def quiet_library_logs() -> None:

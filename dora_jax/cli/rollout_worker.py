@@ -17,13 +17,14 @@ hosts 1..H-1, which run `follow` (dora_jax/transport/host_mirror.py) and need no
 
 from __future__ import annotations
 
-import sys
-import time
+import logging
 
 from absl import app, flags
 
 from dora_jax import cli
 from dora_jax.cli import roles
+
+log = logging.getLogger(__name__)
 
 SLICE_ID = flags.DEFINE_integer("slice_id", None, "this rollout slice's index, 0..rollout.num_slices-1")
 VERSION_WAIT_S = flags.DEFINE_float(
@@ -38,210 +39,39 @@ def main(argv):
     host_id = roles.initialize_distributed("rollout")
     workdir = roles.require(cli.WORKDIR, "workdir")
     slice_id = roles.require(SLICE_ID, "slice_id")
+    roles.log_as(f"rollout {slice_id}" + (f" host {host_id}" if host_id else ""))
     from dora_jax.runtime import run_config
+    from dora_jax.runtime.placements.rollout_process import follow, serve
 
     config = run_config.parse(cli.CONFIG.value)
+    context = _context(workdir)
     if host_id > 0:
-        _log(slice_id, follow(config, workdir, slice_id, host_id), host_id)
+        log.info("%s", follow(config, slice_id, context))
         return
     address = roles.require(roles.COORDINATOR, "coordinator")
     from dora_jax.transport.client import CallFailed, Client, CoordinatorUnreachable, Refused
 
     client = Client(address, roles.client_timing(), roles.client_credentials())
     try:
-        outcome = serve(config, workdir, client, slice_id)
+        outcome = serve(config, workdir, client, slice_id, context)
     except (CoordinatorUnreachable, Refused, CallFailed) as err:
         roles.fail(str(err))
     finally:
         client.close()
-    _log(slice_id, outcome)
+    log.info("%s", outcome)
 
 
-def _build_worker(config, slice_id: int):
-    """This slice's engine (its mesh spans every host of the slice) and worker."""
-    import jax
+def _context(workdir: str):
+    from dora_jax.runtime.placements.rollout_process import Context
 
-    from dora_jax.parallel import sharding
-    from dora_jax.rollout.engine import RolloutEngine
-    from dora_jax.rollout.worker import RolloutWorker
-    from dora_jax.runtime.build import make_tokenizer
-
-    tokenizer = make_tokenizer(config)
-    model_config = rollout_model_config(config, tokenizer)
-    try:
-        mesh = sharding.make_mesh(jax.devices(), dict(config.mesh.rollout))
-    except ValueError as err:
-        raise SystemExit(
-            f"mesh.rollout={dict(config.mesh.rollout)} over this slice's {jax.process_count()} host(s): {err}"
-        ) from None
-    engine = RolloutEngine(
-        model_config,
-        config.rollout.engine_config(),
-        mesh,
-        tokenizer=tokenizer,
+    return Context(
+        identity_hash=roles.identity_hash(),
+        versions_root=roles.versions_root(workdir),
+        transfer_host=roles.transfer_host(),
+        transfer_port=roles.transfer_port(),
+        connect_timeout_s=roles.CONNECT_TIMEOUT_S.value,
+        version_wait_s=VERSION_WAIT_S.value,
     )
-    eos = tuple(model_config.eos_ids) or tuple(tokenizer.eos_ids)
-    return RolloutWorker(engine, slice_id=slice_id, eos_ids=eos, migration=config.rollout.migration_costs())
-
-
-def _host_channel(slice_id: int):
-    """The slice's leader-to-followers channel, after every host checked it runs the same slice."""
-    import jax
-
-    import dora_jax
-    from dora_jax.transport.host_mirror import HostChannel, check_same_slice
-
-    check_same_slice(
-        {
-            "config_hash": roles.identity_hash(),
-            "package_version": dora_jax.__version__,
-            "slice_id": slice_id,
-            "num_hosts": jax.process_count(),
-        }
-    )
-    return HostChannel()
-
-
-def _kv_transfer(engine, slice_id: int):
-    """Migrated KV rows device to device (a single-process slice), or None: through the coordinator."""
-    from dora_jax.transport.kv_transfer import KVTransfer
-
-    try:
-        return KVTransfer(engine, host=roles.transfer_host(), port=roles.transfer_port())
-    except Exception as err:  # noqa: BLE001 - the rows still move, through the coordinator
-        _log(slice_id, f"no transfer server for KV migration ({type(err).__name__}: {err}); sending KV inline")
-        return None
-
-
-def serve(config, workdir: str, client, slice_id: int) -> str:
-    """Host 0: registers with the coordinator and serves its commands (mirrored to the other hosts)."""
-    import jax
-
-    from dora_jax.rollout import timeline
-    from dora_jax.transport.host_mirror import MirroredWorker
-    from dora_jax.transport.rollout_agent import RolloutAgent, fetch_from_store
-
-    worker = _build_worker(config, slice_id)
-    engine = worker.engine
-    opened = []  # the store, once the trainer has created it
-    puller = None
-    if config.rollout.weights_transfer and jax.process_count() == 1:
-        from dora_jax.transport.weights import WeightPull
-
-        try:
-            puller = WeightPull(
-                jax.devices(), workdir, slice_id, host=roles.transfer_host(), port=roles.transfer_port()
-            )
-        except Exception as err:  # every version from the tensorstore tier, as without the option
-            _log(slice_id, f"no transfer server ({type(err).__name__}: {err}); reading the tensorstore tier only")
-
-    def fetch(version: int):
-        if puller is not None:
-            try:
-                return puller.pull(version, engine.served_abstract_params())
-            except Exception as err:  # not offered, expired, or the trainer is gone: the durable copy
-                _log(slice_id, f"version {version} from the tensorstore tier ({type(err).__name__}: {err})")
-        return fetch_from_store(opened[0], engine.param_shardings, wait_s=60.0)(version)
-
-    mirror = MirroredWorker(worker, _host_channel(slice_id), fetch) if jax.process_count() > 1 else None
-    agent = RolloutAgent(
-        client,
-        mirror or worker,
-        mirror.fetch if mirror else fetch,
-        roles.identity_hash(),
-        silence_s=roles.CONNECT_TIMEOUT_S.value,
-        kv_transfer=None if mirror else _kv_transfer(engine, slice_id),
-        log=lambda m: _log(slice_id, m),
-    )
-    try:
-        agent.register()  # refused or unreachable: fail now, before any wait or compile
-        _log(slice_id, f"registered with the coordinator at {client.address}; waiting for the first version")
-        opened.append(_open_store(roles.versions_root(workdir), VERSION_WAIT_S.value))
-        first = _first_version(opened[0], VERSION_WAIT_S.value)
-        if mirror is not None:
-            mirror.warmup(first)
-        else:
-            engine.warmup(fetch(first))
-        _log(
-            slice_id, f"ready ({len(jax.devices())} devices on {jax.process_count()} host(s), {worker.num_slots} slots)"
-        )
-        outcome = agent.run()
-    except BaseException as err:
-        if mirror is not None:
-            mirror.stop(f"host 0 failed: {type(err).__name__}: {err}")
-        raise
-    if mirror is not None:
-        mirror.stop(outcome)
-    try:
-        timeline.write(workdir, slice_id, agent.timeline, worker.counters)
-    except OSError as err:  # the run is over; only the plot's input is lost
-        _log(slice_id, f"could not write its timeline: {err}")
-    return outcome
-
-
-def follow(config, workdir: str, slice_id: int, host_id: int) -> str:
-    """Hosts 1..: replay host 0's engine calls until it stops; versions come from the same store."""
-    from dora_jax.transport import host_mirror
-    from dora_jax.transport.rollout_agent import fetch_from_store
-
-    worker = _build_worker(config, slice_id)
-    channel = _host_channel(slice_id)
-    opened = []
-
-    def fetch(version: int):
-        if not opened:  # host 0 saw this version committed: the store exists
-            opened.append(_open_store(roles.versions_root(workdir), VERSION_WAIT_S.value))
-        return fetch_from_store(opened[0], worker.engine.param_shardings, wait_s=60.0)(version)
-
-    _log(slice_id, "following host 0", host_id)
-    reason = host_mirror.follow(worker, channel, fetch, log=lambda m: _log(slice_id, m, host_id))
-    return f"stopped by host 0: {reason}"
-
-
-def rollout_model_config(config, tokenizer):
-    """The served model's shapes, without its weights (those come from the store): the HF
-    checkpoint's config.json, or the fresh model the trainer cold-starts."""
-    from dora_jax import models
-    from dora_jax.runtime.build import fresh_model_config
-
-    start = config.init.checkpoint or config.model.hf_path
-    if start:
-        return models.read_config(
-            start,
-            dtype=models.dtype_from_name(config.model.dtype),
-            param_dtype=models.dtype_from_name(config.model.param_dtype),
-        )
-    return fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
-
-
-def _open_store(root: str, wait_s: float):
-    from dora_jax.store import ParamStore, TensorStoreTier
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return ParamStore(TensorStoreTier(root, read_only=True))
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"no param store at {root} after {wait_s:.0f}s: is the trainer running with the "
-                    "same --workdir / --versions?"
-                ) from None
-            time.sleep(0.5)
-
-
-def _first_version(store, wait_s: float) -> int:
-    deadline = time.monotonic() + wait_s
-    while not store.versions():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the trainer published no version within {wait_s:.0f}s")
-        time.sleep(0.5)
-    return store.versions()[-1]
-
-
-def _log(slice_id: int, message: str, host_id: int = 0) -> None:
-    host = f" host {host_id}" if host_id else ""
-    print(f"[rollout {slice_id}{host}] {message}", file=sys.stderr, flush=True)
 
 
 def run() -> None:

@@ -22,18 +22,19 @@ told: launch_local passes 127.0.0.1, a pod the VM's internal address).
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
 import threading
-import time
 
 from absl import app, flags
 
 from dora_jax import cli
 from dora_jax.cli import roles
+
+log = logging.getLogger(__name__)
 
 HOST = flags.DEFINE_string(
     "host",
@@ -62,12 +63,14 @@ REJOIN_TIMEOUT_S = flags.DEFINE_float(
 def main(argv):
     del argv
     roles.quiet_library_logs()
+    roles.log_as("coordinator")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never take an accelerator a worker on this host needs
     cli.prepare_devices(cli.CONFIG.value)
     workdir = roles.require(cli.WORKDIR, "workdir")
     from dora_jax.coordinator.lease import LeaseHeld, WriterLease
     from dora_jax.core import fs
     from dora_jax.runtime import run_config
+    from dora_jax.runtime.placements.coordinator_process import serve
 
     config = run_config.parse(cli.CONFIG.value)
     security = _security(config.rollout.num_slices)
@@ -82,7 +85,7 @@ def main(argv):
     fs.makedirs(workdir)  # gs://: fails here, naming the path, without credentials or bucket
     stop = threading.Event()
     try:  # one coordinator per workdir (dora_jax.coordinator.lease); a lost lease stops this one
-        lease = WriterLease.acquire(workdir, on_lost=lambda why: (_log(f"stopping: {why}"), stop.set()))
+        lease = WriterLease.acquire(workdir, on_lost=lambda why: (log.info("stopping: %s", why), stop.set()))
     except LeaseHeld as err:
         roles.fail(str(err))
     with lease:
@@ -90,7 +93,7 @@ def main(argv):
             json.dump(roles.config_json(), f, indent=1, default=str)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        code = serve(config, workdir, stop, trace=trace, security=security)
+        code = serve(config, workdir, stop, _context(), trace=trace, security=security)
     sys.exit(code)
 
 
@@ -105,150 +108,18 @@ def _security(num_slices: int):
         roles.fail(f"cannot serve: {err}")
 
 
-def serve(config, workdir: str, stop: threading.Event, trace=None, security=(None, None)) -> int:
-    """`trace`: (LengthDistribution, seed) for a trace-driven run (--trace_lengths), else None.
-    `security`: (Authenticator, ServerTls or None), what `_security` read."""
-    import dora_jax
-    from dora_jax.coordinator.coordinator import Coordinator
-    from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
-    from dora_jax.coordinator.trace import ConstantScorer
-    from dora_jax.core import fs
-    from dora_jax.runtime import resume
-    from dora_jax.runtime.build import make_tokenizer, vocab_size
-    from dora_jax.runtime.run_config import task_config
-    from dora_jax.tasks.reward_scorer import RewardPoolScorer
-    from dora_jax.tasks.task import make_task
-    from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
+def _context():
+    from dora_jax.runtime.placements.coordinator_process import Context
 
-    identity = Identity(roles.identity_hash(), dora_jax.__version__, config.rollout.num_slices, config.rollout.slots)
-    heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S.value or config.rollout.heartbeat_timeout_s
-    ledger_path = fs.join(workdir, "ledger.jsonl")
-    resuming = fs.exists(ledger_path)
-    service = CoordinatorService(
-        identity,
-        Timing(
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            command_timeout_s=COMMAND_TIMEOUT_S.value,
-            rejoin_timeout_s=REJOIN_TIMEOUT_S.value,
-        ),
-        resume=resuming,
+    return Context(
+        identity_hash=roles.identity_hash(),
+        host=HOST.value,
+        port=cli.flag_or(cli.PORT, 50051),
+        start_timeout_s=START_TIMEOUT_S.value,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S.value,
+        command_timeout_s=COMMAND_TIMEOUT_S.value,
+        rejoin_timeout_s=REJOIN_TIMEOUT_S.value,
     )
-    authenticator, tls = security
-    server, port = make_server(service, cli.flag_or(cli.PORT, 50051), host=HOST.value, auth=authenticator, tls=tls)
-    _log(
-        f"listening on {HOST.value}:{port} ({'TLS' if tls else 'plaintext'}, role tokens "
-        f"{'checked' if authenticator else 'NOT checked'}); waiting for {config.rollout.num_slices} rollout "
-        "slices and the trainer"
-    )
-    tokenizer = make_tokenizer(config)
-    # Results are checked against the model's vocabulary (dora_jax.coordinator.intake).
-    coordinator_config = dataclasses.replace(config.coordinator, vocab_size=vocab_size(config, tokenizer))
-    pool_task = make_task(task_config(config), tokenizer)
-    pool = pool_task.make_reward_pool(int(config.task.reward_workers), float(config.task.reward_timeout_s))
-    if resuming:
-        repair_torn_tail(ledger_path)
-        _log(f"{ledger_path} exists: resuming that run from the trainer's newest checkpoint")
-    ledger = Ledger(ledger_path)
-    coord, code = None, 0
-    try:
-        while not stop.is_set():  # one pass per generation: a restarted trainer starts the next one
-            ports, version = _wait_ready(service, stop)
-            if ports is None:
-                return 0
-            generation = service.generation
-            # The prompt source and the prompts it handed out belong to one generation: a rewind
-            # restores the source's position from the checkpoint (or starts it over).
-            task = pool_task if generation == 0 else make_task(task_config(config), tokenizer)
-            prompts = resume.PromptBook()
-
-            def next_prompt(task=task, prompts=prompts):
-                prompt = task.source.next()
-                prompts.add(prompt)
-                return prompt.prompt_id, prompt.prompt_ids
-
-            coord = Coordinator(
-                coordinator_config,
-                ports,
-                next_prompt,
-                ConstantScorer() if trace else RewardPoolScorer(pool, prompts, tokenizer.decode),
-                ledger,
-                forced_length=(lambda pid, i, lengths=trace[0], seed=trace[1]: lengths.draw(pid, i, seed))
-                if trace
-                else None,
-                initial_version=version,
-                on_slice_dropped=service.slice_dropped,
-            )
-            prompts.follow(coord)
-            if service.resume:
-                state = service.resume_state
-                if state:
-                    task.source.restore(state["coordinator"]["extra"]["source"])
-                    prompts.update(resume.prompts_from_json(state["prompts"]))
-                coord.restore(state["coordinator"] if state else None)
-                _log(f"restored the state of version {version}" if state else "no checkpoint: starting over")
-            service.attach(
-                coord,
-                list(ports.values()),
-                snapshot_extra=lambda task=task, prompts=prompts: prompts.snapshot_extra(task.source),
-            )
-            _log(f"all roles joined; dispatching from version {version}")
-            coord.start()
-            if _serve_generation(coord, service, generation, stop):
-                _log("the trainer is done: stopping the rollout workers")
-                return 0
-            coord.closed = True  # a rewind: what it posts from now on is never handled
-    except Exception as err:  # the run cannot go on: the trainer's next TakeBatch says so
-        _log(f"stopping: {type(err).__name__}: {err}")
-        code = 1
-    finally:
-        if coord is not None:
-            coord.closed = True
-            _log("stats " + json.dumps(_stats(coord, service)))
-        service.stop("the run is over")
-        time.sleep(0.5)  # let the Stop commands reach the workers
-        server.stop(grace=2).wait()
-        ledger.close()
-        pool.close()
-    return code
-
-
-def _serve_generation(coord, service, generation: int, stop: threading.Event) -> bool:
-    """Runs `coord` until the trainer is done (True), or a stop or a rewind (False). A restarted
-    trainer's rewind fails every rollout port, possibly while `coord` is calling one (the lock is
-    released across a call): the error that raises in this generation belongs to the run that was
-    rewound, so it ends the generation, not the run."""
-    while not stop.is_set() and service.generation == generation:
-        try:
-            coord.process(timeout=0.005)
-        except Exception as err:
-            if service.generation == generation:
-                raise
-            _log(f"generation {generation} ended by the rewind ({type(err).__name__}: {err})")
-            return False
-        if service.finished.is_set():
-            return True
-    return False
-
-
-def _wait_ready(service, stop: threading.Event):
-    deadline = time.monotonic() + START_TIMEOUT_S.value
-    while not stop.is_set():
-        try:
-            return service.wait_ready(min(1.0, max(deadline - time.monotonic(), 0.0)))
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise
-    return None, None
-
-
-def _stats(coord, service) -> dict:
-    stats = dataclasses.asdict(coord.stats)
-    stats["slice_failures_seen"] = [f"slice {s}: {r}" for s, r in service.failures if r != "stopped"]
-    return stats
-
-
-def _log(message: str) -> None:
-    print(f"[coordinator] {message}", file=sys.stderr, flush=True)
 
 
 def run() -> None:

@@ -7,6 +7,11 @@ row of metrics.jsonl, `{"step": version, "eval/reward_greedy": ..., "eval/pass@k
 "eval/response_len_mean": ..., "eval/wall_s": ..., "eval/leaked_train_prompts": ...}`, and
 its responses, decoded, lines of WORKDIR/eval_samples.jsonl
 (`{"step", "prompt_id", "prompt", "response", "reward", "greedy", "error"}`).
+
+The same class serves every placement: `coordinator` is the in-process `Coordinator` (the embedded
+run) or the trainer role's `RemoteEvaluation` (dora_jax.transport.evaluation: the same request
+over gRPC, its result in the same shape). Where the training prompts are drawn in another process
+(`leaks` None), the round's result carries the leak counts.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class Evaluator:
         spec: EvalSpec,
         num_steps: int,
         prompts: Sequence[Prompt],
-        leaks: LeakCounter,
+        leaks: LeakCounter | None,
         coordinator,
         decode: Callable[[Sequence[int]], str],
         workdir: str,
@@ -79,8 +84,9 @@ class Evaluator:
         responses = result.pop("responses")
         row = {k: v for k, v in result.items() if k.startswith("eval/")}
         row["eval/wall_s"] = wall_s
-        row["eval/leaked_train_prompts"] = self.leaks.leaked
-        row["eval/prompts_seen_in_training"] = self.leaks.eval_prompts_seen_in_training
+        if self.leaks is not None:
+            row["eval/leaked_train_prompts"] = self.leaks.leaked
+            row["eval/prompts_seen_in_training"] = self.leaks.eval_prompts_seen_in_training
         step = int(result["step"])
         if self._writer is not None:
             self._writer.write(step, row)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import math
 import re
 import threading
 from collections.abc import Mapping
 
 from dora_jax.core import fs
+
+log = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -26,6 +29,11 @@ class WandbSpec:
     name: str = ""
     tags: tuple[str, ...] = ()
     mode: str = "online"
+
+    @classmethod
+    def of(cls, spec) -> WandbSpec | None:
+        """From a run's `log` group (dora_jax.runtime.run_config.LogSpec); None without W&B."""
+        return cls(spec.wandb_project, spec.wandb_name, spec.wandb_tags, spec.wandb_mode) if spec.wandb else None
 
     def __post_init__(self):
         if self.mode not in WANDB_MODES:
@@ -222,3 +230,13 @@ def plot_reward_curve(workdir: str, filename: str = "reward_curve.png") -> str |
     with fs.open(path, "wb") as f:
         f.write(png.getvalue())
     return path
+
+
+def draw_reward_curve(workdir: str) -> str | None:
+    """Draws WORKDIR/reward_curve.png (training reward and evaluation curves) for the trackers and
+    the caller; None when there is nothing to draw or drawing failed."""
+    try:
+        return plot_reward_curve(workdir)
+    except Exception as err:  # a plot is never worth the run's results
+        log.warning("reward curve not drawn: %s", err)
+        return None

@@ -41,17 +41,17 @@ from dora_jax.coordinator.lease import WriterLease
 from dora_jax.coordinator.ledger import Ledger, read_ledger, repair_torn_tail
 from dora_jax.core import fs
 from dora_jax.parallel import sharding
-from dora_jax.rollout.engine import RolloutEngine
 from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.runtime import faults, resume, training_loop
 from dora_jax.runtime.build import Setup, build_setup
-from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, abstract_like, directory_of
+from dora_jax.runtime.checkpoint import CheckpointError, RunCheckpointer, directory_of
 from dora_jax.runtime.evaluator import Evaluator
-from dora_jax.runtime.metrics import MetricsWriter, WandbSpec, plot_reward_curve
-from dora_jax.runtime.run_config import RunConfig, task_config
+from dora_jax.runtime.roles import coordinator as coordinator_role
+from dora_jax.runtime.roles import rollout as rollout_role
+from dora_jax.runtime.roles import trainer as trainer_role
+from dora_jax.runtime.run_config import RunConfig
 from dora_jax.runtime.supervisor import SliceSupervisor
 from dora_jax.store import InProcessTier, ParamStore, StoreError
-from dora_jax.tasks.eval_set import LeakCounter, eval_prompts
 from dora_jax.tasks.reward_scorer import RewardPoolScorer
 from dora_jax.trainer import Trainer
 from dora_jax.transport.in_process import WorkerThread
@@ -113,236 +113,273 @@ def _run(
     if write_config is not None and not resuming:
         with fs.open(fs.join(workdir, "config.json"), "w") as f:
             json.dump(write_config, f, indent=1, default=str)
-    slices = sharding.split_devices(
-        dict(config.mesh.trainer),
-        dict(config.mesh.rollout),
-        config.rollout.num_slices,
-        time_shared=config.mesh.time_shared,
-    )
-    setup = setup or build_setup(config, workdir, mesh=slices.trainer)
-    store = ParamStore(InProcessTier())
-    trainer = Trainer(setup.graphdef, setup.params, setup.axes, slices.trainer, config.trainer, store)
-    checkpointer = RunCheckpointer(directory_of(workdir), keep=config.checkpoint_keep)
-    prompts = resume.PromptBook()
-    restored = None
-    if resuming:
-        repair_torn_tail(ledger_path)
-        restored = checkpointer.restore_latest(
-            lambda: abstract_like(trainer.state, trainer.state_shardings),
-            lambda: abstract_like(trainer.params, trainer.param_shardings),
-        )
-        if restored is not None:
-            resume.check_resumable(restored.meta["fingerprint"], resume.fingerprint(config, setup))
-            trainer.load_state(restored.trainer_state, restored.meta["trainer_version"])
-            for version in sorted(restored.versions):
-                store.publish(version, restored.versions[version])
-            setup.task.source.restore(restored.meta["coordinator"]["extra"]["source"])
-            prompts.update(resume.prompts_from_json(restored.meta["prompts"]))
-    trainer.publish()
-    trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
-    engine_config = config.rollout.engine_config()
-    ledger = Ledger(ledger_path)
-    held_out = []
-    if config.eval.enabled:
-        held_out = eval_prompts(
-            task_config(config), setup.task, setup.tokenizer, config.eval.num_prompts, config.eval.path
-        )
-        prompts.keep(held_out)
-    leaks = LeakCounter(held_out)  # training prompts that are also evaluation prompts
+    placement = _Embedded(config, workdir, setup, resuming, preempt)
+    placement.build(scorer, forced_length, write_config)
+    return placement.run(progress)
 
-    def next_prompt():
-        prompt = setup.task.source.next()
-        prompts.add(prompt)
-        leaks.check(prompt)
-        return prompt.prompt_id, prompt.prompt_ids
 
-    pool = None
-    if scorer is None:
-        pool = setup.task.make_reward_pool(setup.reward_workers, setup.reward_timeout_s)
-        scorer = RewardPoolScorer(pool, prompts, setup.tokenizer.decode)
-    holder: list[Coordinator] = []
-    slice_parts = []  # (worker factory, fetch) per slice, to restart a failed one
-    threads: dict[int, WorkerThread] = {}
-    load_faults: set[int] = set()  # slices whose next version fetch fails (DORA_FAULTS slice_load_error)
-    for slice_id, mesh in enumerate(slices.rollout):
-        engine = RolloutEngine(setup.model_config, engine_config, mesh, tokenizer=setup.tokenizer)
-        shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
-        engine.warmup(store.get(trainer.version, shardings))
-        slice_parts.append(
-            (
-                lambda e=engine, sid=slice_id: RolloutWorker(
-                    e, slice_id=sid, eos_ids=setup.eos_ids, migration=config.rollout.migration_costs()
-                ),
-                lambda v, sh=shardings, sid=slice_id: _fetch(store, v, sh, sid, load_faults),
-            )
+class _Embedded:
+    """The embedded placement of one run: the roles of dora_jax.runtime.roles on the local devices,
+    wired with in-process ports. `build` makes every role (restoring the trainer and the
+    coordinator from the newest checkpoint when resuming); `run` trains to the end and reports."""
+
+    def __init__(self, config: RunConfig, workdir: str, setup: Setup | None, resuming: bool, preempt):
+        self.config, self.workdir, self.resuming, self.preempt = config, workdir, resuming, preempt
+        self.ledger_path = fs.join(workdir, "ledger.jsonl")
+        self.devices = sharding.split_devices(
+            dict(config.mesh.trainer),
+            dict(config.mesh.rollout),
+            config.rollout.num_slices,
+            time_shared=config.mesh.time_shared,
         )
-        threads[slice_id] = _start_slice(slice_parts[slice_id], holder, config)
-    supervisor_ref: list[SliceSupervisor] = []
-    coord = Coordinator(
-        dataclasses.replace(config.coordinator, vocab_size=setup.model_config.vocab_size),
-        dict(threads),
-        next_prompt,
-        scorer,
-        ledger,
-        forced_length=forced_length,
-        initial_version=trainer.version,
-        on_slice_dropped=lambda sid, why: supervisor_ref[0].dropped(sid, why),
-    )
-    holder.append(coord)
-    prompts.follow(coord)
-    supervisor = SliceSupervisor(
-        coord,
-        threads,
-        lambda sid: _start_slice(slice_parts[sid], holder, config),
-        heartbeat_timeout_s=config.rollout.heartbeat_timeout_s,
-        max_rejoins=config.rollout.max_rejoins,
-    )
-    supervisor_ref.append(supervisor)
-    if resuming:
-        coord.restore(restored.meta["coordinator"] if restored else None)
-    start_step = trainer.version
-    resume.trim_rows(fs.join(workdir, "metrics.jsonl"), start_step)
-    resume.trim_rows(fs.join(workdir, "eval_samples.jsonl"), start_step)
-    metrics_writer = MetricsWriter(
-        workdir, tensorboard=config.tensorboard, wandb=wandb_spec(config), config=write_config
-    )
-    evaluator = Evaluator(
-        config.eval, config.num_steps, held_out, leaks, coord, setup.tokenizer.decode, workdir, metrics_writer
-    )
-    stop = threading.Event()
-    loop_error: list[BaseException] = []
-    all_threads = supervisor.all_threads  # grows as slices restart
+        self.setup = setup or build_setup(config, workdir, mesh=self.devices.trainer)
+        self.fingerprint = resume.fingerprint(config, self.setup)
+        self.store = ParamStore(InProcessTier())
+        s = self.setup
+        self.trainer = Trainer(s.graphdef, s.params, s.axes, self.devices.trainer, config.trainer, self.store)
+        self.checkpointer = RunCheckpointer(directory_of(workdir), keep=config.checkpoint_keep)
+        self.restored = None
+        if resuming:
+            repair_torn_tail(self.ledger_path)
+            self.restored = trainer_role.restore(self.checkpointer, self.trainer, self.store, self.fingerprint)
+        self.trainer.publish()
+        self.trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
+        self.checkpoint_errors: list[str] = []
+        self.checkpoint_s: list[float] = []
+        self.loop_error: list[BaseException] = []
+        self.stop = threading.Event()
+        self.pool = None
 
-    def coordinator_loop():
+    # ------------------------------------------------------------------ build
+    def build(self, scorer, forced_length, write_config: dict | None) -> None:
+        config, setup = self.config, self.setup
+        self.ledger = Ledger(self.ledger_path)
+        held_out = coordinator_role.held_out_prompts(config, setup.task, setup.tokenizer)
+        self.drawer = coordinator_role.PromptDrawer(setup.task, held_out)
+        if scorer is None:
+            self.pool = setup.task.make_reward_pool(setup.reward_workers, setup.reward_timeout_s)
+            scorer = RewardPoolScorer(self.pool, self.drawer.book, setup.tokenizer.decode)
+        self.load_faults: set[int] = set()  # slices whose next version fetch fails (DORA_FAULTS slice_load_error)
+        self.slices = [self._build_slice(slice_id, mesh) for slice_id, mesh in enumerate(self.devices.rollout)]
+        self.threads = {s.slice_id: self._start_slice(s.slice_id) for s in self.slices}
+        self.coord = coordinator_role.build(
+            config,
+            self.threads,
+            self.drawer,
+            scorer,
+            self.ledger,
+            vocab_size=setup.model_config.vocab_size,
+            initial_version=self.trainer.version,
+            forced_length=forced_length,
+            on_slice_dropped=self._slice_dropped,
+        )
+        self.supervisor = SliceSupervisor(
+            self.coord,
+            self.threads,
+            self._start_slice,
+            heartbeat_timeout_s=config.rollout.heartbeat_timeout_s,
+            max_rejoins=config.rollout.max_rejoins,
+        )
+        if self.resuming:
+            coordinator_role.restore(self.coord, self.drawer, trainer_role.coordinator_state(self.restored))
+        self.start_step = self.trainer.version
+        trainer_role.trim_rows(self.workdir, self.start_step)
+        self.writer = trainer_role.open_writer(config, self.workdir, write_config)
+        self.evaluator = Evaluator(
+            config.eval,
+            config.num_steps,
+            held_out,
+            self.drawer.leaks,
+            self.coord,
+            setup.tokenizer.decode,
+            self.workdir,
+            self.writer,
+        )
+
+    def _build_slice(self, slice_id: int, mesh) -> _Slice:
+        setup = self.setup
+        engine = rollout_role.build_engine(self.config, setup.model_config, mesh, setup.tokenizer)
+        engine.warmup(self.store.get(self.trainer.version, engine.param_shardings))
+        return _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, self.load_faults)
+
+    def _start_slice(self, slice_id: int) -> WorkerThread:
+        """Slice `slice_id`'s worker on a thread (at start, and again when the supervisor restarts it)."""
+        part = self.slices[slice_id]
+        return WorkerThread(
+            part.worker(),
+            part.fetch,
+            self._post_finished,
+            command_timeout_s=self.config.rollout.heartbeat_timeout_s,
+        )
+
+    def _post_finished(self, slice_id: int, trajectories) -> None:
+        self.coord.post_finished(slice_id, trajectories)
+
+    def _slice_dropped(self, slice_id: int, why: str) -> bool:
+        return self.supervisor.dropped(slice_id, why)
+
+    # ------------------------------------------------------------------ run
+    def run(self, progress: bool) -> RunResult:
+        config = self.config
+        self.bar = _progress(config.num_steps - self.start_step, progress)
+        self.start = time.perf_counter()
+        self.coord.start()
+        self.evaluator.maybe_request(self.trainer.version)
+        self.loop = threading.Thread(target=self._serve_coordinator, name="coordinator", daemon=True)
+        self.loop.start()
+        source = CoordinatorSource(
+            self.coord, self.store, self.supervisor.all_threads, cancel=self.preempt, loop_error=self._loop_error
+        )
         try:
-            while not stop.is_set():
-                if coord.process(timeout=0.005):
-                    faults.reached("rollout")
-                supervisor.check()
+            loop_result = training_loop.train(
+                self.trainer,
+                source,
+                **training_loop.sizes(config, self.setup.tokenizer.pad_id),
+                writer=self.writer,
+                after_step=trainer_role.AfterStep(self.evaluator, self._checkpoint_due, self._inject_faults),
+                on_row=self._on_row,
+                should_stop=self._preempting,
+                start=self.start,
+            )
+            preempted = self.trainer.version < config.num_steps
+            rows = loop_result.rows
+            if preempted and not (rows and "checkpoint_s" in rows[-1]):
+                self._save_checkpoint()  # preempted while waiting for a batch: nothing taken since the last step
+            if not preempted:
+                trainer_role.finish_evaluation(self.evaluator, config.eval.final_timeout_s)
+        finally:
+            curve = self._close()
+        return self._result(loop_result, preempted, curve)
+
+    def _serve_coordinator(self) -> None:
+        """The coordinator's loop thread; an error ends the run (the trainer's next take raises it)."""
+        try:
+            coordinator_role.serve(self.coord, self._serving, self.supervisor.check)
         except BaseException as err:
-            loop_error.append(err)
-            coord.closed = True
+            self.loop_error.append(err)
+            self.coord.closed = True
 
-    start = time.perf_counter()
-    coord.start()
-    evaluator.maybe_request(trainer.version)
-    loop = threading.Thread(target=coordinator_loop, name="coordinator", daemon=True)
-    loop.start()
-    checkpoint_errors, checkpoint_s = [], []
-    bar = _progress(config.num_steps - start_step, progress)
-    preempting = lambda: preempt is not None and preempt.is_set()
+    def _serving(self) -> bool:
+        return not self.stop.is_set()
 
-    def save_checkpoint() -> None:
-        t0 = time.perf_counter()
-        try:
-            _save_checkpoint(
-                checkpointer, trainer, store, coord, setup, prompts, resume.fingerprint(config, setup), loop.is_alive
-            )
-        except (CheckpointError, OSError) as err:  # e.g. disk full: keep running on the previous one
-            log.warning("%s; the previous checkpoint stays in use", err)
-            checkpoint_errors.append(str(err))
-        checkpoint_s.append(time.perf_counter() - t0)
+    def _loop_error(self) -> BaseException | None:
+        return self.loop_error[0] if self.loop_error else None
 
-    def after_step(step: int) -> dict:
-        evaluator.maybe_request(step + 1)
-        evaluator.harvest()
+    def _preempting(self) -> bool:
+        return self.preempt is not None and self.preempt.is_set()
+
+    def _on_row(self, row: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", versions=row["versions_in_flight"])
+
+    def _inject_faults(self, step: int) -> None:
+        """The slice faults DORA_FAULTS arms after `step` (dora_jax.runtime.faults)."""
         for sid, kind in faults.slices_to_fail(step):
             if kind == "load_error":
-                load_faults.add(sid)
+                self.load_faults.add(sid)
             else:
-                threads[sid].inject_failure(
+                self.threads[sid].inject_failure(
                     "hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}")
                 )
-        if (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0) or preempting():
-            save_checkpoint()
-            return {"checkpoint_s": checkpoint_s[-1]}
+
+    def _checkpoint_due(self, step: int) -> dict:
+        every = self.config.checkpoint_every
+        if (every and (step + 1) % every == 0) or self._preempting():
+            self._save_checkpoint()
+            return {"checkpoint_s": self.checkpoint_s[-1]}
         return {}
 
-    def on_row(row: dict) -> None:
-        bar.update(1)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", versions=row["versions_in_flight"])
-
-    source = CoordinatorSource(
-        coord, store, all_threads, cancel=preempt, loop_error=lambda: loop_error[0] if loop_error else None
-    )
-    try:
-        loop_result = training_loop.train(
-            trainer,
-            source,
-            **training_loop.sizes(config, setup.tokenizer.pad_id),
-            writer=metrics_writer,
-            after_step=after_step,
-            on_row=on_row,
-            should_stop=preempting,
-            start=start,
-        )
-        rows = loop_result.rows
-        preempted = trainer.version < config.num_steps
-        if preempted and not (rows and "checkpoint_s" in rows[-1]):
-            save_checkpoint()  # preempted while waiting for a batch: nothing taken since the last step
-        if not preempted:
-            evaluator.harvest(timeout=config.eval.final_timeout_s)  # the last version's round
-            if evaluator.pending:
-                log.warning("%d evaluation rounds did not finish; their rows are missing", evaluator.pending)
-    finally:
+    def _save_checkpoint(self) -> None:
+        t0 = time.perf_counter()
         try:
-            checkpointer.close()
+            state = self._coordinator_snapshot()
+            meta = trainer_role.checkpoint_meta(state, self.trainer.version, self.fingerprint)
+            trainer_role.save(self.checkpointer, self.trainer, self.store, meta)
+        except (CheckpointError, OSError) as err:  # e.g. disk full: keep running on the previous one
+            log.warning("%s; the previous checkpoint stays in use", err)
+            self.checkpoint_errors.append(str(err))
+        self.checkpoint_s.append(time.perf_counter() - t0)
+
+    def _coordinator_snapshot(self) -> dict:
+        """The coordinator's state at the trainer's version. The loop thread takes the snapshot (it
+        calls the ports) and the live prompts with it, under its lock (the prompt book forgets what
+        is no longer live there); the trainer thread waits."""
+        self.coord.wait_for_version(self.trainer.version)
+        future = self.coord.request_snapshot(extra=self.drawer.snapshot_extra)
+        while not future.done():
+            if not self.loop.is_alive():
+                raise CheckpointError("the coordinator's loop has stopped: no snapshot for this checkpoint")
+            concurrent.futures.wait([future], timeout=0.1)
+        return future.result()
+
+    # ------------------------------------------------------------------ the end
+    def _close(self) -> str | None:
+        """Stops every role and closes what the run writes; returns the reward PNG's path."""
+        try:
+            self.checkpointer.close()
         except Exception as err:
-            checkpoint_errors.append(f"checkpoint in {checkpointer.directory} failed: {err}")
-        stop.set()
-        loop.join(timeout=10)
-        coord.closed = True
-        for t in all_threads:
+            self.checkpoint_errors.append(f"checkpoint in {self.checkpointer.directory} failed: {err}")
+        self.stop.set()
+        self.loop.join(timeout=10)
+        self.coord.closed = True
+        for t in self.supervisor.all_threads:
             t.stop()
-        bar.close()
-        curve = _reward_curve(workdir)
-        metrics_writer.close(images={"reward_curve": curve} if curve else None)
-        ledger.close()
-        if pool is not None:
-            pool.close()
-    wall = time.perf_counter() - start
-    report = audit(read_ledger(ledger_path))
-    timelines = {
-        "start": start,
-        "slices": [t.timeline for t in all_threads],
-        "trainer": loop_result.timeline,
-        "slot_totals": _slot_totals(all_threads)[:2],
-    }
-    stats = dataclasses.asdict(coord.stats)
-    stats["slice_drops"] = [f"slice {sid}: {why}" for sid, why in supervisor.drops]
-    stats["slice_restarts"] = dict(supervisor.rejoins)
-    return RunResult(
-        workdir,
-        wall,
-        len(rows),
-        rows,
-        report,
-        stats,
-        [t.busy_s for t in all_threads],
-        loop_result.train_busy_s,
-        timelines,
-        resumed_from=(restored.step if restored else 0) if resuming else None,
-        preempted=preempted,
-        checkpoint_errors=checkpoint_errors,
-        checkpoint_s=checkpoint_s,
-        evals=evaluator.results,
-        reward_curve=curve,
-    )
+        self.bar.close()
+        curve = trainer_role.close_writer(self.writer, self.workdir)
+        self.ledger.close()
+        if self.pool is not None:
+            self.pool.close()
+        return curve
+
+    def _result(self, loop_result, preempted: bool, curve: str | None) -> RunResult:
+        wall = time.perf_counter() - self.start
+        threads = self.supervisor.all_threads
+        timelines = {
+            "start": self.start,
+            "slices": [t.timeline for t in threads],
+            "trainer": loop_result.timeline,
+            "slot_totals": _slot_totals(threads)[:2],
+        }
+        stats = dataclasses.asdict(self.coord.stats)
+        stats["slice_drops"] = [f"slice {sid}: {why}" for sid, why in self.supervisor.drops]
+        stats["slice_restarts"] = dict(self.supervisor.rejoins)
+        resumed_from = (self.restored.step if self.restored else 0) if self.resuming else None
+        return RunResult(
+            self.workdir,
+            wall,
+            len(loop_result.rows),
+            loop_result.rows,
+            audit(read_ledger(self.ledger_path)),
+            stats,
+            [t.busy_s for t in threads],
+            loop_result.train_busy_s,
+            timelines,
+            resumed_from=resumed_from,
+            preempted=preempted,
+            checkpoint_errors=self.checkpoint_errors,
+            checkpoint_s=self.checkpoint_s,
+            evals=self.evaluator.results,
+            reward_curve=curve,
+        )
 
 
-def wandb_spec(config: RunConfig) -> WandbSpec | None:
-    g = config.log
-    return WandbSpec(g.wandb_project, g.wandb_name, g.wandb_tags, g.wandb_mode) if g.wandb else None
+class _Slice:
+    """One rollout slice of the embedded run: its warm engine, a fresh worker on it per (re)start,
+    and its read of a version from the store (which fails once where DORA_FAULTS armed a load error)."""
 
+    def __init__(self, config: RunConfig, engine, slice_id: int, eos_ids, store: ParamStore, load_faults: set[int]):
+        self.config, self.engine, self.slice_id, self.eos_ids = config, engine, slice_id, eos_ids
+        self._store, self._load_faults = store, load_faults
+        self._shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
 
-def _reward_curve(workdir: str) -> str | None:
-    """Draws WORKDIR/reward_curve.png (training reward and evaluation curves) for the trackers and
-    the caller; None when there is nothing to draw or drawing failed."""
-    try:
-        return plot_reward_curve(workdir)
-    except Exception as err:  # a plot is never worth the run's results
-        log.warning("reward curve not drawn: %s", err)
-        return None
+    def worker(self) -> RolloutWorker:
+        return rollout_role.make_worker(self.config, self.engine, self.slice_id, self.eos_ids)
+
+    def fetch(self, version: int):
+        if self.slice_id in self._load_faults:
+            self._load_faults.discard(self.slice_id)
+            raise StoreError(f"version {version} could not be read for slice {self.slice_id} (injected by DORA_FAULTS)")
+        return self._store.get(version, self._shardings)
 
 
 class CoordinatorSource:
@@ -379,42 +416,6 @@ class CoordinatorSource:
             "migrations_reprefill": self._coord.stats.migrations_reprefill,
             **{k: getattr(self._coord.stats, k) for k in training_loop.DYNAMIC_SAMPLING_COUNTERS},
         }
-
-
-def _fetch(store: ParamStore, version: int, shardings, slice_id: int, load_faults: set[int]):
-    """A slice's read of a version; fails once where DORA_FAULTS armed a load error."""
-    if slice_id in load_faults:
-        load_faults.discard(slice_id)
-        raise StoreError(f"version {version} could not be read for slice {slice_id} (injected by DORA_FAULTS)")
-    return store.get(version, shardings)
-
-
-def _start_slice(parts, holder, config: RunConfig) -> WorkerThread:
-    make_worker, fetch = parts
-    return WorkerThread(
-        make_worker(),
-        fetch,
-        lambda sid, trajs: holder[0].post_finished(sid, trajs),
-        command_timeout_s=config.rollout.heartbeat_timeout_s,
-    )
-
-
-# --------------------------------------------------------------------------- checkpoints
-def _save_checkpoint(checkpointer, trainer, store, coord, setup, prompts, fp, loop_alive) -> None:
-    coord.wait_for_version(trainer.version)
-    # The loop thread takes the snapshot (it calls the ports) and the live prompts with it, under
-    # its lock (the prompt book forgets what is no longer live there); the trainer thread waits.
-    future = coord.request_snapshot(extra=lambda: prompts.snapshot_extra(setup.task.source))
-    while not future.done():
-        if not loop_alive():
-            raise CheckpointError("the coordinator's loop has stopped: no snapshot for this checkpoint")
-        concurrent.futures.wait([future], timeout=0.1)
-    state = future.result()
-    meta = resume.meta(state, trainer.version, state["extra"].pop("prompts"), fp)
-    versions = {v: store.get(v, trainer.param_shardings, copy=False) for v in meta["versions"]}
-    faults.before_checkpoint_save()
-    checkpointer.save(trainer.version, trainer.state, versions, meta)
-    faults.reached("checkpoint_save")
 
 
 def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=dora__jax_dot_transport_dot_dora__pb2.ResumeReply.FromString,
                 _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/dora_jax.transport.Coordinator/Evaluate',
+                request_serializer=dora__jax_dot_transport_dot_dora__pb2.EvaluateRequest.SerializeToString,
+                response_deserializer=dora__jax_dot_transport_dot_dora__pb2.EvaluateReply.FromString,
+                _registered_method=True)
         self.Finish = channel.unary_unary(
                 '/dora_jax.transport.Coordinator/Finish',
                 request_serializer=dora__jax_dot_transport_dot_dora__pb2.FinishRequest.SerializeToString,
@@ -146,6 +151,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evaluate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Finish(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -199,6 +210,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.FromString,
                     response_serializer=dora__jax_dot_transport_dot_dora__pb2.ResumeReply.SerializeToString,
+            ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=dora__jax_dot_transport_dot_dora__pb2.EvaluateRequest.FromString,
+                    response_serializer=dora__jax_dot_transport_dot_dora__pb2.EvaluateReply.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
                     servicer.Finish,
@@ -449,6 +465,33 @@ class Coordinator:
             '/dora_jax.transport.Coordinator/Resume',
             dora__jax_dot_transport_dot_dora__pb2.ResumeRequest.SerializeToString,
             dora__jax_dot_transport_dot_dora__pb2.ResumeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dora_jax.transport.Coordinator/Evaluate',
+            dora__jax_dot_transport_dot_dora__pb2.EvaluateRequest.SerializeToString,
+            dora__jax_dot_transport_dot_dora__pb2.EvaluateReply.FromString,
             options,
             channel_credentials,
             insecure,

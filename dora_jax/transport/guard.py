@@ -62,6 +62,7 @@ METHOD_RULES: dict[str, MethodRule] = {
     "ReportPublished": MethodRule(TRAINER, small=True, per_caller=4),
     "Snapshot": MethodRule(TRAINER, small=True, per_caller=2),  # waits for the coordinator's loop
     "Resume": MethodRule(TRAINER, small=False, per_caller=2),  # a checkpoint's coordinator state
+    "Evaluate": MethodRule(TRAINER, small=True, per_caller=4),  # long-poll of an evaluation round
     "Finish": MethodRule(TRAINER, small=True, per_caller=2),  # waits for the last publish's ledger
 }
 

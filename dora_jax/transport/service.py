@@ -7,8 +7,9 @@ posts what finished before it answers its next command, so an export's result fi
 coordinator's view exact). The trainer registers too and calls `TakeBatch` (long-poll, idempotent
 per trainer version) and `ReportPublished`; `Snapshot` gives it the coordinator's state for its
 checkpoint, `Resume` (told to in its `RegisterReply` when the workdir already held a run)
-hands a restored checkpoint's state back before its first `ReportPublished`, and `Finish` says
-the run is over (the coordinator then stops the workers and exits).
+hands a restored checkpoint's state back before its first `ReportPublished`, `Evaluate` starts and
+polls an evaluation round of a version on the coordinator's own held-out prompts (`HeldOut`), and
+`Finish` says the run is over (the coordinator then stops the workers and exits).
 
 A rollout session ends when its stream breaks, its heartbeats stop for `heartbeat_timeout_s`, or a
 call to it fails; its port fails and the coordinator gets `post_slice_failed`. A worker that then
@@ -32,7 +33,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 import grpc
@@ -48,6 +50,8 @@ from dora_jax.transport.port import GrpcRolloutPort
 PROTOCOL = 3  # bump on any incompatible change to dora.proto's meaning (3: arrays' dtypes by name)
 MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch, Resume a whole state
 MAX_HOST_CHARS = 255  # a host name or transfer server address (DNS names are at most 253)
+MAX_WAIT_S = 60.0  # the longest a long-poll (TakeBatch, Evaluate) holds its thread
+MAX_EVAL_ROUNDS = 8  # evaluation rounds asked and not finished at once; finished ones kept for a retry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,18 @@ class Timing:
     max_array_bytes: int = codec.DEFAULT_MAX_ARRAY_BYTES  # what one Ack's arrays may hold in all
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """What `Evaluate` evaluates: the coordinator's own held-out prompts ((prompt id, token ids)
+    pairs, dora_jax.tasks.eval_set), the most sampled responses a round may ask per prompt
+    (`eval.samples`), and `leak_counts()`, the training prompts seen so far that are also
+    evaluation prompts (the keys of an evaluation row that only the prompts' drawer knows)."""
+
+    prompts: tuple[tuple[str, tuple[int, ...]], ...]
+    max_samples: int
+    leak_counts: Callable[[], dict] = dict
+
+
 class Backend(Protocol):
     """What the service calls on the coordinator (dora_jax.coordinator.coordinator.Coordinator)."""
 
@@ -86,6 +102,7 @@ class Backend(Protocol):
     def post_slice_joined(self, port) -> None: ...
     def post_slice_wont_rejoin(self, slice_id: int, reason: str) -> None: ...
     def record_behaviour(self, step: int, digests) -> None: ...
+    def request_eval(self, version: int, step: int, prompts, samples: int) -> Future: ...
 
 
 @dataclasses.dataclass
@@ -108,6 +125,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.finished = threading.Event()  # the trainer called Finish: the run is over
         self.generation = 0  # bumped when a restarted trainer sends the run back to its checkpoint
         self._snapshot_extra = None  # see attach()
+        self._held_out: HeldOut | None = None  # see attach(); None: Evaluate is refused
+        self._evals: dict[int, tuple[int, Future]] = {}  # version -> (samples, the round's result)
         self.timing = timing
         self._log = log or (lambda message: print(f"[coordinator] {message}", file=sys.stderr, flush=True))
         self._cond = threading.Condition()
@@ -153,15 +172,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         resumed = not self.resume or self.resume_state is not None
         return slices and self.initial_version is not None and resumed
 
-    def attach(self, backend, known_ports: Sequence[GrpcRolloutPort] = (), *, snapshot_extra=None) -> None:
+    def attach(
+        self,
+        backend,
+        known_ports: Sequence[GrpcRolloutPort] = (),
+        *,
+        snapshot_extra=None,
+        held_out: HeldOut | None = None,
+    ) -> None:
         """Hands over the coordinator built from `known_ports` (what `wait_ready` returned); a
         slice that joined since then joins it now. What only the coordinator's process knows goes
         into a `Snapshot`: `snapshot_extra()`, taken with the state under the coordinator's lock
         (the prompt source's position, and under "prompts" the prompts the state still refers to),
-        as the state's `extra`."""
+        as the state's `extra`. `held_out`: what `Evaluate` evaluates (None: the run evaluates
+        nothing)."""
         with self._cond:
             self.backend = backend
             self._snapshot_extra = snapshot_extra
+            self._held_out = held_out
             late = [p for p in self.ports.values() if p.connected.is_set() and p not in known_ports]
             self._cond.notify_all()
         for port in late:
@@ -266,6 +294,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.generation += 1
         self.resume, self.resume_state = True, None
         self.initial_version, self._published, self._taken = None, -1, None
+        self._evals = {}  # the rewound generation's rounds never finish
         self._cond.notify_all()
         self._log("the trainer joined a running run: going back to its newest checkpoint")
         return list(self.ports.values())
@@ -562,6 +591,51 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"no snapshot: {type(err).__name__}: {err}")
         return pb.SnapshotReply(state_json=json.dumps(state))
 
+    def Evaluate(self, request: pb.EvaluateRequest, context) -> pb.EvaluateReply:
+        """Starts (first call) or polls the evaluation round of `request.version`; see dora.proto."""
+        self._session(request.session, context, pb.TRAINER)
+        version, samples, wait_s = int(request.version), int(request.samples), _bounded_wait(request.wait_s)
+        with self._cond:
+            self._cond.wait_for(lambda: self.backend is not None, timeout=wait_s)
+            if self.backend is None:
+                return pb.EvaluateReply(ready=False)  # the coordinator starts once every role joined
+            problem, future = self._eval_round(version, samples)
+        if problem:
+            self._log(f"refused an evaluation: {problem}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        try:
+            result = future.result(timeout=wait_s)
+        except TimeoutError:
+            return pb.EvaluateReply(ready=False)
+        except Exception as err:  # e.g. the coordinator refused the version: the trainer logs it
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"evaluation of version {version} failed: {err}")
+        return _eval_reply(result, self._held_out.leak_counts() if self._held_out else {})
+
+    def _eval_round(self, version: int, samples: int) -> tuple[str | None, Future | None]:
+        """(why not, None) or (None, the round's future), started here on the first call for
+        `version`: it must be the newest version the trainer published, and ask no more samples
+        than the config allows. Caller holds self._cond."""
+        held_out = self._held_out
+        if held_out is None:
+            return "this run evaluates nothing (eval.every_steps is 0 at the coordinator)", None
+        if version in self._evals:
+            asked, future = self._evals[version]
+            if samples != asked:
+                return f"the round of version {version} was asked with samples={asked}, not {samples}", None
+            return None, future
+        if version != self._published:
+            return f"version {version} is not the newest version the trainer published", None
+        if not 0 <= samples <= held_out.max_samples:
+            return f"samples={samples}; expected 0..{held_out.max_samples} (eval.samples)", None
+        if sum(not f.done() for _, f in self._evals.values()) >= MAX_EVAL_ROUNDS:
+            return f"{MAX_EVAL_ROUNDS} evaluation rounds are unfinished already; ask again later", None
+        future = self.backend.request_eval(version, version, held_out.prompts, samples)
+        self._evals[version] = (samples, future)
+        done = sorted(v for v, (_, f) in self._evals.items() if f.done())
+        for old in done[: max(0, len(self._evals) - MAX_EVAL_ROUNDS)]:
+            del self._evals[old]  # a finished round is kept for a retried poll while few are kept
+        return None, future
+
     def Finish(self, request: pb.FinishRequest, context) -> pb.FinishReply:
         self._session(request.session, context, pb.TRAINER)
         with self._cond:
@@ -612,6 +686,27 @@ def make_server(
         raise OSError(f"cannot listen on {address} (in use?)")
     server.start()
     return server, bound
+
+
+def _bounded_wait(wait_s: float) -> float:
+    """A client's long-poll window, in 0..MAX_WAIT_S (NaN or negative: 0)."""
+    return min(float(wait_s), MAX_WAIT_S) if wait_s > 0 else 0.0
+
+
+def _eval_reply(result: dict, leak_counts: dict) -> pb.EvaluateReply:
+    """A finished round (dora_jax.coordinator.evaluation's result) as an EvaluateReply."""
+    summary = {k: v for k, v in result.items() if k != "responses"}
+    summary.update(leak_counts)
+    responses = [
+        pb.ScoredTrajectory(
+            trajectory=codec.trajectory_to_proto(traj),
+            reward=reward,
+            has_reward_error=error is not None,
+            reward_error=error or "",
+        )
+        for traj, reward, error in result["responses"]
+    ]
+    return pb.EvaluateReply(ready=True, summary_json=json.dumps(summary), responses=responses)
 
 
 def _principal(role: int, slice_id: int) -> auth.Principal | None:

@@ -27,7 +27,7 @@ from dora_jax.coordinator.ledger import Ledger
 from dora_jax.transport import auth, codec
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import CallFailed, Client, ClientTiming, SessionLost
-from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
+from dora_jax.transport.service import CoordinatorService, HeldOut, Identity, Timing, make_server
 from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts
 
 HASH = "5eed" * 16
@@ -156,9 +156,19 @@ class RemoteFake:
 
 class RemoteRun:
     """A dora run of `slices` RemoteFakes behind the real service and Coordinator (vocabulary of
-    2: the fakes' token id 1 is in it)."""
+    2: the fakes' token id 1 is in it); with `held_out`, the trainer may ask for evaluation rounds."""
 
-    def __init__(self, *, slices: int = 2, slots: int = 4, tbs: int = 8, rbs: int = 16, g: int = 4, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        slices: int = 2,
+        slots: int = 4,
+        tbs: int = 8,
+        rbs: int = 16,
+        g: int = 4,
+        seed: int = 0,
+        held_out: HeldOut | None = None,
+    ):
         self.log: list[str] = []
         self.service = CoordinatorService(
             Identity(HASH, dora_jax.__version__, slices, slots), TIMING, log=self.log.append
@@ -182,7 +192,7 @@ class RemoteRun:
             initial_version=version,
             on_slice_dropped=self.service.slice_dropped,
         )
-        self.service.attach(self.coord, list(ports.values()))
+        self.service.attach(self.coord, list(ports.values()), held_out=held_out)
         self.coord.start()
         self.version = version
         self.loop_error: list[BaseException] = []

@@ -1,4 +1,5 @@
-"""A property-based fuzz of what rollout workers send (`PostFinished`, `Ack`, `Register`) against
+"""A property-based fuzz of what rollout workers send (`PostFinished`, `Ack`, `Register`) and of the
+trainer's `Evaluate` (any version, sample count, wait and session) against
 the real CoordinatorService wrapping the real Coordinator, with fake workers on the real protocol
 (tests/transport/remote_fakes.py) and a trainer training meanwhile.
 
@@ -28,7 +29,7 @@ from dora_jax.core.records import FinishReason
 from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import CallFailed, Refused, SessionLost
-from dora_jax.transport.service import PROTOCOL
+from dora_jax.transport.service import PROTOCOL, HeldOut
 from tests.coordinator.test_intake import _result
 from tests.transport.remote_fakes import HASH, RemoteRun
 
@@ -136,11 +137,24 @@ def _register(data, run: RemoteRun) -> None:
     run.fakes[0].client.stub.Register(request, timeout=10)
 
 
-SENDERS = {"finished": _post_finished, "ack": _ack, "register": _register}
+def _evaluate(data, run: RemoteRun) -> None:
+    """The trainer's Evaluate with any field: the newest version and a valid count start a real
+    round (the run evaluates while it trains), anything else is refused."""
+    session = data.draw(st.one_of(st.just(run.trainer.session), TEXT))
+    request = pb.EvaluateRequest(
+        session=session,
+        version=data.draw(st.one_of(st.just(run.version), INT64)),
+        samples=data.draw(st.one_of(st.integers(-1, 3), INT32)),
+        wait_s=data.draw(st.one_of(st.just(math.nan), st.floats(-1e300, 0.05))),
+    )
+    run.trainer.stub.Evaluate(request, timeout=10)
+
+
+SENDERS = {"finished": _post_finished, "ack": _ack, "register": _register, "evaluate": _evaluate}
 
 
 def test_fuzzed_worker_messages_leave_the_service_alive_and_the_ledger_audited():
-    run = RemoteRun(slices=2)
+    run = RemoteRun(slices=2, held_out=HeldOut((("eval/0", (1, 2)), ("eval/1", (3,))), 2))
     answered = {"ok": 0, "refused": 0}
     try:
         run.train_to(1)

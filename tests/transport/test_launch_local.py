@@ -41,6 +41,9 @@ TINY = [
     f"--config.trainer.micro_batch_size={TBS}",
     "--config.trainer.pad_to=128",
     "--config.log.tensorboard=False",
+    # Evaluation rounds add rows to metrics.jsonl; they are checked against the embedded run in
+    # tests/test_pod_parity.py. These tests count training rows.
+    "--config.eval.every_steps=0",
 ]
 
 

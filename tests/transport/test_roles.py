@@ -134,13 +134,13 @@ def test_an_error_of_a_rewound_generation_ends_the_generation_not_the_run():
     one: what that raises belongs to the rewound generation, so the serving loop goes on to the next
     (test_launch_local's trainer restart stopped the run on it in CI). An error while the generation is
     live still stops the run, and the trainer's end ends it."""
-    from dora_jax.cli import serve_coordinator
+    from dora_jax.runtime.placements import coordinator_process
 
     service = _Service(generation=3)
     coord = _Coordinator(service, rewind=True)
-    assert serve_coordinator._serve_generation(coord, service, 3, threading.Event()) is False
+    assert coordinator_process._serve_generation(coord, service, 3, threading.Event()) is False
     assert (coord.calls, service.generation) == (3, 4)
     with pytest.raises(RuntimeError, match="every rollout slice has failed"):
-        serve_coordinator._serve_generation(_Coordinator(service, rewind=False), service, 4, threading.Event())
+        coordinator_process._serve_generation(_Coordinator(service, rewind=False), service, 4, threading.Event())
     service.finished.set()
-    assert serve_coordinator._serve_generation(_Coordinator(service, rewind=False), service, 4, threading.Event())
+    assert coordinator_process._serve_generation(_Coordinator(service, rewind=False), service, 4, threading.Event())

@@ -1,0 +1,37 @@
+"""The rollout slice role, for every placement: the served model's shapes, the slice's engine
+on its mesh, and the worker over that engine (a restarted slice gets a fresh worker on the same,
+warm engine). The embedded placement (dora_jax.runtime.runner) runs the worker on a thread behind
+an in-process port; the process placement (dora_jax.runtime.placements.rollout_process) behind a `RolloutAgent`
+speaking gRPC, its versions fetched from the tensorstore tier or pulled device to device.
+"""
+
+from __future__ import annotations
+
+from dora_jax import models
+from dora_jax.rollout.engine import RolloutEngine
+from dora_jax.rollout.worker import RolloutWorker
+from dora_jax.runtime.build import fresh_model_config
+from dora_jax.runtime.run_config import RunConfig
+
+
+def model_config(config: RunConfig, tokenizer) -> models.ModelConfig:
+    """The served model's shapes, without its weights (those come from the store): the HF
+    checkpoint's config.json, or the fresh model the trainer cold-starts."""
+    start = config.init.checkpoint or config.model.hf_path
+    if start:
+        return models.read_config(
+            start,
+            dtype=models.dtype_from_name(config.model.dtype),
+            param_dtype=models.dtype_from_name(config.model.param_dtype),
+        )
+    return fresh_model_config(config, tokenizer.vocab_size, tokenizer.eos_ids)
+
+
+def build_engine(config: RunConfig, served: models.ModelConfig, mesh, tokenizer) -> RolloutEngine:
+    """The slice's engine over its own mesh (its own sharding rules, ROLLOUT_RULES)."""
+    return RolloutEngine(served, config.rollout.engine_config(), mesh, tokenizer=tokenizer)
+
+
+def make_worker(config: RunConfig, engine: RolloutEngine, slice_id: int, eos_ids) -> RolloutWorker:
+    """A worker for slice `slice_id` on `engine` (nothing loaded, nothing in flight)."""
+    return RolloutWorker(engine, slice_id=slice_id, eos_ids=tuple(eos_ids), migration=config.rollout.migration_costs())
