@@ -24,16 +24,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
-import jax  # noqa: E402  (after the environment above)
-
-# The cache is for the processes the tests start; this process compiles for itself. Three full
-# runs of the suite died in the pytest process inside `deserialize_executable` of a cached
-# program (tests/test_train_smoke.py's embedded runs, the bucketed trainer's warm-up), the last
-# with this process's cache already apart from its subprocesses': an entry this process wrote
-# earlier under other settings (most likely: the TPU compile tests load libtpu and toggle the cache) read back
-# as a CPU executable. Not reproduced on a smaller run; this process no longer reads the cache.
-jax.config.update("jax_enable_compilation_cache", False)
-
 
 @pytest.fixture(scope="session")
 def gcs_emulator():
@@ -49,3 +39,16 @@ def gcs_root(gcs_emulator, request):
     """A fresh gs:// directory on the emulator's bucket, named after the test."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60]
     return f"gs://{gcs_emulator.bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+# Modules whose tests load libtpu into the pytest process (AOT compiles for TPU topologies).
+LIBTPU_MODULES = ("test_tpu_compile.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The TPU compile tests run last, after every other module's. Three full runs of the suite
+    crashed the pytest process inside XLA's CPU compile or executable load, each time in
+    tests/test_train_smoke.py's embedded runs, which came after these tests had loaded libtpu (its
+    own copy of XLA's compiler) into this process; subsets of the suite never did. Suspected,
+    not proven."""
+    items.sort(key=lambda item: item.path.name in LIBTPU_MODULES)  # stable: the order is kept otherwise
