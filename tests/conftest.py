@@ -2,9 +2,10 @@
 compilation cache for the session (tests and the subprocesses they start compile the same
 programs; the cache changes no result, only how often XLA compiles them). Plus the gs:// tests'
 fixtures: a local GCS emulator for the session (`gcs_emulator`) and a fresh directory on it
-(`gcs_root`)."""
+(`gcs_root`). And jax's compiled programs are dropped after each module (`_drop_compiled_programs`)."""
 
 import atexit
+import gc
 import os
 import re
 import shutil
@@ -41,14 +42,31 @@ def gcs_root(gcs_emulator, request):
     return f"gs://{gcs_emulator.bucket}/{name}-{uuid.uuid4().hex[:8]}"
 
 
-# Modules whose tests load libtpu into the pytest process (AOT compiles for TPU topologies).
-LIBTPU_MODULES = ("test_tpu_compile.py",)
+# Linux caps a process at vm.max_map_count (65,530) memory mappings, and every executable XLA
+# compiles for the CPU keeps about eight (its code, constants and data) for as long as jax's caches
+# hold it. One pytest process that compiles the whole suite's programs reached that cap about 80%
+# of the way through, and the next compile or executable load died with SIGSEGV (the mmap LLVM
+# asks for fails). Each module's programs are therefore dropped when the module ends.
+MAX_MAP_COUNT_PER_MODULE = 32_000
 
 
-def pytest_collection_modifyitems(config, items):
-    """The TPU compile tests run last, after every other module's. Three full runs of the suite
-    crashed the pytest process inside XLA's CPU compile or executable load, each time in
-    tests/test_train_smoke.py's embedded runs, which came after these tests had loaded libtpu (its
-    own copy of XLA's compiler) into this process; subsets of the suite never did. Suspected,
-    not proven."""
-    items.sort(key=lambda item: item.path.name in LIBTPU_MODULES)  # stable: the order is kept otherwise
+def _memory_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs(request):
+    """Clears jax's compiled programs after each test module (see MAX_MAP_COUNT_PER_MODULE), and
+    fails the module after which the process holds more mappings than about half the cap
+    (the module's own programs, or programs still held by objects that outlive their module)."""
+    yield
+    import jax  # after the environment above is set
+
+    held = _memory_mappings()
+    jax.clear_caches()
+    gc.collect()
+    assert held < MAX_MAP_COUNT_PER_MODULE, (
+        f"the process held {held} memory mappings after {request.node.name} (Linux's cap: 65,530): "
+        "drop compiled programs sooner"
+    )
