@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -52,6 +53,8 @@ from dora_jax.rollout.engine import PrefillRequest, ResultTokens, RolloutEngine,
 from dora_jax.rollout.migration import MigrationCosts
 from dora_jax.rollout.scoring import TrajectoryScorer
 from dora_jax.store.digest import params_digest
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,7 @@ class WorkerCounters:
     rejected: int = 0
     preemptions: int = 0  # requests sent back to the queue when the KV page pool ran dry
     scored: int = 0  # finished trajectories scored with the training forward (trainer.behaviour_logps = "rollout")
+    score_failures: int = 0  # finished trajectories posted unscored because the scoring failed
 
     @property
     def occupancy(self) -> float:
@@ -163,7 +167,7 @@ class RolloutWorker:
         self._params = None
         self._version: int | None = None
         self._digest: str | None = None  # of the loaded params: it travels with every scored trajectory
-        self._scorer = scorer
+        self.scorer = scorer
         self._slots: list[_Active | None] = [None] * engine.max_concurrent_decodes
         self._queue: collections.deque[tuple[Request, float]] = collections.deque()
         self._rejected: list[Trajectory] = []
@@ -323,8 +327,9 @@ class RolloutWorker:
         (C1, which makes the scoring exact) carries its behaviour log-probs, all scored in one
         batched forward (dispatched after this step's decode: it runs while the host reads). The
         rest (rejected, empty, sampled by another version too) go unscored: the trainer recomputes
-        them."""
-        if self._scorer is None or self._params is None:
+        them; so do all of them when the scoring fails (counted, logged): it saves the trainer work,
+        and must never cost a sample."""
+        if self.scorer is None or self._params is None:
             return finished
         version = self._version
         eligible = [
@@ -334,7 +339,17 @@ class RolloutWorker:
         ]
         if not eligible:
             return finished
-        scores = self._scorer(self._params, [(finished[i].prompt_ids, finished[i].response_ids) for i in eligible])
+        try:
+            scores = self.scorer(self._params, [(finished[i].prompt_ids, finished[i].response_ids) for i in eligible])
+        except Exception as err:  # noqa: BLE001 - any failure: posted unscored, the trainer recomputes them
+            log.warning(
+                "worker %d: scoring %d trajectories failed (%s); the trainer recomputes them",
+                self.slice_id,
+                len(eligible),
+                err,
+            )
+            self._count(score_failures=len(eligible))
+            return finished
         out = list(finished)
         for i, logps in zip(eligible, scores, strict=True):
             out[i] = dataclasses.replace(

@@ -37,14 +37,17 @@ def build_engine(config: RunConfig, served: models.ModelConfig, mesh, tokenizer)
     return RolloutEngine(served, config.rollout.engine_config(), mesh, tokenizer=tokenizer)
 
 
-def make_worker(config: RunConfig, engine: RolloutEngine, slice_id: int, eos_ids) -> RolloutWorker:
-    """A worker for slice `slice_id` on `engine` (nothing loaded, nothing in flight)."""
+def make_worker(
+    config: RunConfig, engine: RolloutEngine, slice_id: int, eos_ids, scorer: TrajectoryScorer | None = None
+) -> RolloutWorker:
+    """A worker for slice `slice_id` on `engine` (nothing loaded, nothing in flight). `scorer`: the
+    slice's scorer kept across restarts (its programs stay compiled); None: `make_scorer`'s."""
     return RolloutWorker(
         engine,
         slice_id=slice_id,
         eos_ids=tuple(eos_ids),
         migration=config.rollout.migration_costs(),
-        scorer=make_scorer(config.trainer, engine),
+        scorer=scorer or make_scorer(config.trainer, engine),
     )
 
 
