@@ -200,8 +200,11 @@ class _Embedded:
     def _build_slice(self, slice_id: int, mesh) -> _Slice:
         setup = self.setup
         engine = rollout_role.build_engine(self.config, setup.model_config, mesh, setup.tokenizer)
-        engine.warmup(self.store.get(self.trainer.version, engine.param_shardings))
-        return _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, (self.load_faults, self.score_faults))
+        params = self.store.get(self.trainer.version, engine.param_shardings)
+        engine.warmup(params)
+        part = _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, (self.load_faults, self.score_faults))
+        part.warm_scorer(params)
+        return part
 
     def _start_slice(self, slice_id: int) -> WorkerThread:
         """Slice `slice_id`'s worker on a thread (at start, and again when the supervisor restarts it)."""
@@ -376,8 +379,13 @@ class _Slice:
         self._store, (self._load_faults, self._score_faults) = store, faults
         self._shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
         # One scorer per slice, shared by its workers: a restarted slice's scoring stays compiled.
-        scorer = rollout_role.make_scorer(config.trainer, engine)
-        self._scorer = scorer and _FaultyScorer(scorer, slice_id, self._score_faults)
+        self._plain_scorer = rollout_role.make_scorer(config.trainer, engine)
+        self._scorer = self._plain_scorer and _FaultyScorer(self._plain_scorer, slice_id, self._score_faults)
+
+    def warm_scorer(self, params) -> None:
+        """Compiles every scoring bucket before the first dispatch (nothing under "trainer")."""
+        if self._plain_scorer is not None:
+            self._plain_scorer.warmup(self.engine.load_params(params), self.config.rollout.cache_length)
 
     def worker(self) -> RolloutWorker:
         return rollout_role.make_worker(self.config, self.engine, self.slice_id, self.eos_ids, self._scorer)
