@@ -102,7 +102,8 @@ class TrainerConfig:
     reuse_current_logps: bool = setting("current-version rows: behaviour log-probs from the step's own forward", True)
     # "rollout": each slice scores its finished trajectories with this trainer's forward under their
     # own version (dora_jax.rollout.scoring) while its devices would idle; the trainer uses those and
-    # recomputes only rows that arrive without them (their slice died first, or could not score).
+    # recomputes only rows that arrive without them (their slice's scoring failed, or several
+    # versions sampled them: partial rollout), each with its own version as before.
     behaviour_logps: str = setting(
         "trainer | rollout: who computes behaviour log-probs (rollout: the generating slice scores them)", "trainer"
     )
