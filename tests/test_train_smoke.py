@@ -14,7 +14,7 @@ import pytest
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.core import fs
-from dora_jax.runtime import run_config, runner
+from dora_jax.runtime import faults, run_config, runner
 from tests.helpers import CONFIG, tiny_config
 
 
@@ -190,3 +190,52 @@ def test_embedded_run_with_the_dapo_knobs(tmp_path):
         assert -1.0 <= row["overlong_penalty_mean"] <= 0.0 and row["reward_errors"] == 0
     # An untrained tiny model rarely stops by itself: samples are cut, masked and punished.
     assert sum(r["overlong_masked"] for r in rows) > 0 and min(r["overlong_penalty_mean"] for r in rows) < 0
+
+
+def _scored_run(tmp_path, steps: int = 4):
+    """An embedded dora run with trainer.behaviour_logps = "rollout": (result, events, metrics rows)."""
+    c = tiny_config("dora", steps=steps)
+    with c.unlocked():
+        c.trainer.behaviour_logps = "rollout"
+        c.log.tensorboard = False
+    result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
+    events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    return result, events, rows
+
+
+@pytest.mark.slow
+def test_rollout_scored_behaviour_logps_run_audits_clean(tmp_path):
+    """Every consumed row's behaviour log-probs were scored by the slice that generated it (the
+    trainer recomputes none), with the params digest its slice loaded for that version."""
+    result, events, rows = _scored_run(tmp_path)
+    assert result.steps == 4 and result.audit.ok, result.audit.summary()
+    consumed = [e for e in events if e["ev"] == "consume"]
+    assert len(consumed) == 4 * 8 and all(e["behaviour"] == "rollout" for e in consumed)
+    assert (result.audit.behaviour_rollout, result.audit.behaviour_trainer) == (32, 0)
+    loaded = {(e["version"], e["digest"]) for e in events if e["ev"] == "load_version"}
+    assert {(e["version"], e["behaviour_digest"]) for e in consumed} <= loaded
+    assert [r["rollout_scored_rows"] for r in rows] == [8] * 4 and [r["recomputed_rows"] for r in rows] == [0] * 4
+
+
+@pytest.mark.slow
+def test_a_slice_that_cannot_score_leaves_its_rows_to_the_trainer(tmp_path, monkeypatch):
+    """Slice 0's scoring fails after step 0 (DORA_FAULTS score_error): what it finishes from then on
+    is posted unscored and the trainer recomputes those rows, with that version's params; the rows
+    of the other slices still come scored. Nothing is lost and the audit is clean."""
+    monkeypatch.setenv("DORA_FAULTS", "score_error=0:0")
+    faults.reset()
+    try:
+        result, events, rows = _scored_run(tmp_path, steps=6)
+    finally:
+        monkeypatch.delenv("DORA_FAULTS")
+        faults.reset()
+    assert result.steps == 6 and result.audit.ok, result.audit.summary()
+    assert result.audit.consumed == 6 * 8
+    consumed = {e["traj"]: e for e in events if e["ev"] == "consume"}
+    finished_on = {e["traj"]: e["slice"] for e in events if e["ev"] == "finish"}
+    by_trainer = {t for t, e in consumed.items() if e["behaviour"] == "trainer"}
+    assert by_trainer and by_trainer != set(consumed)
+    assert {finished_on[t] for t in by_trainer} == {0}  # only the slice that could not score
+    assert result.audit.behaviour_trainer == len(by_trainer) == sum(r["recomputed_rows"] for r in rows)
+    assert sum(r["rollout_scored_rows"] for r in rows) == 6 * 8 - len(by_trainer)

@@ -14,8 +14,12 @@ its last `load_version`.
      one_step_off), with version the sample's dispatch version, and every consumed group is of
      one version (the one its consume events state).
   exactly once: no trajectory is consumed twice, none consumed without a dispatch and a finish.
-  weights: every `load_version` and every `behaviour` record (the params the trainer used to
-     recompute behaviour log-probs) of one version carry the same params digest.
+  weights: every `load_version`, every `behaviour` record (the params the trainer used to
+     recompute behaviour log-probs) and every consume whose behaviour log-probs a rollout slice
+     scored (`"behaviour": "rollout"` with the scoring params' `behaviour_digest`) of one version
+     carry the same params digest. Consumes count by where their behaviour log-probs came from
+     (`behaviour_rollout`, `behaviour_trainer`); a rollout-scored one without a digest is a
+     weights violation.
   evaluation: requests dispatched with `"eval": true` (dora_jax.coordinator.evaluation) are held
      to C1 like any other, are counted apart (`eval_dispatched`, `eval_finished`,
      `eval_unfinished_at_end`: not C2 losses, they were never for training), and an evaluation
@@ -71,6 +75,8 @@ class AuditReport:
     filtered: int = 0  # samples filtered by dynamic sampling (accounted for: never trained on, not lost)
     filtered_groups: int = 0
     dynamic_sampling_violations: list = dataclasses.field(default_factory=list)
+    behaviour_rollout: int = 0  # consumed rows whose behaviour log-probs their rollout slice scored
+    behaviour_trainer: int = 0  # consumed rows whose behaviour log-probs the trainer computed
 
     @property
     def max_staleness(self) -> int:
@@ -272,10 +278,24 @@ class _Walk:
             report.c3_violations.append(f"{traj}: staleness {lag} > {self.bound} at step {event['step']}")
         if "version" in event and int(event["version"]) != version:
             report.c3_violations.append(f"{traj}: consumed as v{event['version']} but dispatched as v{version}")
+        self._behaviour_source(event, version)
         if "group" in event:
             group_version = self.group_version.setdefault(event["group"], version)
             if group_version != version:
                 report.c3_violations.append(f"{traj}: group {event['group']} mixes v{group_version} and v{version}")
+
+    def _behaviour_source(self, event: dict, version: int) -> None:
+        """Counts where a consumed row's behaviour log-probs came from; a slice-scored row's digest
+        must be its version's."""
+        if event.get("behaviour") != "rollout":
+            self.report.behaviour_trainer += 1
+            return
+        self.report.behaviour_rollout += 1
+        digest = event.get("behaviour_digest")
+        if not isinstance(digest, str):
+            self.report.weights_violations.append(f"{event['traj']}: scored by a rollout slice with no params digest")
+            return
+        self._digest(version, digest, f"the slice that scored {event['traj']}")
 
     def on_publish(self, event: dict) -> None:
         self.report.publishes += 1

@@ -870,6 +870,7 @@ class Coordinator:
                         version=sample.trajectory.version,
                         step=trainer_version,
                         trainer_version=trainer_version,
+                        **_behaviour_source(sample.trajectory),
                     )
                     self.stats.consumed += 1
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
@@ -890,3 +891,14 @@ class Coordinator:
                 raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
             with self._cond:
                 self._cond.wait(0.05)
+
+
+def _behaviour_source(traj: Trajectory) -> dict:
+    """A consume event's record of where the row's behaviour log-probs come from: its rollout slice
+    scored them (with the digest of the params it scored with: the audit matches it with the
+    version's), or the trainer computes them. The trainer uses slice-scored log-probs exactly when
+    they arrive, which is exactly under trainer.behaviour_logps = "rollout" (only then do slices
+    score: dora_jax.runtime.roles.rollout.make_scorer)."""
+    if traj.behaviour_logprobs is None:
+        return {"behaviour": "trainer"}
+    return {"behaviour": "rollout", "behaviour_digest": traj.behaviour_digest}

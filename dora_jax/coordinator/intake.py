@@ -16,6 +16,11 @@ What is checked, and why each matters downstream:
 - the response continues the request's prefix (a re-dispatched request's tokens so far);
 - token ids in [0, vocab_size) (when the run knows its vocabulary): the trainer embeds them;
 - log-probs finite and <= LOGPROB_TOLERANCE: they enter the importance ratio exp(new - old);
+- behaviour log-probs, when the slice scored them (trainer.behaviour_logps = "rollout"): one per
+  response token, finite, <= LOGPROB_TOLERANCE, with the digest (a short string) of the params that
+  scored them; they are the trainer's behaviour policy as they are. A bad set fails the result like
+  any other field (not dropped for the trainer to recompute): a slice that scores wrongly is broken,
+  and what else it sends is not to be trusted either;
 - versions_seen sorted, one per sampling version, within [the request's version, the newest a
   token of it may have]: the auditor reads C1 from it;
 - decode_s finite and >= 0 (legacy fill's pace takes the longest);
@@ -38,6 +43,7 @@ from dora_jax.core.records import Request, Trajectory
 LOGPROB_TOLERANCE = 1e-4
 MAX_ERROR_CHARS = 500  # a trajectory's error text kept (it goes to the ledger)
 MAX_SHOWN_CHARS = 80  # of a worker's string quoted in a refusal (it goes to logs)
+MAX_DIGEST_CHARS = 128  # a params digest (dora_jax.store.digest) is far shorter; it goes to the ledger
 
 
 def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
@@ -59,6 +65,7 @@ def check(traj: Trajectory, request: Request, *, newest_version: int, vocab_size
         _lengths(traj, request),
         _tokens(traj.response_ids, vocab_size),
         _logprobs(traj.logprobs),
+        _behaviour(traj),
         _versions(traj, request.version, newest_version),
     ):
         if problem:
@@ -134,6 +141,20 @@ def _logprobs(logprobs) -> str | None:
     if (top := max(logprobs)) > LOGPROB_TOLERANCE:
         return f"log-prob {top:.6g} > 0 (tolerance {LOGPROB_TOLERANCE:g})"
     return None
+
+
+def _behaviour(traj: Trajectory) -> str | None:
+    """The slice-scored behaviour log-probs: none at all, or one per response token, finite and <= 0
+    (within LOGPROB_TOLERANCE), with the digest of the params that scored them."""
+    logprobs, digest = traj.behaviour_logprobs, traj.behaviour_digest
+    if logprobs is None:
+        return None if digest is None else "behaviour_digest without behaviour_logprobs"
+    if not isinstance(digest, str) or not 0 < len(digest) <= MAX_DIGEST_CHARS:
+        return f"behaviour_digest={shown(digest)}; expected the scoring params' digest, 1-{MAX_DIGEST_CHARS} chars"
+    if len(logprobs) != len(traj.response_ids):
+        return f"{len(traj.response_ids)} response tokens but {len(logprobs)} behaviour log-probs"
+    problem = _logprobs(logprobs)
+    return f"behaviour {problem}" if problem else None
 
 
 def _versions(traj: Trajectory, low: int, high: int) -> str | None:

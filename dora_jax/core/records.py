@@ -126,6 +126,11 @@ class Trajectory:
     # Seconds it decoded on its slice, admission to finish (the worker's clock; 0: not known, e.g.
     # it was migrated): its run time without the queueing before admission (legacy fill's pace).
     decode_s: float = 0.0
+    # trainer.behaviour_logps = "rollout": the training forward's log-prob of each response token
+    # under `version`, scored on its slice (dora_jax.rollout.scoring), and the digest of the params
+    # that scored them. None: not scored (the trainer recomputes them).
+    behaviour_logprobs: tuple[float, ...] | None = None
+    behaviour_digest: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +190,10 @@ class TrainBatch:
     truncated_B: np.ndarray | None = None  # 1 where the response was cut at the cap (finish reason "length")
     overlong_penalty_B: np.ndarray | None = None  # DAPO's soft overlong punishment included in rewards_B
     reward_error_B: np.ndarray | None = None  # 1 where grading failed (scored task.reward_on_error, or masked)
+    # Behaviour log-probs that came with the samples (trainer.behaviour_logps = "rollout"), aligned
+    # as inference_logps_BT, and 1 where a row has them; None or 0: the trainer recomputes the row.
+    behaviour_logps_BT: np.ndarray | None = None
+    behaviour_known_B: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -220,6 +229,8 @@ def trajectory_from_json(data: dict) -> Trajectory:
     d["finish_reason"] = FinishReason(d["finish_reason"])
     for key in ("prompt_ids", "response_ids", "logprobs", "versions_seen"):
         d[key] = tuple(d[key])
+    if d.get("behaviour_logprobs") is not None:
+        d["behaviour_logprobs"] = tuple(d["behaviour_logprobs"])
     return Trajectory(**d)
 
 

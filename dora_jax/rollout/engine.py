@@ -613,6 +613,16 @@ class RolloutEngine:
         return programs
 
     @property
+    def graphdef(self) -> Any:
+        """The served model's graph (params apart): a full forward (`nnx.merge(graphdef, params)`)."""
+        return self._graphdef
+
+    @property
+    def rules(self) -> sharding_lib.Rules:
+        """The sharding rule table of this slice's mesh."""
+        return self._rules
+
+    @property
     def param_shardings(self) -> Any:
         """NamedShardings of the params on this slice (a tree like `models.split(model)[1]`)."""
         return self._param_shardings

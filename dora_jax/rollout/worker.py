@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -50,7 +51,10 @@ from dora_jax.core.records import FinishReason, Reprefill, Request, SlotState, T
 from dora_jax.rollout import migration as migration_rule
 from dora_jax.rollout.engine import PrefillRequest, ResultTokens, RolloutEngine, check_sampling
 from dora_jax.rollout.migration import MigrationCosts
+from dora_jax.rollout.scoring import TrajectoryScorer
 from dora_jax.store.digest import params_digest
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,8 @@ class WorkerCounters:
     finished: int = 0
     rejected: int = 0
     preemptions: int = 0  # requests sent back to the queue when the KV page pool ran dry
+    scored: int = 0  # finished trajectories scored with the training forward (trainer.behaviour_logps = "rollout")
+    score_failures: int = 0  # finished trajectories posted unscored because the scoring failed
 
     @property
     def occupancy(self) -> float:
@@ -140,12 +146,15 @@ class RolloutWorker:
         pipelined: bool = True,
         migration: MigrationCosts | None = None,
         batched_prefill: bool = True,
+        scorer: TrajectoryScorer | None = None,
     ):
         """`pipelined`: dispatch each decode step before reading the previous one's tokens (see the
         module docstring); False reads every step's tokens before `step()` returns. `migration`:
         the costs that decide whether an exported request leaves with its KV or to be re-prefilled
         (`migration_choice`); it takes the engine's measured prefill times. `batched_prefill`: admit
-        several waiting requests by batched prefills (False: one prefill and insert each)."""
+        several waiting requests by batched prefills (False: one prefill and insert each).
+        `scorer` (trainer.behaviour_logps = "rollout"): scores the trajectories each step finishes
+        with the training forward under this worker's version (`_scored`); None: not scored."""
         self._engine = engine
         self.pipelined = pipelined
         self.batched_prefill = batched_prefill
@@ -157,6 +166,8 @@ class RolloutWorker:
         self._state = engine.init_decode_state()
         self._params = None
         self._version: int | None = None
+        self._digest: str | None = None  # of the loaded params: it travels with every scored trajectory
+        self.scorer = scorer
         self._slots: list[_Active | None] = [None] * engine.max_concurrent_decodes
         self._queue: collections.deque[tuple[Request, float]] = collections.deque()
         self._rejected: list[Trajectory] = []
@@ -223,7 +234,8 @@ class RolloutWorker:
         self._params = None  # free the old version first: never two full copies on the slice
         self._params = self._engine.load_params(params)
         self._version = int(version)
-        return params_digest(self._params)
+        self._digest = params_digest(self._params)
+        return self._digest
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request) -> None:
@@ -308,7 +320,43 @@ class RolloutWorker:
             finished += self._read()  # first tokens: a request may end on its first
             self._unread.extend(self._dispatch())
             finished += self._read()
-        return finished
+        return self._scored(finished)
+
+    def _scored(self, finished: list[Trajectory]) -> list[Trajectory]:
+        """With a scorer: every finished trajectory that this worker's version alone sampled
+        (C1, which makes the scoring exact) carries its behaviour log-probs, all scored in one
+        batched forward (dispatched after this step's decode: it runs while the host reads). The
+        rest (rejected, empty, sampled by another version too) go unscored: the trainer recomputes
+        them; so do all of them when the scoring fails (counted, logged): it saves the trainer work,
+        and must never cost a sample."""
+        if self.scorer is None or self._params is None:
+            return finished
+        version = self._version
+        eligible = [
+            i
+            for i, traj in enumerate(finished)
+            if traj.response_ids and traj.prompt_ids and traj.version == version and traj.versions_seen == (version,)
+        ]
+        if not eligible:
+            return finished
+        try:
+            scores = self.scorer(self._params, [(finished[i].prompt_ids, finished[i].response_ids) for i in eligible])
+        except Exception as err:  # noqa: BLE001 - any failure: posted unscored, the trainer recomputes them
+            log.warning(
+                "worker %d: scoring %d trajectories failed (%s); the trainer recomputes them",
+                self.slice_id,
+                len(eligible),
+                err,
+            )
+            self._count(score_failures=len(eligible))
+            return finished
+        out = list(finished)
+        for i, logps in zip(eligible, scores, strict=True):
+            out[i] = dataclasses.replace(
+                out[i], behaviour_logprobs=tuple(logps.tolist()), behaviour_digest=self._digest
+            )
+        self._count(scored=len(eligible))
+        return out
 
     def block_until_ready(self) -> None:
         """Waits until the device has run everything dispatched (the step in flight included);

@@ -10,6 +10,9 @@ here does anything:
   slice_load_error=<slice>:<step>
                             after training step <step>, rollout slice <slice>'s next read of a
                             version from the store fails (the coordinator drops the slice)
+  score_error=<slice>:<step> after training step <step>, rollout slice <slice>'s scoring of its
+                            finished trajectories (trainer.behaviour_logps = "rollout") fails from
+                            then on: they are posted unscored, and the trainer recomputes them
   checkpoint_error=<n>      the n-th checkpoint save fails as a full disk would (ENOSPC)
 
 The faults are real: a real SIGKILL, a real exception on the worker thread, a real OSError in the
@@ -30,7 +33,14 @@ POINTS = ("rollout", "train_step", "checkpoint_save")
 
 def parse(spec: str) -> dict:
     """'kill=train_step:3,slice_error=1:2' -> {'kill': ('train_step', 3), 'slice_error': [(1, 2)], ...}."""
-    out: dict = {"kill": None, "slice_error": [], "slice_hang": [], "slice_load_error": [], "checkpoint_error": None}
+    out: dict = {
+        "kill": None,
+        "slice_error": [],
+        "slice_hang": [],
+        "slice_load_error": [],
+        "score_error": [],
+        "checkpoint_error": None,
+    }
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, value = item.partition("=")
         try:
@@ -39,7 +49,7 @@ def parse(spec: str) -> dict:
                 if point not in POINTS:
                     raise ValueError(f"unknown point {point!r}; expected one of {POINTS}")
                 out["kill"] = (point, int(count))
-            elif name in ("slice_error", "slice_hang", "slice_load_error"):
+            elif name in ("slice_error", "slice_hang", "slice_load_error", "score_error"):
                 slice_id, step = value.split(":")
                 out[name].append((int(slice_id), int(step)))
             elif name == "checkpoint_error":
@@ -76,9 +86,14 @@ def reached(point: str) -> None:
 
 
 def slices_to_fail(step: int) -> list[tuple[int, str]]:
-    """(slice, 'error' | 'hang' | 'load_error') faults due after training step `step`."""
+    """(slice, 'error' | 'hang' | 'load_error' | 'score_error') faults due after training step `step`."""
     f = _faults()
-    kinds = (("slice_error", "error"), ("slice_hang", "hang"), ("slice_load_error", "load_error"))
+    kinds = (
+        ("slice_error", "error"),
+        ("slice_hang", "hang"),
+        ("slice_load_error", "load_error"),
+        ("score_error", "score_error"),
+    )
     return [(s, kind) for name, kind in kinds for s, at in f[name] if at == step]
 
 

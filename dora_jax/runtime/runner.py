@@ -160,6 +160,7 @@ class _Embedded:
             self.pool = setup.task.make_reward_pool(setup.reward_workers, setup.reward_timeout_s)
             scorer = RewardPoolScorer(self.pool, self.drawer.book, setup.tokenizer.decode)
         self.load_faults: set[int] = set()  # slices whose next version fetch fails (DORA_FAULTS slice_load_error)
+        self.score_faults: set[int] = set()  # slices whose scoring fails from now on (DORA_FAULTS score_error)
         self.slices = [self._build_slice(slice_id, mesh) for slice_id, mesh in enumerate(self.devices.rollout)]
         self.threads = {s.slice_id: self._start_slice(s.slice_id) for s in self.slices}
         self.coord = coordinator_role.build(
@@ -199,8 +200,11 @@ class _Embedded:
     def _build_slice(self, slice_id: int, mesh) -> _Slice:
         setup = self.setup
         engine = rollout_role.build_engine(self.config, setup.model_config, mesh, setup.tokenizer)
-        engine.warmup(self.store.get(self.trainer.version, engine.param_shardings))
-        return _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, self.load_faults)
+        params = self.store.get(self.trainer.version, engine.param_shardings)
+        engine.warmup(params)
+        part = _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, (self.load_faults, self.score_faults))
+        part.warm_scorer(params)
+        return part
 
     def _start_slice(self, slice_id: int) -> WorkerThread:
         """Slice `slice_id`'s worker on a thread (at start, and again when the supervisor restarts it)."""
@@ -277,6 +281,8 @@ class _Embedded:
         for sid, kind in faults.slices_to_fail(step):
             if kind == "load_error":
                 self.load_faults.add(sid)
+            elif kind == "score_error":
+                self.score_faults.add(sid)
             else:
                 self.threads[sid].inject_failure(
                     "hang" if kind == "hang" else RuntimeError(f"injected failure after step {step}")
@@ -365,21 +371,42 @@ class _Embedded:
 
 class _Slice:
     """One rollout slice of the embedded run: its warm engine, a fresh worker on it per (re)start,
-    and its read of a version from the store (which fails once where DORA_FAULTS armed a load error)."""
+    and its read of a version from the store (which fails once where DORA_FAULTS armed a load error).
+    `faults`: the runner's sets of slices with an armed load error and an armed scoring error."""
 
-    def __init__(self, config: RunConfig, engine, slice_id: int, eos_ids, store: ParamStore, load_faults: set[int]):
+    def __init__(self, config: RunConfig, engine, slice_id: int, eos_ids, store: ParamStore, faults: tuple[set, set]):
         self.config, self.engine, self.slice_id, self.eos_ids = config, engine, slice_id, eos_ids
-        self._store, self._load_faults = store, load_faults
+        self._store, (self._load_faults, self._score_faults) = store, faults
         self._shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
+        # One scorer per slice, shared by its workers: a restarted slice's scoring stays compiled.
+        self._plain_scorer = rollout_role.make_scorer(config.trainer, engine)
+        self._scorer = self._plain_scorer and _FaultyScorer(self._plain_scorer, slice_id, self._score_faults)
+
+    def warm_scorer(self, params) -> None:
+        """Compiles every scoring bucket before the first dispatch (nothing under "trainer")."""
+        if self._plain_scorer is not None:
+            self._plain_scorer.warmup(self.engine.load_params(params), self.config.rollout.cache_length)
 
     def worker(self) -> RolloutWorker:
-        return rollout_role.make_worker(self.config, self.engine, self.slice_id, self.eos_ids)
+        return rollout_role.make_worker(self.config, self.engine, self.slice_id, self.eos_ids, self._scorer)
 
     def fetch(self, version: int):
         if self.slice_id in self._load_faults:
             self._load_faults.discard(self.slice_id)
             raise StoreError(f"version {version} could not be read for slice {self.slice_id} (injected by DORA_FAULTS)")
         return self._store.get(version, self._shardings)
+
+
+class _FaultyScorer:
+    """A slice's scorer that fails once DORA_FAULTS armed a scoring error for the slice."""
+
+    def __init__(self, scorer, slice_id: int, armed: set[int]):
+        self._scorer, self._slice_id, self._armed = scorer, slice_id, armed
+
+    def __call__(self, params, sequences):
+        if self._slice_id in self._armed:
+            raise RuntimeError(f"slice {self._slice_id}: scoring failed (injected by DORA_FAULTS)")
+        return self._scorer(params, sequences)
 
 
 class CoordinatorSource:

@@ -59,12 +59,19 @@ def make_train_batch(
                 f"trajectory {s.trajectory.traj_id} has {len(s.trajectory.response_ids)} response tokens "
                 f"but {len(s.trajectory.logprobs)} log-probs"
             )
+        scored = s.trajectory.behaviour_logprobs
+        if scored is not None and len(scored) != len(s.trajectory.response_ids):
+            raise ValueError(
+                f"trajectory {s.trajectory.traj_id} has {len(s.trajectory.response_ids)} response tokens "
+                f"but {len(scored)} behaviour log-probs"
+            )
     longest = max((len(s.trajectory.prompt_ids) + s.trajectory.num_tokens for _, s in samples), default=1)
     T = bucket_length(longest, pad_to, max_length if max_length is not None and max_length >= longest else None)
 
     tokens = np.full((B, T), pad_id, np.int32)
     loss_mask = np.zeros((B, T), np.float32)
     inference_logps = np.zeros((B, T), np.float32)
+    behaviour_logps, behaviour_known = np.zeros((B, T), np.float32), np.zeros(B, bool)
     rewards, valid = np.zeros(B, np.float32), np.zeros(B, np.float32)
     truncated, penalties, errors = np.zeros(B, np.float32), np.zeros(B, np.float32), np.zeros(B, np.float32)
     versions, group_ids = np.zeros(B, np.int64), np.zeros(B, np.int32)
@@ -76,6 +83,8 @@ def make_train_batch(
         tokens[b, P : P + R] = traj.response_ids
         loss_mask[b, P : P + R] = 0.0 if overlong_filter and shaped.truncated else 1.0
         inference_logps[b, P : P + R] = traj.logprobs
+        if traj.behaviour_logprobs is not None:
+            behaviour_logps[b, P : P + R], behaviour_known[b] = traj.behaviour_logprobs, True
         rewards[b], valid[b], penalties[b] = shaped.reward, float(shaped.valid), shaped.penalty
         truncated[b], errors[b] = float(shaped.truncated), float(shaped.reward_error)
         versions[b] = traj.version
@@ -97,4 +106,6 @@ def make_train_batch(
         truncated_B=truncated,
         overlong_penalty_B=penalties,
         reward_error_B=errors,
+        behaviour_logps_BT=behaviour_logps,
+        behaviour_known_B=behaviour_known,
     )

@@ -191,9 +191,11 @@ class BucketedStep:
             max_rows=max_rows,
         )
 
-    def __call__(self, state, batch: TrainBatch, ref_params, params_of, current_B=None):
+    def __call__(self, state, batch: TrainBatch, ref_params, params_of, current_B=None, known_B=None):
         """`current_B` ([B] bool): rows whose behaviour log-probs are the gradient forward's own (the
-        rows the current params generated, trained on before any update moves them): not recomputed."""
+        rows the current params generated, trained on before any update moves them): not recomputed.
+        `known_B` ([B] bool): rows whose behaviour log-probs came with the batch
+        (`batch.behaviour_logps_BT`, scored by their rollout slice): used as they are, not recomputed."""
         c = self._config
         versions_B = np.asarray(batch.versions_B, np.int64)
         adv_B, valid_B, dropped = jax.device_get(
@@ -211,7 +213,9 @@ class BucketedStep:
         tokens_BT = np.asarray(batch.tokens_BT, np.int32)
         inference_BT = np.asarray(batch.inference_logps_BT, np.float32)
         current_B = np.zeros(batch.batch_size, bool) if current_B is None else np.asarray(current_B, bool)
-        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of, current_B)
+        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of, current_B, known_B)
+        if known_B is not None and known_B.any():
+            behaviour_BT[known_B] = np.asarray(batch.behaviour_logps_BT, np.float32)[known_B]
         losses, norms, finites, stats, load, aux = [], [], [], None, None, []
         for u, micros in enumerate(plan):
             rows_u = np.arange(u * per_update, (u + 1) * per_update)
@@ -254,15 +258,17 @@ class BucketedStep:
         )
         return state, outputs
 
-    def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of, current_B) -> np.ndarray:
+    def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of, current_B, known_B=None) -> np.ndarray:
         """[B, T] behaviour log-probs on the host, computed before any update (the updates donate
         the current params, the behaviour policy of the newest samples), except the `current_B`
         rows (left 0: the gradient forward gives theirs). Rows are grouped by version and cut as
         the micro-batches are, at most `micro_batch_size` rows a chunk (one forward per chunk, at
-        its own length): a version may hold only a few rows."""
+        its own length): a version may hold only a few rows. The `known_B` rows are skipped too
+        (left 0: their log-probs came with the batch)."""
         out = np.zeros(tokens_BT.shape, np.float32)
-        for version in np.unique(versions_B[~current_B]):
-            rows = np.flatnonzero((versions_B == version) & ~current_B)
+        wanted_B = ~current_B if known_B is None else ~(current_B | known_B)
+        for version in np.unique(versions_B[wanted_B]):
+            rows = np.flatnonzero((versions_B == version) & wanted_B)
             for chunk in self.plan(lengths_B[rows], tokens_BT.shape[1], 1, self._config.micro_batch_size)[0]:
                 part = rows[chunk.rows]
                 padded = np.concatenate([part, np.full(chunk.size - part.size, part[0])])

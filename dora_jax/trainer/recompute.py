@@ -105,12 +105,16 @@ class BehaviourLogps:
         params_of: Callable[[int], Any],
         chunk: int | None = None,
         skip_B=None,
+        initial_UMCT: jax.Array | None = None,
     ) -> jax.Array:
         """logps_UMCT on device; `params_of(version)` returns that version in the trainer's shardings.
         `chunk` overrides the rows per forward (one compile per chunk and length); rows where
-        `skip_B` is true are not computed (left 0)."""
+        `skip_B` is true are not computed: they keep `initial_UMCT` (log-probs that came with the
+        batch, in the rows sharding; donated), or 0."""
         lead = tokens_UMCT.shape[:3]
-        out_UMCT = jnp.zeros(tokens_UMCT.shape, jnp.float32, device=self._rows_sharding)
+        out_UMCT = initial_UMCT
+        if out_UMCT is None:
+            out_UMCT = jnp.zeros(tokens_UMCT.shape, jnp.float32, device=self._rows_sharding)
         current, params = None, None
         for version, src_C, dst_C in chunk_plan(versions_B, chunk or self._chunk, skip_B):
             if version != current:

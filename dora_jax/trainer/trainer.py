@@ -52,6 +52,8 @@ from dora_jax.trainer.step import (
 
 # trainer.truncated_sampling_ratio: what a training run with top-p/top-k filtering does (see TrainerConfig).
 TRUNCATED_SAMPLING_RATIOS = ("refuse", "ignore")
+# trainer.behaviour_logps: who computes the behaviour log-probs (see TrainerConfig).
+BEHAVIOUR_SOURCES = ("trainer", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,13 @@ class TrainerConfig:
     max_nonfinite_in_a_row: int = setting("raise after this many skipped (non-finite) updates in a row", 3)
     # (the first update's forward only), not a recompute
     reuse_current_logps: bool = setting("current-version rows: behaviour log-probs from the step's own forward", True)
+    # "rollout": each slice scores its finished trajectories with this trainer's forward under their
+    # own version (dora_jax.rollout.scoring) while its devices would idle; the trainer uses those and
+    # recomputes only rows that arrive without them (their slice's scoring failed, or several
+    # versions sampled them: partial rollout), each with its own version as before.
+    behaviour_logps: str = setting(
+        "trainer | rollout: who computes behaviour log-probs (rollout: the generating slice scores them)", "trainer"
+    )
     # The rollout's sampling temperature T: every log-prob the trainer takes (current policy,
     # behaviour recompute, KL reference) is of softmax(logits / T), as the engine's inference
     # log-probs are. Set by dora_jax.runtime.run_config from rollout.temperature, not by hand.
@@ -121,6 +130,8 @@ class TrainerConfig:
                 f"trainer.truncated_sampling_ratio={self.truncated_sampling_ratio!r}; expected one of "
                 f"{TRUNCATED_SAMPLING_RATIOS}"
             )
+        if self.behaviour_logps not in BEHAVIOUR_SOURCES:
+            raise ValueError(f"trainer.behaviour_logps={self.behaviour_logps!r}; expected one of {BEHAVIOUR_SOURCES}")
         if self.router_aux_coef < 0:
             raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
         if self.length_bucket < 0:
@@ -176,6 +187,7 @@ class StepMetrics:
     step_time_s: float
     staleness: dict[int, int]  # trainer version - generating version -> samples
     recomputed_rows: int = 0  # rows whose behaviour log-probs were recomputed (the rest: the step's own forward)
+    rollout_scored_rows: int = 0  # rows whose behaviour log-probs came scored by their rollout slice
     # MoE only (None for a dense model), over the step's loss tokens:
     expert_load: tuple[tuple[int, ...], ...] | None = None  # per MoE layer: assignments per expert
     router_load_ratio: tuple[float, ...] | None = None  # per MoE layer: max / mean expert load (1 = balanced)
@@ -435,20 +447,29 @@ class Trainer:
         self._check_batch(batch, versions_B)
         self._used_digests = {}
         start = time.perf_counter()
-        current_B = self._current_rows(versions_B)
+        known_B = self._arrived_rows(batch)
+        current_B = self._current_rows(versions_B) & ~known_B
         if current_B.any():
             self._params_of(self._version)  # notes the current version's digest for the ledger
-        recomputed = int(versions_B.size - current_B.sum())
+        rows = (int(versions_B.size - current_B.sum() - known_B.sum()), int(known_B.sum()))
         if self._bucketed is not None:
-            self._state, outputs = self._bucketed(self._state, batch, self._ref_params, self._params_of, current_B)
-            return self._finish(jax.device_get(outputs), versions_B, time.perf_counter() - start, recomputed)
+            self._state, outputs = self._bucketed(
+                self._state, batch, self._ref_params, self._params_of, current_B, known_B
+            )
+            return self._finish(jax.device_get(outputs), versions_B, time.perf_counter() - start, rows)
         tokens_UMCT = self._rows(batch.tokens_BT, np.int32)
         U, C = self.config.num_updates, self.config.micro_batch_size
+        arrived_UMCT = None
+        if known_B.any():  # the recompute writes only the other rows over these
+            arrived_UMCT = self._rows(np.asarray(batch.behaviour_logps_BT) * known_B[:, None], np.float32)
+        behaviour_UMCT = self._behaviour(
+            tokens_UMCT, versions_B, self._params_of, skip_B=current_B | known_B, initial_UMCT=arrived_UMCT
+        )
         inputs = StepInputs(
             tokens_UMCT=tokens_UMCT,
             loss_mask_UMCT=self._rows(batch.loss_mask_BT, np.float32),
             inference_logps_UMCT=self._rows(batch.inference_logps_BT, np.float32),
-            behaviour_logps_UMCT=self._behaviour(tokens_UMCT, versions_B, self._params_of, skip_B=current_B),
+            behaviour_logps_UMCT=behaviour_UMCT,
             rewards_B=jax.device_put(np.asarray(batch.rewards_B, np.float32), self._replicated),
             valid_B=jax.device_put(np.asarray(batch.valid_B, np.float32), self._replicated),
             group_ids_B=jax.device_put(np.asarray(batch.group_ids_B, np.int32), self._replicated),
@@ -457,7 +478,15 @@ class Trainer:
         self._state, outputs = self._step(self._state, inputs, self._ref_params)
         outputs = jax.device_get(outputs)
         elapsed = time.perf_counter() - start
-        return self._finish(outputs, versions_B, elapsed, recomputed)
+        return self._finish(outputs, versions_B, elapsed, rows)
+
+    def _arrived_rows(self, batch: TrainBatch) -> np.ndarray:
+        """[B] bool: rows whose behaviour log-probs came with the batch, scored by their rollout slice
+        (`trainer.behaviour_logps = "rollout"`); none under "trainer", which recomputes every row."""
+        known_B = np.zeros(batch.batch_size, bool)
+        if self.config.behaviour_logps == "rollout" and batch.behaviour_known_B is not None:
+            known_B = np.asarray(batch.behaviour_known_B, bool)
+        return known_B
 
     def _current_rows(self, versions_B: np.ndarray) -> np.ndarray:
         """[B] bool: rows whose behaviour log-probs the step's own forward gives (no recompute):
@@ -541,7 +570,8 @@ class Trainer:
                 f"batch holds version {versions_B.max()}, newer than the trainer's version {self._version}"
             )
 
-    def _finish(self, outputs, versions_B: np.ndarray, elapsed: float, recomputed: int) -> StepMetrics:
+    def _finish(self, outputs, versions_B: np.ndarray, elapsed: float, rows: tuple[int, int]) -> StepMetrics:
+        """`rows`: (recomputed here, scored by the rollout) behaviour log-prob rows."""
         finite_U = np.asarray(outputs.finite_U)
         lr = float(self._schedule(max(int(outputs.updates) - 1, 0)))
         for ok in finite_U:
@@ -568,7 +598,8 @@ class Trainer:
             tokens_per_s=tokens / max(elapsed, 1e-9),
             step_time_s=elapsed,
             staleness={int(k): int(v) for k, v in sorted(staleness.items())},
-            recomputed_rows=recomputed,
+            recomputed_rows=rows[0],
+            rollout_scored_rows=rows[1],
             behaviour_digests=dict(sorted(self._used_digests.items())),
             **stats.summary(),
             **_router_metrics(outputs),

@@ -116,6 +116,9 @@ def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
         finish_t=t.finish_t,
         num_migrations=t.num_migrations,
         decode_s=t.decode_s,
+        has_behaviour=t.behaviour_logprobs is not None,
+        behaviour_logprobs=t.behaviour_logprobs or (),
+        behaviour_digest=t.behaviour_digest or "",
     )
 
 
@@ -136,6 +139,8 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
         finish_t=m.finish_t,
         num_migrations=int(m.num_migrations),
         decode_s=m.decode_s,
+        behaviour_logprobs=tuple(m.behaviour_logprobs) if m.has_behaviour else None,
+        behaviour_digest=m.behaviour_digest if m.has_behaviour else None,
     )
 
 

@@ -186,3 +186,24 @@ def test_the_trainer_recomputing_with_other_weights_than_the_slices_loaded_is_ca
     ]
     assert "version 0" in _one(rows, "weights").weights_violations[0]
     _one([LOAD0, ("load_version", dict(slice=1, version=0, digest="d1"))], "weights")
+
+
+def _consume(traj, **source):
+    return ("consume", dict(traj=traj, group="g", version=0, step=1, trainer_version=1, **source))
+
+
+def test_rows_scored_by_a_rollout_slice_are_counted_and_their_digest_checked():
+    """A consume whose behaviour log-probs a slice scored names the scoring params' digest: the
+    version's digest passes, another one is a weights violation, none at all is one too; rows
+    without the field count as the trainer's."""
+    scored = dict(behaviour="rollout", behaviour_digest="d0")
+    report = audit(
+        _events(RUN, LOAD0, *_run("a", 0), *_run("b", 0), _consume("a", **scored), _consume("b", behaviour="trainer"))
+    )
+    assert report.ok, report.summary()
+    assert (report.behaviour_rollout, report.behaviour_trainer, report.consumed) == (1, 1, 2)
+    wrong = _one([LOAD0, *_run("a", 0), _consume("a", behaviour="rollout", behaviour_digest="OTHER")], "weights")
+    assert wrong.weights_violations == ["version 0: the slice that scored a params OTHER, but slice 0 loaded params d0"]
+    missing = _one([LOAD0, *_run("a", 0), _consume("a", behaviour="rollout")], "weights")
+    assert missing.weights_violations == ["a: scored by a rollout slice with no params digest"]
+    assert audit(_events(RUN, LOAD0, *_run("a", 0, trainer_version=1))).behaviour_trainer == 1

@@ -41,6 +41,11 @@ def _result(request: Request, slice_id: int = 0, tokens: int = 3, **changes) -> 
     return dataclasses.replace(base, **changes)
 
 
+def _scored(logprobs, digest="0123456789abcdef") -> dict:
+    """The changes of a result that comes with slice-scored behaviour log-probs."""
+    return {"behaviour_logprobs": logprobs, "behaviour_digest": digest}
+
+
 def _check(traj, newest=2, vocab=8):
     return intake.check(traj, REQUEST, newest_version=newest, vocab_size=vocab)
 
@@ -53,6 +58,10 @@ def test_a_well_formed_result_passes_and_enters_with_the_requests_own_fields():
     assert (entered.group_id, entered.prompt_id, entered.prompt_ids, entered.version) == ("g3", "p7", (5, 6, 7), 2)
     assert entered.slice_id == 1 and len(entered.error) == intake.MAX_ERROR_CHARS
     assert entered.response_ids == good.response_ids and entered.logprobs == good.logprobs
+    scored = _result(REQUEST, **_scored((-0.5, -1.0, 5e-5)))  # 5e-5 > 0: float rounding, within tolerance
+    assert _check(scored) is None
+    entered = intake.accepted(scored, REQUEST, slice_id=1)
+    assert entered.behaviour_logprobs == (-0.5, -1.0, 5e-5) and entered.behaviour_digest == "0123456789abcdef"
     # Under partial rollout a resumed request carries tokens of newer versions than its own.
     assert _check(_result(REQUEST, versions_seen=(2, 3, 4)), newest=4) is None
 
@@ -86,6 +95,16 @@ def test_a_well_formed_result_passes_and_enters_with_the_requests_own_fields():
         ({"versions_seen": (2, 3, 4, 5)}, "versions_seen has 4 versions for 3 response tokens"),
         ({"decode_s": math.inf}, "decode_s='inf'; expected a finite number >= 0"),
         ({"decode_s": -1.0}, "decode_s='-1.0'"),
+        (_scored((-0.5, -0.5)), "3 response tokens but 2 behaviour log-probs"),
+        (_scored((-0.5,) * 4), "3 response tokens but 4 behaviour log-probs"),
+        (_scored((-0.5, math.nan, -0.5)), "behaviour log-prob nan; expected finite"),
+        (_scored((-0.5, -math.inf, -0.5)), "behaviour log-prob -inf; expected finite"),
+        (_scored((-0.5, 0.5, -0.5)), "behaviour log-prob 0.5 > 0 (tolerance 0.0001)"),
+        (_scored((-0.5, None, -0.5)), "behaviour a log-prob that is not a number"),
+        (_scored((-0.5,) * 3, digest=None), "behaviour_digest='None'; expected the scoring params' digest"),
+        (_scored((-0.5,) * 3, digest=""), "behaviour_digest=''"),
+        (_scored((-0.5,) * 3, digest="f" * 129), "behaviour_digest='ffff"),
+        ({"behaviour_digest": "ab12"}, "behaviour_digest without behaviour_logprobs"),
     ],
 )
 def test_each_malformed_field_is_named(changes, expected):
@@ -162,6 +181,9 @@ FORGERIES = {
     "nan_logprob": _forge_field("log-prob nan; expected finite", logprobs=(-0.5, math.nan, -0.5)),
     "positive_logprob": _forge_field("log-prob 0.5 > 0", logprobs=(-0.5, 0.5, -0.5)),
     "out_of_vocab": _forge_field("response token id '7' outside the vocabulary [0, 2)", response_ids=(1, 7, 1)),
+    "behaviour_length": _forge_field("3 response tokens but 2 behaviour log-probs", **_scored((-0.5, -0.5))),
+    "behaviour_nan": _forge_field("behaviour log-prob nan", **_scored((-0.5, math.nan, -0.5))),
+    "behaviour_positive": _forge_field("behaviour log-prob 0.5 > 0", **_scored((-0.5, 0.5, -0.5))),
     "too_long": _forge_field("201 response tokens", response_ids=(1,) * 201, logprobs=(-0.5,) * 201),
 }
 

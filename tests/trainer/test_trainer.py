@@ -318,3 +318,43 @@ def test_every_log_prob_is_at_the_rollout_temperature(model, length_bucket, reus
         assert np.abs(plain.behaviour_logps(batch)[on] - want_logps[on]).mean() > 0.01  # vs 2e-5 above
         control = plain.train_step(batch)
         assert abs(control.tis_mean - 1.0) > 0.01 and abs(control.entropy - want_entropy[on].mean()) > 5e-3
+
+
+@pytest.mark.parametrize("length_bucket", [0, 8], ids=["whole_batch", "bucketed"])
+def test_rollout_scored_behaviour_logps_are_used_and_the_rest_recomputed(model, length_bucket):
+    """trainer.behaviour_logps = "rollout": rows that arrive with behaviour log-probs use them and
+    are not recomputed; the others (arrived without) are, each with its own version. Given exactly
+    the log-probs the trainer would compute, the step equals the all-recompute one; given other
+    ones, the step's ratios move (they are used). Under "trainer" arriving ones are ignored."""
+    graphdef, params, axes = model
+    mesh = sharding.make_mesh(jax.devices()[:2], {"fsdp": 2})
+    base = make_batch(4, np.arange(B) % 2)  # versions 0 and 1; the trainer is at version 1
+    known_B = np.arange(B) % 4 < 2  # half the rows arrive scored, of both versions
+    on = base.loss_mask_BT > 0
+
+    def run(source: str, shift: float):
+        config = dataclasses.replace(
+            CONFIG, behaviour_logps=source, length_bucket=length_bucket, kl_coef=0.0, reuse_current_logps=False
+        )
+        own = jax.tree.map(np.array, params)  # kl_coef 0: the trainer donates (deletes) what it is given
+        trainer = Trainer(graphdef, own, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE)
+        trainer.publish()
+        trainer.train_step(make_batch(0, 0))
+        trainer.publish()
+        exact_BT = trainer.behaviour_logps(base)
+        arrived_BT = np.where(on & known_B[:, None], exact_BT + shift, 0.0).astype(np.float32)
+        batch = dataclasses.replace(base, behaviour_logps_BT=arrived_BT, behaviour_known_B=known_B)
+        return trainer.train_step(batch), host(trainer.params)
+
+    recomputed, params_t = run("trainer", -0.5)  # the arriving (wrong) log-probs are ignored
+    scored, params_s = run("rollout", 0.0)
+    shifted, _ = run("rollout", -0.5)
+    assert recomputed.recomputed_rows == B and recomputed.rollout_scored_rows == 0
+    assert scored.recomputed_rows == shifted.recomputed_rows == B - known_B.sum() == B // 2
+    assert scored.rollout_scored_rows == B // 2
+    for field in ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_frac_high"):
+        np.testing.assert_allclose(getattr(scored, field), getattr(recomputed, field), rtol=1e-4, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(params_s), jax.tree.leaves(params_t)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)
+    # Behaviour log-probs 0.5 lower on half the rows: their ratios grow by exp(0.5) = 1.65.
+    assert shifted.ratio_max > 1.4 * recomputed.ratio_max and shifted.ratio_mean > 1.2 * recomputed.ratio_mean

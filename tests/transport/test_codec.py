@@ -77,7 +77,13 @@ def test_request_and_trajectory_round_trip():
         num_migrations=1,
     )
     rejected = Trajectory("g3/2", "g3", "p17", (5,), (), (), 4, (), FinishReason.REJECTED, error="prompt_ids is empty")
-    for t in (traj, rejected):
+    # Scored on its slice (trainer.behaviour_logps = "rollout"): the log-probs and the params digest
+    # travel with it, every double bit-exact; an empty response scored still says it was.
+    scored = dataclasses.replace(
+        traj, behaviour_logprobs=(-0.25000001, -1e-30, -3.5), behaviour_digest="0a1b2c3d4e5f6789"
+    )
+    empty_scored = dataclasses.replace(rejected, behaviour_logprobs=(), behaviour_digest="d")
+    for t in (traj, rejected, scored, empty_scored):
         assert (
             codec.trajectory_from_proto(pb.Trajectory.FromString(codec.trajectory_to_proto(t).SerializeToString())) == t
         )

@@ -115,6 +115,24 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
     assert _left_running(tmp_path / "run") == []
 
 
+def test_rollout_scored_behaviour_logps_travel_over_grpc(tmp_path):
+    """trainer.behaviour_logps = "rollout" across processes: the rollout processes score their
+    trajectories and send the log-probs and digest through the codec; the trainer process gets them
+    in its batches and recomputes nothing; every consumed row is rollout-scored, with its version's
+    digest (the audit checks it)."""
+    proc = _launch(tmp_path / "run", "--config.trainer.behaviour_logps=rollout")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = list(read_ledger(str(tmp_path / "run" / "ledger.jsonl")))
+    report = audit(events)
+    assert report.ok, report.summary()
+    assert report.consumed == STEPS * TBS and report.behaviour_rollout == STEPS * TBS
+    loaded = {(e["version"], e["digest"]) for e in events if e["ev"] == "load_version"}
+    assert {(e["version"], e["behaviour_digest"]) for e in events if e["ev"] == "consume"} <= loaded
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["recomputed_rows"], r["rollout_scored_rows"]) for r in rows] == [(0, TBS)] * STEPS
+    assert _left_running(tmp_path / "run") == []
+
+
 def test_a_killed_rollout_process_is_survived(tmp_path):
     steps = 2 * STEPS  # a run long enough that the kill lands mid-run on a loaded machine
     proc = _launch(tmp_path / "run", f"--config.num_steps={steps}", "--kill_slice=0", "--kill_after_s=0")

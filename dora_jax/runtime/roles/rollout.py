@@ -7,11 +7,16 @@ speaking gRPC, its versions fetched from the tensorstore tier or pulled device t
 
 from __future__ import annotations
 
+import functools
+
 from dora_jax import models
 from dora_jax.rollout.engine import RolloutEngine
+from dora_jax.rollout.scoring import TrajectoryScorer
 from dora_jax.rollout.worker import RolloutWorker
 from dora_jax.runtime.build import fresh_model_config
 from dora_jax.runtime.run_config import RunConfig
+from dora_jax.trainer import TrainerConfig
+from dora_jax.trainer.step import sequence_logps
 
 
 def model_config(config: RunConfig, tokenizer) -> models.ModelConfig:
@@ -32,6 +37,32 @@ def build_engine(config: RunConfig, served: models.ModelConfig, mesh, tokenizer)
     return RolloutEngine(served, config.rollout.engine_config(), mesh, tokenizer=tokenizer)
 
 
-def make_worker(config: RunConfig, engine: RolloutEngine, slice_id: int, eos_ids) -> RolloutWorker:
-    """A worker for slice `slice_id` on `engine` (nothing loaded, nothing in flight)."""
-    return RolloutWorker(engine, slice_id=slice_id, eos_ids=tuple(eos_ids), migration=config.rollout.migration_costs())
+def make_worker(
+    config: RunConfig, engine: RolloutEngine, slice_id: int, eos_ids, scorer: TrajectoryScorer | None = None
+) -> RolloutWorker:
+    """A worker for slice `slice_id` on `engine` (nothing loaded, nothing in flight). `scorer`: the
+    slice's scorer kept across restarts (its programs stay compiled); None: `make_scorer`'s."""
+    return RolloutWorker(
+        engine,
+        slice_id=slice_id,
+        eos_ids=tuple(eos_ids),
+        migration=config.rollout.migration_costs(),
+        scorer=scorer or make_scorer(config.trainer, engine),
+    )
+
+
+def make_scorer(trainer: TrainerConfig, engine: RolloutEngine) -> TrajectoryScorer | None:
+    """Under `trainer.behaviour_logps = "rollout"`: the slice's scorer of finished trajectories,
+    the trainer's own forward (`sequence_logps` with its vocab_chunk and temperature) on the slice's
+    mesh; None under "trainer"."""
+    if trainer.behaviour_logps != "rollout":
+        return None
+    forward = functools.partial(sequence_logps, vocab_chunk=trainer.vocab_chunk, temperature=trainer.temperature)
+    return TrajectoryScorer(
+        lambda graphdef, params, tokens_NT: forward(graphdef, params, tokens_NT)[0],
+        engine.graphdef,
+        engine.param_shardings,
+        engine.mesh,
+        engine.rules,
+        max_rows=engine.max_concurrent_decodes,
+    )
