@@ -53,27 +53,41 @@ def engine_b(slices):
     return RolloutEngine(TINY, ENGINE, slices.rollout[1])
 
 
+def warm(engine: RolloutEngine, params) -> RolloutEngine:
+    """`engine` with every program compiled (prefill buckets, row buckets, generate): warmed on
+    first use and again after tests/conftest.py drops jax's compiled programs at a module's end
+    (the engines live for the session; their programs do not)."""
+    if not engine.compile_counts()["generate"]:
+        engine.warmup(engine.load_params(params))
+    return engine
+
+
 @pytest.fixture(scope="session")
-def paged_engine(slices, tiny_params):
+def _paged_engine(slices):
+    return RolloutEngine(TINY, PAGED, slices.rollout[0])
+
+
+@pytest.fixture(scope="session")
+def _paged_engine_b(slices):
+    return RolloutEngine(TINY, PAGED, slices.rollout[1])
+
+
+@pytest.fixture
+def paged_engine(_paged_engine, tiny_params):
     """The paged KV cache on rollout slice 0, warm."""
-    engine = RolloutEngine(TINY, PAGED, slices.rollout[0])
-    engine.warmup(engine.load_params(tiny_params))
-    return engine
+    return warm(_paged_engine, tiny_params)
 
 
-@pytest.fixture(scope="session")
-def paged_engine_b(slices, tiny_params):
+@pytest.fixture
+def paged_engine_b(_paged_engine_b, tiny_params):
     """The paged KV cache on rollout slice 1 (the migration destination), warm."""
-    engine = RolloutEngine(TINY, PAGED, slices.rollout[1])
-    engine.warmup(engine.load_params(tiny_params))
-    return engine
+    return warm(_paged_engine_b, tiny_params)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def warm_engine(engine, tiny_params):
-    """`engine` with every program compiled (prefill buckets, row buckets, generate)."""
-    engine.warmup(engine.load_params(tiny_params))
-    return engine
+    """`engine`, warm."""
+    return warm(engine, tiny_params)
 
 
 def run_to_end(worker, max_steps: int = 500) -> dict:

@@ -14,7 +14,7 @@ from dora_jax.core.records import Request, SamplingParams
 from dora_jax.rollout.engine import EngineConfig, RolloutEngine
 from dora_jax.rollout.pages import OutOfPages, PagePool
 from dora_jax.rollout.worker import RolloutWorker
-from tests.rollout.conftest import PAGED, TINY, run_to_end
+from tests.rollout.conftest import PAGED, TINY, run_to_end, warm
 
 
 def _requests(n=10):
@@ -42,8 +42,8 @@ def _run(engine, tiny_params, *, pipelined=True, requests=None):
 
 
 @pytest.fixture(scope="module")
-def dense_reference(warm_engine, tiny_params):
-    return _run(warm_engine, tiny_params)[0]
+def dense_reference(engine, tiny_params):
+    return _run(warm(engine, tiny_params), tiny_params)[0]
 
 
 @pytest.fixture(scope="module")
