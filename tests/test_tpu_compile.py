@@ -116,6 +116,28 @@ def test_a_tiny_model_compiles_for_v5e_and_fits():
 
 
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
+def test_the_rollout_role_compiles_its_scoring_program_when_slices_score():
+    """trainer.behaviour_logps = "rollout": the rollout role also compiles the slice's scoring of
+    finished trajectories (the trainer's forward, the trainer's recompute chunk of rows, the whole
+    cache's positions), with its memory and an estimate that keeps to its flops floor."""
+    c = _config()
+    with c.unlocked():
+        c.trainer.behaviour_logps = "rollout"
+        c.trainer.micro_batch_size = 2  # fewer rows a call than the slice's 4 slots
+    config = run_config.parse(c)
+    result = aot.compile_roles(config, None, "v5e:2x2", roles=("rollout",))
+    assert result["fits"] is True
+    (rollout,) = result["roles"]
+    score = rollout["programs"][-1]
+    assert score["name"] == "score[rows=2,T=32]"
+    assert [p["name"] for p in rollout["programs"]].count(score["name"]) == 1
+    cfg = aot.model_config(config)
+    assert score["model_flops"] == pytest.approx(aot.train_model_flops(cfg, 2, 32) / 3.0)  # one chip
+    assert score["estimated_s"] >= score["model_flops"] / aot.CHIPS["v5e"].peak_flops
+    assert 0 < score["argument_bytes"] and rollout["peak_bytes_per_chip"] < 2**30
+
+
+@pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
 def test_moe_expert_projections_compile_to_the_megablox_kernels():
     """A tiny MoE (8 experts, top 2) trainer compiled for TPU on fsdp 1 x expert 2: with "grouped"
     the compiler expands the experts' weight gradients densely over every expert (XLA counts more

@@ -90,6 +90,12 @@ class TrajectoryScorer:
             out += [logps_NT[n, len(p) : len(p) + len(r)].copy() for n, (p, r) in enumerate(part)]
         return out
 
+    def lower(self, params, rows: int, length: int):
+        """The scoring program of the (rows, length) bucket, lowered for `params` (arrays or their
+        abstract shapes): what `tpu_compile` compiles for the rollout role."""
+        N, T = self.shape(rows, length)
+        return self._score.lower(params, jax.ShapeDtypeStruct((N, T), np.int32))
+
     def warmup(self, params, max_length: int) -> int:
         """Compiles every bucket a trajectory of up to `max_length` positions can get; returns how
         many programs that is."""

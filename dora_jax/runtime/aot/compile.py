@@ -32,12 +32,14 @@ from dora_jax.runtime.aot.costs import (
     hardware_flops,
     model_config,
     rollout_program,
+    scoring_program,
     train_model_flops,
     transient_bytes,
     weight_bytes,
 )
 from dora_jax.runtime.aot.report import result_of
 from dora_jax.runtime.aot.topology import Chip, GiB, RoleTarget, plan_roles
+from dora_jax.runtime.roles.rollout import make_scorer
 from dora_jax.runtime.run_config import RunConfig
 from dora_jax.sim.projection import project_workload
 from dora_jax.sim.workload import WorkloadSpec, mean_response
@@ -224,6 +226,7 @@ def compile_role(
         kv = kv_capacity(config, engine)
         slots = engine.config.num_slots
         programs = [rollout_program(name, lowered, cfg, chips, slots) for name, lowered in engine.lower_programs()]
+        programs += _scoring_programs(config, engine, _abstract(served, engine.param_shardings), cfg, chips)
     records = {}
     # Probes from another process are waited for last: everything else compiles meanwhile.
     order = sorted(range(len(programs)), key=lambda i: probes_from is not None and programs[i].name in probes)
@@ -238,6 +241,17 @@ def compile_role(
         kv |= _kernel_reads(engine, kv, records, target.chip)
         kv["migration_rule"] = migration_rule(config, engine, records)
     return _role_record(target, resident, records) | kv
+
+
+def _scoring_programs(config: RunConfig, engine: RolloutEngine, params, cfg, chips: int) -> list[Program]:
+    """Under `trainer.behaviour_logps = "rollout"`: the slice's scoring program at its largest
+    bucket (the trainer's recompute chunk of rows, the whole cache's positions); none otherwise."""
+    scorer = make_scorer(config.trainer, engine)
+    if scorer is None:
+        return []
+    rows, length = scorer.shape(scorer.max_rows, config.rollout.cache_length)
+    lowered = scorer.lower(params, rows, length)
+    return [scoring_program(f"score[rows={rows},T={length}]", lowered, cfg, chips, rows, length)]
 
 
 def migration_rule(config: RunConfig, engine: RolloutEngine, records: list[dict]) -> list[dict]:

@@ -181,6 +181,21 @@ def rollout_program(name: str, lowered, cfg: models.ModelConfig, chips: int, slo
     return Program(name, lambda: lowered, model_flops=flops / chips, weight_bytes=weight_bytes(cfg, cfg.dtype, chips))
 
 
+def scoring_program(name: str, lowered, cfg: models.ModelConfig, chips: int, rows: int, length: int) -> Program:
+    """The rollout slice's scoring of finished trajectories (`trainer.behaviour_logps = "rollout"`):
+    the trainer's recompute forward over rows x length positions, on the slice's weights in the
+    compute dtype."""
+    kernel = cfg.attention == "pallas_tpu"
+    return Program(
+        name,
+        lambda: lowered,
+        model_flops=train_model_flops(cfg, rows, length) / 3.0 / chips,  # a forward
+        opaque_flops=attention_kernel_flops(cfg, rows, length, backward=False) / chips if kernel else 0.0,
+        hardware_flops=hardware_flops(cfg, rows, length, backward=False, kernel=kernel) / chips,
+        weight_bytes=weight_bytes(cfg, cfg.dtype, chips),
+    )
+
+
 def attention_kernel_flops(cfg: models.ModelConfig, rows: int, length: int, *, backward: bool) -> float:
     """Flops of the causal attention kernel over rows x length tokens, all layers: a forward
     pass is 2 matmuls over half the T x T scores (2 L H D T^2 per row); a backward pass 5 (the

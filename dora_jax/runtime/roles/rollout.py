@@ -54,7 +54,8 @@ def make_worker(
 def make_scorer(trainer: TrainerConfig, engine: RolloutEngine) -> TrajectoryScorer | None:
     """Under `trainer.behaviour_logps = "rollout"`: the slice's scorer of finished trajectories,
     the trainer's own forward (`sequence_logps` with its vocab_chunk and temperature) on the slice's
-    mesh; None under "trainer"."""
+    mesh, `trainer.micro_batch_size` rows a call at most (as the trainer's recompute); None under
+    "trainer"."""
     if trainer.behaviour_logps != "rollout":
         return None
     forward = functools.partial(sequence_logps, vocab_chunk=trainer.vocab_chunk, temperature=trainer.temperature)
@@ -64,5 +65,6 @@ def make_scorer(trainer: TrainerConfig, engine: RolloutEngine) -> TrajectoryScor
         engine.param_shardings,
         engine.mesh,
         engine.rules,
-        max_rows=engine.max_concurrent_decodes,
+        # at most the trainer's recompute chunk a call: its memory is the recompute's, not the slots'
+        max_rows=min(engine.max_concurrent_decodes, trainer.micro_batch_size),
     )
