@@ -136,6 +136,31 @@ def test_fault_spec_errors_name_the_item():
     with pytest.raises(ValueError, match="DORA_FAULTS item 'kill=nowhere:1'"):
         faults.parse("kill=nowhere:1")
     assert faults.parse("kill=train_step:3,slice_error=1:2")["slice_error"] == [(1, 2)]
+    with pytest.raises(ValueError, match="DORA_FAULTS item 'slice_kill_file=': expected a file path"):
+        faults.parse("slice_kill_file=")
+
+
+def test_a_slice_kill_file_kills_the_worker_at_its_first_step_with_requests(tmp_path):
+    """launch_local --kill_slice's fault: nothing happens without the file or with empty slots;
+    with both, the process is SIGKILLed and the file is gone (the kill happens once)."""
+    import subprocess
+    import sys
+
+    kill_file = tmp_path / "kill_rollout_0"
+    script = (
+        "import os, sys\n"
+        "from dora_jax.runtime import faults\n"
+        "faults.before_rollout_step(3)\n"  # no file yet
+        "open(sys.argv[1], 'w').close()\n"
+        "faults.before_rollout_step(0)\n"  # the file, but no request in the slots
+        "print('alive', flush=True)\n"
+        "faults.before_rollout_step(2)\n"
+        "print('survived', flush=True)\n"
+    )
+    env = {**os.environ, "DORA_FAULTS": f"slice_kill_file={kill_file}"}
+    proc = subprocess.run([sys.executable, "-c", script, str(kill_file)], env=env, capture_output=True, text=True)
+    assert proc.returncode == -9 and proc.stdout == "alive\n", (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert not kill_file.exists()
 
 
 @pytest.mark.slow

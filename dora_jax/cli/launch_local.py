@@ -24,11 +24,12 @@ alone talks to the coordinator, mirroring every engine call to the others. `--tr
 does the same for the trainer (every process takes the same batch and runs the same step).
 Logs of the extra processes: DIR/logs/<role>_h<i>.log.
 
-`--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL at
-the first moment, T seconds or more after the coordinator starts dispatching, when the ledger shows
-it holding requests (checked again with the slice stopped: SIGSTOP, wait for the ledger, then
-SIGKILL, or SIGCONT when it had finished them meanwhile). Fault injection: the run must finish,
-its requests re-dispatched, the audit clean.
+`--kill_slice=N --kill_after_s=T` kills rollout worker N (all of its processes) with SIGKILL, T
+seconds or more after the coordinator starts dispatching, at the worker's first step with requests
+in its slots (the launcher drops a file the worker looks for before each step: DORA_FAULTS
+`slice_kill_file`, dora_jax/runtime/faults.py; the worker SIGKILLs itself, the launcher its other
+hosts' processes). Those requests are neither finished nor exported, so the slice surely dies
+holding work. Fault injection: the run must finish, its requests re-dispatched, the audit clean.
 
 Run again on the workdir of a run that was stopped or killed (every process at once, as a spot
 preemption does), it resumes that run: the trainer restores its newest checkpoint
@@ -82,7 +83,7 @@ TRAINER_HOSTS = flags.DEFINE_integer(
 )
 KILL_SLICE = flags.DEFINE_integer("kill_slice", -1, "fault injection: SIGKILL this rollout worker mid-run")
 KILL_AFTER_S = flags.DEFINE_float(
-    "kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, as soon as it holds requests"
+    "kill_after_s", 30.0, "kill --kill_slice this long after dispatch starts, at its next step with requests"
 )
 KILL_ROLE = flags.DEFINE_enum(
     "kill_role",
@@ -228,10 +229,15 @@ def _launch_once(
     for sid in range(config.rollout.num_slices):
         roles[f"rollout_{sid}"] = ("rollout_worker", [*clients, f"--slice_id={sid}"], rollout)
         environments[f"rollout_{sid}"] = credentials.environment(auth.rollout(sid))
+    if 0 <= KILL_SLICE.value < config.rollout.num_slices and outcome["killed"] is None:
+        environments[f"rollout_{KILL_SLICE.value}"].update(_kill_file_faults(logs))
 
     def respawn(name: str) -> bool:
         """Starts a dead single-process role again (a restarted coordinator listens on the same
-        port, so the others reconnect); False when no restart is left or the role spans hosts."""
+        port, so the others reconnect); False when no restart is left or the role spans hosts
+        (`name` may be one of its extra hosts' processes, rollout_<i>_h<j>, which `roles` lacks)."""
+        if name not in roles:
+            return False
         module, args, hosts_devices = roles[name]
         if outcome["restarts"] >= cli.flag_or(cli.MAX_RESTARTS, 0) or hosts_devices[0] > 1:
             return False
@@ -259,17 +265,10 @@ def _launch_once(
     return stop["signal"] is not None
 
 
-# >> the ledger's flush interval (0.2 s) plus the coordinator's handling of posted results; 2 s
-# was too short on a loaded 2-core CI machine (a result posted before the stop was ledgered after
-# the kill: the slice held nothing when it died)
-_SETTLE_S = 4.0
-_SETTLE_MAX_S = 20.0  # far below the heartbeat timeout that would declare the stopped slice dead (120 s)
-
-
 def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dict, num_steps: int, respawn) -> None:
     deadline = time.monotonic() + cli.flag_or(cli.TIMEOUT_S, 7200.0)
-    dispatch_t, reported, exits_seen = None, -1, set()
-    follower = _SliceLoad(fs.join(workdir, "ledger.jsonl"), KILL_SLICE.value)
+    dispatch_t, told, reported, exits_seen = None, False, -1, set()
+    follower = _FirstDispatch(fs.join(workdir, "ledger.jsonl"))
     while stop["signal"] is None:
         if children["trainer"].poll() is not None:
             code = children["trainer"].returncode
@@ -294,23 +293,25 @@ def _supervise(children: dict, workdir: str, logs: str, outcome: dict, stop: dic
                     f"{name} exited with {child.returncode} (the coordinator re-dispatches its work):\n"
                     + _tail(logs, name, 5)
                 )
-        # Fault injection only into a running job: once the coordinator has ended the run, the
-        # ledger still shows the requests cut off by its end as held, by processes already gone.
-        running = code is None and all(
-            c.poll() is None for c in _slice_processes(children, f"rollout_{KILL_SLICE.value}")
-        )
-        if KILL_SLICE.value >= 0 and outcome["killed"] is None and running:
-            holding = follower.poll()
-            if dispatch_t is None and follower.dispatched:
+        # Fault injection only into a running job: the slice is told to die (the file), then its
+        # other hosts' processes follow once it has.
+        victims = _slice_processes(children, f"rollout_{KILL_SLICE.value}")
+        if KILL_SLICE.value >= 0 and outcome["killed"] is None and code is None:
+            kill_file = _kill_file(logs)
+            if dispatch_t is None and follower.poll():
                 dispatch_t = time.monotonic()
-            if dispatch_t is not None and time.monotonic() - dispatch_t > KILL_AFTER_S.value and holding:
-                held = _freeze_and_confirm(_slice_processes(children, f"rollout_{KILL_SLICE.value}"), follower)
-                if held:
-                    outcome["killed"] = (
-                        f"rollout_{KILL_SLICE.value} (SIGKILL {time.monotonic() - dispatch_t:.1f}s after "
-                        f"the first dispatch, holding {held} requests by the ledger)"
-                    )
-                    _print(f"killed {outcome['killed']}")
+            if dispatch_t is not None and not told and time.monotonic() - dispatch_t > KILL_AFTER_S.value:
+                open(kill_file, "w").close()
+                told = True
+            if told and not os.path.exists(kill_file):  # the worker took it: it is dying mid-step
+                for victim in victims:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(victim.pid, signal.SIGKILL)
+                outcome["killed"] = (
+                    f"rollout_{KILL_SLICE.value} (SIGKILL at its first step with requests in its slots, "
+                    f"{time.monotonic() - dispatch_t:.1f}s after the first dispatch)"
+                )
+                _print(f"killed {outcome['killed']}")
         steps = _steps_done(workdir)
         if (
             KILL_ROLE.value
@@ -352,23 +353,20 @@ def _spawn_slice(
         )
 
 
-def _freeze_and_confirm(victims: list[subprocess.Popen], follower: _SliceLoad) -> int:
-    """SIGSTOPs the slice's processes, waits until the coordinator has ledgered whatever they
-    posted before the stop (the slice's count in the ledger unchanged for `_SETTLE_S`, at most
-    `_SETTLE_MAX_S`), and SIGKILLs them if the ledger still has them holding requests (work that is
-    then lost for sure, not finished and in flight); otherwise lets them go on (SIGCONT) and
-    returns 0. Killing on the ledger alone raced with results already posted."""
-    for victim in victims:
-        os.killpg(victim.pid, signal.SIGSTOP)
-    held, deadline = follower.poll(), time.monotonic() + _SETTLE_MAX_S
-    while time.monotonic() < deadline:
-        time.sleep(_SETTLE_S)
-        settled, held = held, follower.poll()
-        if held == settled:
-            break
-    for victim in victims:
-        os.killpg(victim.pid, signal.SIGKILL if held else signal.SIGCONT)
-    return held
+def _kill_file(logs: str) -> str:
+    return os.path.join(logs, f"kill_rollout_{KILL_SLICE.value}")
+
+
+def _kill_file_faults(logs: str) -> dict:
+    """The kill slice's DORA_FAULTS: this launcher's own faults plus `slice_kill_file` (a file
+    of this launch's logs, none there yet)."""
+    path = _kill_file(logs)
+    if "," in path:
+        raise app.UsageError(f"--kill_slice: the logs directory {logs!r} holds a comma, which DORA_FAULTS cannot carry")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)  # a stopped run's, which would kill the slice at its first step
+    faults = [f for f in os.environ.get("DORA_FAULTS", "").split(",") if f.strip()]
+    return {"DORA_FAULTS": ",".join([*faults, f"slice_kill_file={path}"])}
 
 
 def _slice_processes(children: dict, name: str) -> list[subprocess.Popen]:
@@ -450,31 +448,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _SliceLoad:
-    """Follows the ledger as it grows: how many requests one slice holds (dispatched or migrated
-    to it, not yet finished or moved off), so fault injection can kill it mid-rollout."""
+class _FirstDispatch:
+    """Follows the ledger as it grows until the coordinator's first dispatch."""
 
-    def __init__(self, path: str, slice_id: int):
-        self._path, self._slice = path, slice_id
-        self._offset, self._held = 0, set()
-        self.dispatched = False
+    def __init__(self, path: str):
+        self._path, self._offset, self.dispatched = path, 0, False
 
-    def poll(self) -> int:
-        with contextlib.suppress(OSError):
-            data = fs.read_bytes(self._path, self._offset)
-            complete = data[: data.rfind(b"\n") + 1]
-            self._offset += len(complete)
-            for line in complete.splitlines():
-                self._apply(json.loads(line))
-        return len(self._held)
-
-    def _apply(self, event: dict) -> None:
-        ev, traj = event["ev"], event.get("traj")
-        self.dispatched |= ev == "dispatch"
-        if (ev == "dispatch" and event["slice"] == self._slice) or (ev == "migrate" and event["to"] == self._slice):
-            self._held.add(traj)
-        elif ev in ("finish", "late_finish") or (ev == "migrate" and event["from"] == self._slice):
-            self._held.discard(traj)
+    def poll(self) -> bool:
+        if not self.dispatched:
+            with contextlib.suppress(OSError):
+                data = fs.read_bytes(self._path, self._offset)
+                complete = data[: data.rfind(b"\n") + 1]
+                self._offset += len(complete)
+                self.dispatched = b'"ev":"dispatch"' in complete
+        return self.dispatched
 
 
 def _steps_done(workdir: str) -> int:

@@ -14,6 +14,9 @@ here does anything:
                             finished trajectories (trainer.behaviour_logps = "rollout") fails from
                             then on: they are posted unscored, and the trainer recomputes them
   checkpoint_error=<n>      the n-th checkpoint save fails as a full disk would (ENOSPC)
+  slice_kill_file=<path>    a rollout worker SIGKILLs itself at its first step with requests in
+                            its slots after <path> appears, and removes <path> (launch_local
+                            --kill_slice: the slice dies holding work nobody has seen finish)
 
 The faults are real: a real SIGKILL, a real exception on the worker thread, a real OSError in the
 save path; only the moment is chosen.
@@ -22,6 +25,7 @@ save path; only the moment is chosen.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import signal
@@ -40,6 +44,7 @@ def parse(spec: str) -> dict:
         "slice_load_error": [],
         "score_error": [],
         "checkpoint_error": None,
+        "slice_kill_file": None,
     }
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, value = item.partition("=")
@@ -54,6 +59,10 @@ def parse(spec: str) -> dict:
                 out[name].append((int(slice_id), int(step)))
             elif name == "checkpoint_error":
                 out["checkpoint_error"] = int(value)
+            elif name == "slice_kill_file":
+                if not value:
+                    raise ValueError("expected a file path")
+                out["slice_kill_file"] = value
             else:
                 raise ValueError(f"unknown fault {name!r}")
         except ValueError as err:
@@ -83,6 +92,19 @@ def reached(point: str) -> None:
     _hits[point] += 1
     if _hits[point] == kill[1]:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def before_rollout_step(active: int) -> None:
+    """A rollout worker about to step with `active` requests in its slots: SIGKILLs the process
+    when `slice_kill_file` is set, exists and some request is active (removing the file first, so
+    the kill happens once). Active requests are neither finished nor exported, so the coordinator
+    holds them as the slice's for certain: they are lost with it and dispatched again."""
+    path = _faults()["slice_kill_file"]
+    if path is None or active == 0 or not os.path.exists(path):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def slices_to_fail(step: int) -> list[tuple[int, str]]:

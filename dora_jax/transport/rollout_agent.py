@@ -49,9 +49,12 @@ class RolloutAgent:
         chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
         kv_transfer=None,
         log=print,
+        before_step: Callable[[int], None] | None = None,
     ):
         """`kv_transfer` (a KVTransfer): migrated KV rows go device to device between slices, the
-        coordinator carrying only their tickets; None sends them through the coordinator."""
+        coordinator carrying only their tickets; None sends them through the coordinator.
+        `before_step(active)` runs before each worker step with the number of requests in its
+        slots (fault injection: dora_jax/runtime/faults.py)."""
         self.client = client
         self.worker = worker
         self.kv_transfer = kv_transfer
@@ -60,6 +63,7 @@ class RolloutAgent:
         self._silence_s = silence_s
         self._chunk_bytes = chunk_bytes
         self._log = log
+        self._before_step = before_step
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._done = threading.Event()
         self._seq = 0
@@ -189,7 +193,10 @@ class RolloutAgent:
                 )
             if self.worker.has_work:
                 start, wall = time.perf_counter(), time.time()
-                occupancy = len(self.worker.active_traj_ids) / self.worker.num_slots
+                active = len(self.worker.active_traj_ids)
+                if self._before_step is not None:
+                    self._before_step(active)
+                occupancy = active / self.worker.num_slots
                 finished = self.worker.step()
                 seconds = time.perf_counter() - start
                 self.busy_s += seconds

@@ -20,6 +20,7 @@ import jax
 import dora_jax
 from dora_jax.parallel import sharding
 from dora_jax.rollout import timeline
+from dora_jax.runtime import faults
 from dora_jax.runtime.build import make_tokenizer
 from dora_jax.runtime.roles import rollout as rollout_role
 from dora_jax.store import ParamStore, TensorStoreTier
@@ -119,6 +120,7 @@ def serve(config, workdir: str, client, slice_id: int, context: Context) -> str:
         silence_s=context.connect_timeout_s,
         kv_transfer=None if mirror else _kv_transfer(engine, context),
         log=log.info,
+        before_step=faults.before_rollout_step,
     )
     try:
         agent.register()  # refused or unreachable: fail now, before any wait or compile
