@@ -130,6 +130,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.micro_batch_tokens = 8192  # token-budget micro-batches: 2K positions per chip (64 rows of 128, 8 of 1K)
     c.trainer.vocab_chunk = 8192  # log-probs over the 152K vocabulary 8K entries at a time
     c.trainer.behaviour_logps = "trainer"  # or "rollout": each slice scores its trajectories (docs/tpu_compile.md)
+    c.trainer.score_ahead = False  # True: behaviour log-probs of finished groups computed while the trainer waits
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 50  # periodic checkpoints into the workdir

@@ -239,3 +239,28 @@ def test_a_slice_that_cannot_score_leaves_its_rows_to_the_trainer(tmp_path, monk
     assert {finished_on[t] for t in by_trainer} == {0}  # only the slice that could not score
     assert result.audit.behaviour_trainer == len(by_trainer) == sum(r["recomputed_rows"] for r in rows)
     assert sum(r["rollout_scored_rows"] for r in rows) == 6 * 8 - len(by_trainer)
+
+
+@pytest.mark.slow
+def test_behaviour_logps_scored_ahead_while_waiting_audit_clean(tmp_path):
+    """trainer.score_ahead: while the trainer waits for a batch it computes the behaviour log-probs
+    of the groups already finished for it; every row of a step is then scored ahead, recomputed, or
+    the step's own forward gives it (current version), the reported digests are the versions' own
+    (the audit checks them), and some rows were scored ahead. One slice of 4 slots finishes the
+    groups of 4 one after another: the trainer waits with one group of its batch finished."""
+    steps = 8
+    c = tiny_config("dora", steps=steps)
+    with c.unlocked():
+        c.trainer.score_ahead = True
+        c.rollout.num_slices = 1
+        c.log.tensorboard = False
+    result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
+    assert result.steps == steps and result.audit.ok, result.audit.summary()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    consumed = [e for e in read_ledger(str(tmp_path / "ledger.jsonl")) if e["ev"] == "consume"]
+    assert len(consumed) == steps * 8 and all(e["behaviour"] == "trainer" for e in consumed)
+    for step, row in enumerate(rows):
+        stale = sum(1 for e in consumed if e["step"] == step and e["version"] != step)
+        assert row["recomputed_rows"] + row["ahead_rows"] == stale, (row, stale)
+        assert row["score_ahead_s"] >= 0
+    assert sum(r["ahead_rows"] for r in rows) > 0, [(r["recomputed_rows"], r["ahead_rows"]) for r in rows]

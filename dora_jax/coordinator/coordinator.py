@@ -24,7 +24,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 
 from dora_jax.coordinator import (
@@ -876,21 +876,40 @@ class Coordinator:
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
             return batch
 
+    def peek_batch(self, trainer_version: int, exclude: Collection[str] = ()) -> list[Group]:
+        """The finished groups the batch for `trainer_version` would take now, oldest first, but
+        those in `exclude` (group ids); nothing is taken or written. [] while the trainer's last
+        publish is still in the inbox (the trainer works ahead on these: `trainer.score_ahead`)."""
+        with self._cond:
+            if trainer_version != self.latest:
+                return []
+            need = self.config.train_batch_size // self.config.group_size
+            return [g for g in self.queue.peek_oldest(need) if g.group_id not in exclude]
+
     def take_batch(
-        self, trainer_version: int, timeout: float | None = None, cancel: threading.Event | None = None
+        self,
+        trainer_version: int,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+        idle: Callable[[], bool] | None = None,
     ) -> list[Group] | None:
         """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s.
-        None once the coordinator is closed or `cancel` is set (nothing is taken then)."""
+        None once the coordinator is closed or `cancel` is set (nothing is taken then). Between
+        tries it calls `idle()` (no lock held), which returns whether it did work (then it tries
+        again at once) or not (then it waits a little)."""
         start = time.monotonic()
-        while True:
-            batch = self.try_take_batch(trainer_version)
-            if batch is not None or self.closed or (cancel is not None and cancel.is_set()):
-                self.stats.trainer_wait_s += time.monotonic() - start
-                return batch
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
-            with self._cond:
-                self._cond.wait(0.05)
+        try:
+            while True:
+                batch = self.try_take_batch(trainer_version)
+                if batch is not None or self.closed or (cancel is not None and cancel.is_set()):
+                    return batch
+                if timeout is not None and time.monotonic() - start > timeout:
+                    raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
+                if idle is None or not idle():
+                    with self._cond:
+                        self._cond.wait(0.05)
+        finally:
+            self.stats.trainer_wait_s += time.monotonic() - start
 
 
 def _behaviour_source(traj: Trajectory) -> dict:

@@ -417,8 +417,9 @@ class CoordinatorSource:
         self._coord, self._store, self._threads = coord, store, threads  # threads grows as slices restart
         self._cancel, self._loop_error = cancel, loop_error
 
-    def take(self, trainer_version: int) -> training_loop.TakenBatch | None:
-        groups = self._coord.take_batch(trainer_version, cancel=self._cancel)
+    def take(self, trainer_version: int, ahead=None) -> training_loop.TakenBatch | None:
+        idle = None if ahead is None else _Peeker(self._coord, trainer_version, ahead)
+        groups = self._coord.take_batch(trainer_version, cancel=self._cancel, idle=idle)
         if groups is None:
             if self._cancel is not None and self._cancel.is_set():
                 return None
@@ -443,6 +444,21 @@ class CoordinatorSource:
             "migrations_reprefill": self._coord.stats.migrations_reprefill,
             **{k: getattr(self._coord.stats, k) for k in training_loop.DYNAMIC_SAMPLING_COUNTERS},
         }
+
+
+class _Peeker:
+    """`take_batch`'s idle work: hands `ahead` the groups the batch will hold, each once."""
+
+    def __init__(self, coord: Coordinator, trainer_version: int, ahead):
+        self._coord, self._version, self._ahead = coord, trainer_version, ahead
+        self._handed: set[str] = set()
+
+    def __call__(self) -> bool:
+        groups = self._coord.peek_batch(self._version, exclude=self._handed)
+        if groups:
+            self._handed.update(g.group_id for g in groups)
+            self._ahead(groups)
+        return bool(groups)
 
 
 def _retire(store: ParamStore, coord: Coordinator, latest: int) -> None:

@@ -43,9 +43,11 @@ class TakenBatch:
 
 
 class BatchSource(Protocol):
-    def take(self, trainer_version: int) -> TakenBatch | None:
+    def take(self, trainer_version: int, ahead: Callable[[Sequence[Group]], None] | None = None) -> TakenBatch | None:
         """Blocks for the batch that takes the trainer from `trainer_version` to the next; None
-        when the run is to stop (a preemption) with nothing taken."""
+        when the run is to stop (a preemption) with nothing taken. While it waits, hands
+        `ahead` each finished group the batch will hold (once each; oldest first), for the
+        trainer to work on meanwhile (`trainer.score_ahead`)."""
 
     def published(self, version: int, behaviour_digests: Mapping[int, str]) -> None:
         """The trainer stored `version`; `behaviour_digests` are the params it recomputed with."""
@@ -66,6 +68,7 @@ def sizes(config, pad_id: int) -> dict:
     """`train`'s batch-shape and packing arguments from a RunConfig (the same for every caller)."""
     return {
         "num_steps": config.num_steps,
+        "batch_rows": config.coordinator.train_batch_size,
         "pad_to": config.pad_to,
         "pad_id": pad_id,
         "max_length": config.rollout.cache_length,
@@ -80,6 +83,7 @@ def train(
     num_steps: int,
     pad_to: int,
     pad_id: int,
+    batch_rows: int | None = None,
     max_length: int | None = None,
     writer: MetricsWriter | None = None,
     after_step: Callable[[int], dict] | None = None,
@@ -91,13 +95,21 @@ def train(
     """Trains from the trainer's version to `num_steps`. `after_step(step)` runs once the step is
     published (checkpoints, faults) and returns extra row fields; `on_row(row)` sees each row;
     `should_stop()` (a preemption) ends the loop after a step. `shaping` turns graded rewards into
-    training rewards as batches are packed (with the trainer's `overlong_filter`)."""
+    training rewards as batches are packed (with the trainer's `overlong_filter`). With
+    `trainer.score_ahead` (one-process trainers), the trainer computes behaviour log-probs of the
+    groups its next batch will hold while it waits for it; `batch_rows` (the train batch size)
+    packs them as that batch is."""
     start = time.perf_counter() if start is None else start
     result = LoopResult([], 0.0, [], stopped_early=False)
     last = dict(source.counters())
+    ahead = None
+    if trainer.scores_ahead:
+        if batch_rows is None:
+            raise ValueError("trainer.score_ahead needs batch_rows (the train batch size)")
+        ahead = _Ahead(trainer, pad_to, pad_id, batch_rows, max_length)
     for step in range(trainer.version, num_steps):
         t_take = time.perf_counter()
-        taken = source.take(trainer.version)
+        taken = source.take(trainer.version) if ahead is None else source.take(trainer.version, ahead=ahead)
         if taken is None:
             result.stopped_early = True
             break
@@ -119,6 +131,8 @@ def train(
         source.published(trainer.version, metrics.behaviour_digests)
         row = step_row(step, batch, metrics, taken.stats, last, start, wait_s=t0 - t_take)
         row["train_interval_t"] = [wall0, wall0 + (t1 - t0)]  # wall clock: lines up with other processes
+        if ahead is not None:  # behaviour log-probs computed while waiting for this batch
+            row["score_ahead_s"], ahead.seconds = ahead.seconds, 0.0
         last = dict(taken.stats)
         if after_step is not None:
             row.update(after_step(step) or {})
@@ -131,6 +145,33 @@ def train(
             result.stopped_early = True
             break
     return result
+
+
+class _Ahead:
+    """`trainer.score_ahead`: packs the groups a take hands over while it waits as a training
+    batch would be packed, and has the trainer compute their behaviour log-probs."""
+
+    def __init__(self, trainer: Trainer, pad_to: int, pad_id: int, batch_rows: int, max_length: int | None):
+        self._trainer, self._pad_to, self._pad_id = trainer, pad_to, pad_id
+        self._rows, self._max_length = batch_rows, max_length
+        self.seconds = 0.0  # spent computing since the last step's row
+
+    def __call__(self, groups: Sequence[Group]) -> None:
+        start = time.perf_counter()
+        part, rows = [], 0  # a take hands over at most a batch; more is packed as several
+        for group in groups:
+            if part and rows + len(group.samples) > self._rows:
+                self._score(part)
+                part, rows = [], 0
+            part.append(group)
+            rows += len(group.samples)
+        if part:
+            self._score(part)
+        self.seconds += time.perf_counter() - start
+
+    def _score(self, groups: list[Group]) -> None:
+        batch = make_train_batch(groups, self._pad_to, self._pad_id, num_rows=self._rows, max_length=self._max_length)
+        self._trainer.score_ahead(batch)
 
 
 def step_row(

@@ -258,6 +258,13 @@ class BucketedStep:
         )
         return state, outputs
 
+    def behaviour_logps(self, batch: TrainBatch, params_of, skip_B: np.ndarray) -> np.ndarray:
+        """[B, T] behaviour log-probs on the host of the rows not in `skip_B` (the rest 0), in the
+        step's own recompute chunks (no program of its own)."""
+        tokens_BT = np.asarray(batch.tokens_BT, np.int32)
+        versions_B = np.asarray(batch.versions_B, np.int64)
+        return self._behaviour_logps(tokens_BT, versions_B, row_lengths(batch), params_of, np.asarray(skip_B, bool))
+
     def _behaviour_logps(self, tokens_BT, versions_B, lengths_B, params_of, current_B, known_B=None) -> np.ndarray:
         """[B, T] behaviour log-probs on the host, computed before any update (the updates donate
         the current params, the behaviour policy of the newest samples), except the `current_B`

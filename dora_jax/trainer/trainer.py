@@ -37,6 +37,7 @@ from dora_jax.parallel.sharding import (
 from dora_jax.store import ParamStore
 from dora_jax.store.digest import params_digest
 from dora_jax.trainer.advantages import ESTIMATORS
+from dora_jax.trainer.ahead import AheadLogps
 from dora_jax.trainer.bucketed import BucketedStep, batch_widths
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
@@ -107,6 +108,11 @@ class TrainerConfig:
     behaviour_logps: str = setting(
         "trainer | rollout: who computes behaviour log-probs (rollout: the generating slice scores them)", "trainer"
     )
+    # While the trainer waits for its batch, it computes the behaviour log-probs of the finished
+    # groups the coordinator will hand it (dora_jax.trainer.ahead); the step then recomputes only
+    # the rows that arrived since. One-process trainers only (the hosts of a multi-host trainer
+    # would have to wait in step).
+    score_ahead: bool = setting("compute behaviour log-probs of finished groups while waiting for the batch", False)
     # The rollout's sampling temperature T: every log-prob the trainer takes (current policy,
     # behaviour recompute, KL reference) is of softmax(logits / T), as the engine's inference
     # log-probs are. Set by dora_jax.runtime.run_config from rollout.temperature, not by hand.
@@ -188,6 +194,7 @@ class StepMetrics:
     staleness: dict[int, int]  # trainer version - generating version -> samples
     recomputed_rows: int = 0  # rows whose behaviour log-probs were recomputed (the rest: the step's own forward)
     rollout_scored_rows: int = 0  # rows whose behaviour log-probs came scored by their rollout slice
+    ahead_rows: int = 0  # rows whose behaviour log-probs the trainer computed while it waited (score_ahead)
     # MoE only (None for a dense model), over the step's loss tokens:
     expert_load: tuple[tuple[int, ...], ...] | None = None  # per MoE layer: assignments per expert
     router_load_ratio: tuple[float, ...] | None = None  # per MoE layer: max / mean expert load (1 = balanced)
@@ -321,6 +328,7 @@ class Trainer:
         )
         self._digests: dict[int, str] = {}  # version -> params digest (dora_jax.store.digest)
         self._used_digests: dict[int, str] = {}  # those the current step recomputed with
+        self._ahead = AheadLogps()  # rows computed while waiting for their batch (score_ahead)
         self._behaviour = BehaviourLogps(
             graphdef,
             self.param_shardings,
@@ -388,6 +396,11 @@ class Trainer:
         return self._version
 
     @property
+    def scores_ahead(self) -> bool:
+        """`trainer.score_ahead`, for a one-process trainer (see TrainerConfig)."""
+        return self.config.score_ahead and jax.process_count() == 1
+
+    @property
     def params(self):
         return self._state.params
 
@@ -442,16 +455,43 @@ class Trainer:
         # Rows are sharded over the mesh, which may span processes: every host gathers them all.
         return multihost_utils.process_allgather(logps_UMCT, tiled=True).reshape(np.shape(batch.tokens_BT))
 
+    def score_ahead(self, batch: TrainBatch) -> int:
+        """Computes the behaviour log-probs of `batch`'s rows that have none yet (not scored by
+        their slice, not computed before, not of the current version when the step's own forward
+        gives those), to be used when a batch holding these rows comes (`train_step`). The trainer
+        calls it while it waits for that batch (`trainer.score_ahead`); `batch` is packed as a
+        training batch (its size and widths), with padding rows. Returns the rows computed."""
+        versions_B = np.asarray(batch.versions_B, np.int64)
+        self._check_batch(batch, versions_B)
+        wanted_B = self._ahead.wanted(batch) & ~self._arrived_rows(batch)
+        if self.config.reuse_current_logps:
+            wanted_B &= versions_B != self._version
+        if not wanted_B.any():
+            return 0
+        if self._bucketed is not None:
+            logps_BT = self._bucketed.behaviour_logps(batch, self._params_of, ~wanted_B)
+        else:
+            logps_UMCT = self._behaviour(
+                self._rows(batch.tokens_BT, np.int32), versions_B, self._params_of, skip_B=~wanted_B
+            )
+            logps_BT = multihost_utils.process_allgather(logps_UMCT, tiled=True).reshape(np.shape(batch.tokens_BT))
+        digests = {int(v): self._digests[int(v)] for v in np.unique(versions_B[wanted_B])}
+        self._ahead.store(batch, np.asarray(logps_BT), wanted_B, digests)
+        return int(wanted_B.sum())
+
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
         self._used_digests = {}
         start = time.perf_counter()
-        known_B = self._arrived_rows(batch)
+        arrived_B = self._arrived_rows(batch)
+        batch, ahead_B, ahead_digests = self._ahead.apply(batch, ~arrived_B)
+        self._used_digests.update(ahead_digests)
+        known_B = arrived_B | ahead_B  # log-probs at hand: not recomputed
         current_B = self._current_rows(versions_B) & ~known_B
         if current_B.any():
             self._params_of(self._version)  # notes the current version's digest for the ledger
-        rows = (int(versions_B.size - current_B.sum() - known_B.sum()), int(known_B.sum()))
+        rows = (int(versions_B.size - current_B.sum() - known_B.sum()), int(arrived_B.sum()), int(ahead_B.sum()))
         if self._bucketed is not None:
             self._state, outputs = self._bucketed(
                 self._state, batch, self._ref_params, self._params_of, current_B, known_B
@@ -570,8 +610,8 @@ class Trainer:
                 f"batch holds version {versions_B.max()}, newer than the trainer's version {self._version}"
             )
 
-    def _finish(self, outputs, versions_B: np.ndarray, elapsed: float, rows: tuple[int, int]) -> StepMetrics:
-        """`rows`: (recomputed here, scored by the rollout) behaviour log-prob rows."""
+    def _finish(self, outputs, versions_B: np.ndarray, elapsed: float, rows: tuple[int, int, int]) -> StepMetrics:
+        """`rows`: (recomputed here, scored by the rollout, computed ahead) behaviour log-prob rows."""
         finite_U = np.asarray(outputs.finite_U)
         lr = float(self._schedule(max(int(outputs.updates) - 1, 0)))
         for ok in finite_U:
@@ -600,6 +640,7 @@ class Trainer:
             staleness={int(k): int(v) for k, v in sorted(staleness.items())},
             recomputed_rows=rows[0],
             rollout_scored_rows=rows[1],
+            ahead_rows=rows[2],
             behaviour_digests=dict(sorted(self._used_digests.items())),
             **stats.summary(),
             **_router_metrics(outputs),

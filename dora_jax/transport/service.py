@@ -50,6 +50,7 @@ from dora_jax.transport.port import GrpcRolloutPort
 PROTOCOL = 3  # bump on any incompatible change to dora.proto's meaning (3: arrays' dtypes by name)
 MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch, Resume a whole state
 MAX_HOST_CHARS = 255  # a host name or transfer server address (DNS names are at most 253)
+MAX_PEEKED = 512  # group ids a TakeBatch may name as held already (trainer.score_ahead)
 MAX_WAIT_S = 60.0  # the longest a long-poll (TakeBatch, Evaluate) holds its thread
 MAX_EVAL_ROUNDS = 8  # evaluation rounds asked and not finished at once; finished ones kept for a retry
 
@@ -102,7 +103,13 @@ class Backend(Protocol):
     def post_slice_joined(self, port) -> None: ...
     def post_slice_wont_rejoin(self, slice_id: int, reason: str) -> None: ...
     def record_behaviour(self, step: int, digests) -> None: ...
+    def take_batch(self, trainer_version: int, timeout=None, cancel=None, idle=None) -> list[Group] | None: ...
+    def peek_batch(self, trainer_version: int, exclude=()) -> list[Group]: ...
     def request_eval(self, version: int, step: int, prompts, samples: int) -> Future: ...
+
+
+class _Peeked(Exception):
+    """A TakeBatch with `peek` stops waiting: there are finished groups to show the trainer."""
 
 
 @dataclasses.dataclass
@@ -518,17 +525,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # ------------------------------------------------------------------ trainer
     def TakeBatch(self, request: pb.TakeBatchRequest, context) -> pb.TakeBatchReply:
         self._session(request.session, context, pb.TRAINER)
+        if len(request.peeked) > MAX_PEEKED:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peeked holds over {MAX_PEEKED} group ids")
         with self._cond:
             if self._taken is not None and self._taken[0] == request.trainer_version:
                 return self._taken[1]  # the reply to this version was lost on the way: send it again
-            self._cond.wait_for(lambda: self.backend is not None, timeout=request.wait_s)
+            self._cond.wait_for(lambda: self.backend is not None, timeout=_bounded_wait(request.wait_s))
             backend = self.backend
         if backend is None:
             return pb.TakeBatchReply(ready=False)
+        peeked: list[Group] = []
+
+        def peek() -> bool:  # take_batch's idle work: stop waiting once there are groups to show
+            if request.peek:
+                peeked.extend(backend.peek_batch(int(request.trainer_version), exclude=set(request.peeked)))
+            if peeked:
+                raise _Peeked
+            return False
+
         try:
-            groups: list[Group] | None = backend.take_batch(int(request.trainer_version), timeout=request.wait_s)
-        except TimeoutError:
-            return pb.TakeBatchReply(ready=False, stats_json=self._stats_json(backend))
+            groups: list[Group] | None = backend.take_batch(
+                int(request.trainer_version), timeout=_bounded_wait(request.wait_s), idle=peek
+            )
+        except (TimeoutError, _Peeked):
+            return pb.TakeBatchReply(
+                ready=False, groups=[codec.group_to_proto(g) for g in peeked], stats_json=self._stats_json(backend)
+            )
         if groups is None:
             context.abort(grpc.StatusCode.ABORTED, "the coordinator has stopped (see its log)")
         reply = pb.TakeBatchReply(

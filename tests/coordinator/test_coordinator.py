@@ -204,3 +204,36 @@ def test_no_batch_before_the_publish_is_applied():
     assert coord.try_take_batch(3) is None
     coord.process()
     assert coord.latest == 3
+
+
+def test_a_peek_shows_the_groups_the_next_take_takes_and_takes_nothing():
+    """peek_batch (trainer.score_ahead): the finished groups the batch for the trainer's version
+    would take now, oldest first, less those excluded; nothing is consumed or written by it; [] for
+    a trainer version whose publish the coordinator has not applied yet."""
+    ref, length_of = [None], longtail(0)
+    workers = {i: FakeWorker(i, 4, ref, length_of) for i in range(3)}
+    ledger = Ledger(None)
+    coord = Coordinator(config("dora", k_max=2, tbs=8, rbs=16, g=4), workers, prompts(), InstantScorer(0), ledger)
+    ref[0] = coord
+    coord.start()
+    rng, version, partial_peeks = random.Random(0), 0, 0
+    for _ in range(20000):
+        if version == 6:
+            break
+        tick_some(workers, rng)
+        coord.process()
+        written, queued = len(ledger.memory), len(coord.queue)
+        peeked = coord.peek_batch(version)
+        assert len(ledger.memory) == written and len(coord.queue) == queued  # nothing taken, nothing written
+        assert peeked == coord.queue.peek_oldest(2)
+        assert coord.peek_batch(version, exclude={g.group_id for g in peeked[:1]}) == peeked[1:]
+        assert coord.peek_batch(version + 1) == []  # that version's publish has not been applied
+        batch = coord.try_take_batch(version)
+        if batch is None:
+            partial_peeks += 0 < len(peeked) < 2
+            continue
+        assert batch == peeked  # the take took exactly what the peek showed
+        version += 1
+        coord.post_published(version)
+        coord.process()
+    assert version == 6 and partial_peeks > 0 and audit(ledger.memory).ok

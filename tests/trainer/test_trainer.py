@@ -321,6 +321,52 @@ def test_every_log_prob_is_at_the_rollout_temperature(model, length_bucket, reus
 
 
 @pytest.mark.parametrize("length_bucket", [0, 8], ids=["whole_batch", "bucketed"])
+def test_rows_scored_ahead_are_used_and_the_step_is_unchanged(model, length_bucket):
+    """trainer.score_ahead: behaviour log-probs the trainer computed while it waited, for rows
+    packed in a wider batch of their own (as a peek at the coordinator packs them), are used by the
+    step, which recomputes only the other rows and equals the all-recompute step. A row stored
+    under the same id with other tokens is recomputed; rows already stored are not computed again."""
+    graphdef, params, axes = model
+    mesh = sharding.make_mesh(jax.devices()[:2], {"fsdp": 2})
+    base = make_batch(4, np.arange(B) % 2)  # versions 0 and 1; the trainer is at version 1
+    half = B // 2
+    peek = make_batch(4, np.arange(B) % 2)  # rows 0..half: the groups that finished first
+    wide = lambda x, fill=0: np.pad(x, ((0, 0), (0, T)), constant_values=fill)  # noqa: E731
+    tokens = wide(peek.tokens_BT)
+    tokens[half, 7] = (tokens[half, 7] + 1) % CFG.vocab_size  # row `half`: same id, other tokens
+    peek = dataclasses.replace(
+        peek,
+        tokens_BT=tokens,
+        loss_mask_BT=wide(peek.loss_mask_BT),
+        inference_logps_BT=wide(peek.inference_logps_BT),
+        traj_ids=peek.traj_ids[: half + 1] + ("",) * (B - half - 1),
+    )
+
+    def run(ahead: bool):
+        config = dataclasses.replace(
+            CONFIG, length_bucket=length_bucket, kl_coef=0.0, reuse_current_logps=False, score_ahead=ahead
+        )
+        own = jax.tree.map(np.array, params)  # kl_coef 0: the trainer donates (deletes) what it is given
+        trainer = Trainer(graphdef, own, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE)
+        trainer.publish()
+        trainer.train_step(make_batch(0, 0))
+        trainer.publish()
+        if ahead:
+            assert trainer.score_ahead(peek) == half + 1 and trainer.score_ahead(peek) == 0
+        return trainer.train_step(base), host(trainer.params)
+
+    plain, params_p = run(False)
+    ahead, params_a = run(True)
+    assert (plain.recomputed_rows, plain.ahead_rows) == (B, 0)
+    assert (ahead.recomputed_rows, ahead.ahead_rows) == (B - half, half)
+    assert ahead.behaviour_digests == plain.behaviour_digests  # versions 0 and 1, the same params
+    for field in ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_frac_high"):
+        np.testing.assert_allclose(getattr(ahead, field), getattr(plain, field), rtol=1e-4, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_p)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)
+
+
+@pytest.mark.parametrize("length_bucket", [0, 8], ids=["whole_batch", "bucketed"])
 def test_rollout_scored_behaviour_logps_are_used_and_the_rest_recomputed(model, length_bucket):
     """trainer.behaviour_logps = "rollout": rows that arrive with behaviour log-probs use them and
     are not recomputed; the others (arrived without) are, each with its own version. Given exactly

@@ -133,6 +133,24 @@ def test_rollout_scored_behaviour_logps_travel_over_grpc(tmp_path):
     assert _left_running(tmp_path / "run") == []
 
 
+def test_behaviour_logps_scored_ahead_over_grpc(tmp_path):
+    """trainer.score_ahead across processes: the trainer's TakeBatch polls bring the finished groups
+    of its next batch (`peek`), whose behaviour log-probs it computes while it waits; every stale
+    row of a step is scored ahead or recomputed, and the audit (digests included) is clean."""
+    proc = _launch(tmp_path / "run", "--config.trainer.score_ahead=True", "--config.rollout.num_slices=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = list(read_ledger(str(tmp_path / "run" / "ledger.jsonl")))
+    report = audit(events)
+    assert report.ok and report.consumed == STEPS * TBS, report.summary()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    consumed = [e for e in events if e["ev"] == "consume"]
+    for step, row in enumerate(rows):
+        stale = sum(1 for e in consumed if e["step"] == step and e["version"] != step)
+        assert row["recomputed_rows"] + row["ahead_rows"] == stale, (row, stale)
+    assert sum(r["ahead_rows"] for r in rows) > 0, [(r["recomputed_rows"], r["ahead_rows"]) for r in rows]
+    assert _left_running(tmp_path / "run") == []
+
+
 def test_a_killed_rollout_process_is_survived(tmp_path):
     steps = 2 * STEPS  # a run long enough that the kill lands mid-run on a loaded machine
     proc = _launch(tmp_path / "run", f"--config.num_steps={steps}", "--kill_slice=0", "--kill_after_s=0")

@@ -150,3 +150,33 @@ def test_sessions_stay_bounded_however_often_roles_register():
     finally:
         client.close()
         server.stop(0)
+
+
+def test_take_batch_with_peek_shows_the_next_batchs_groups_once_each():
+    """trainer.score_ahead over gRPC: a not-ready TakeBatch with `peek` returns the finished groups
+    the batch will hold (less those named in `peeked`), takes nothing, and the batch then holds
+    them; naming over MAX_PEEKED group ids is refused."""
+    from dora_jax.transport import service
+
+    run = RemoteRun(slices=1, slots=4, tbs=8, g=4)  # one slice: the groups of 4 finish one by one
+    try:
+        session = run.trainer.session
+        ask = lambda peeked: run.trainer.stub.TakeBatch(  # noqa: E731
+            pb.TakeBatchRequest(session=session, trainer_version=0, wait_s=5.0, peek=True, peeked=peeked), timeout=10
+        )
+        first = ask([])
+        assert not first.ready and first.groups, first  # the first group of the two finished
+        shown = [g.group_id for g in first.groups]
+        assert not _events(run, "consume")
+        reply = ask(shown)
+        while not reply.ready:  # each group shown once, then the batch
+            new = [g.group_id for g in reply.groups]
+            assert new and not set(new) & set(shown), (new, shown)
+            shown += new
+            reply = ask(shown)
+        assert set(shown) <= {g.group_id for g in reply.groups} and len(reply.groups) == 2
+        with pytest.raises(grpc.RpcError) as refused:
+            ask([f"g{i}" for i in range(service.MAX_PEEKED + 1)])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        run.close()

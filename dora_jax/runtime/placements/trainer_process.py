@@ -42,7 +42,7 @@ from dora_jax.runtime.roles import trainer as trainer_role
 from dora_jax.store import ParamStore, TensorStoreTier
 from dora_jax.store.recent import RecentTier
 from dora_jax.trainer import Trainer
-from dora_jax.transport import codec
+from dora_jax.transport import codec, service
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import CoordinatorUnreachable, SessionLost
 from dora_jax.transport.evaluation import RemoteEvaluation
@@ -418,10 +418,9 @@ class _BatchSource:
         self._client, self._channel, self._report = client, channel, report
         self._poll_s = poll_s
 
-    def take(self, version: int):
-
+    def take(self, version: int, ahead=None):
         if self._client is not None:
-            reply = _take_batch(self._client, version, self._poll_s)
+            reply = _take_batch(self._client, version, self._poll_s, ahead)
             if self._channel is not None:
                 self._channel.send(reply.SerializeToString())
         else:
@@ -468,11 +467,17 @@ def _reporter(client, store, before=None):
     return report
 
 
-def _take_batch(client, version: int, poll_s: float):
-    """Long-polls until the coordinator hands over the batch for `version` (a TakeBatchReply)."""
-
-    request = pb.TakeBatchRequest(session=client.session, trainer_version=version, wait_s=poll_s)
+def _take_batch(client, version: int, poll_s: float, ahead=None):
+    """Long-polls until the coordinator hands over the batch for `version` (a TakeBatchReply).
+    With `ahead` (trainer.score_ahead), the polls also return the batch's finished groups as they
+    come, each once, and `ahead` gets them."""
+    request = pb.TakeBatchRequest(
+        session=client.session, trainer_version=version, wait_s=poll_s, peek=ahead is not None
+    )
+    handed: list[str] = []
     while True:
+        del request.peeked[:]
+        request.peeked.extend(handed[-service.MAX_PEEKED :])  # older ones may come again: skipped
         reply = client.call(
             "TakeBatch",
             lambda t: client.stub.TakeBatch(request, timeout=t),
@@ -480,3 +485,7 @@ def _take_batch(client, version: int, poll_s: float):
         )
         if reply.ready:
             return reply
+        if ahead is not None and reply.groups:
+            groups = [codec.group_from_proto(g) for g in reply.groups]
+            handed += [g.group_id for g in groups]
+            ahead(groups)
