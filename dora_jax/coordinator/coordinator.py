@@ -896,8 +896,8 @@ class Coordinator:
         """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s.
         None once the coordinator is closed or `cancel` is set (nothing is taken then). Between
         tries it calls `idle()` (no lock held), which returns whether it did work (then it tries
-        again at once) or not (then it waits a little)."""
-        start = time.monotonic()
+        again at once) or not (then it waits a little); its time is work, not waiting."""
+        start, working = time.monotonic(), 0.0
         try:
             while True:
                 batch = self.try_take_batch(trainer_version)
@@ -905,11 +905,18 @@ class Coordinator:
                     return batch
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
-                if idle is None or not idle():
+                worked = False
+                if idle is not None:
+                    t0 = time.monotonic()
+                    try:
+                        worked = idle()
+                    finally:
+                        working += time.monotonic() - t0
+                if not worked:
                     with self._cond:
                         self._cond.wait(0.05)
         finally:
-            self.stats.trainer_wait_s += time.monotonic() - start
+            self.stats.trainer_wait_s += time.monotonic() - start - working
 
 
 def _behaviour_source(traj: Trajectory) -> dict:
