@@ -196,3 +196,22 @@ def test_a_role_process_jobs_figures_are_read_from_its_workdir(tmp_path):
     assert row["straggler_s"] == pytest.approx(3.0) and row["trainer_wait_s"] == 3.0
     assert run["timelines"]["slices"] == [[(t + 1.0, t + 4.5, 0, 0.5)]]
     assert run["timelines"]["trainer"] == [(t + 4.0, t + 5.0, 0)]
+
+
+def test_a_mode_variant_runs_its_mode_with_its_fields_and_is_compared_with_it():
+    """`bench.modes` may name MODE+VARIANT: the mode with the variant's config fields (the flags a
+    launch_local job gets), and its ratio against its own mode; a bad name says what was expected."""
+    from dora_jax.bench.mode_row import split_mode, variant_flags
+
+    assert split_mode("dora") == ("dora", {})
+    assert split_mode("dora+score_ahead") == ("dora", {"trainer.score_ahead": True})
+    assert variant_flags("one_step_off+rollout_scored") == [
+        "--config.mode=one_step_off",
+        "--config.trainer.behaviour_logps=rollout",
+    ]
+    for bad in ("dora+faster", "fast+score_ahead"):
+        with pytest.raises(ValueError, match="optionally \\+VARIANT"):
+            split_mode(bad)
+    rows = {"dora": {"tokens_per_s": 200.0, "rollout_only_s_per_step": 0.0}}
+    rows["dora+score_ahead"] = {"tokens_per_s": 230.0, "rollout_only_s_per_step": 0.0}
+    assert ratios(rows)["dora+score_ahead_vs_dora"] == pytest.approx(1.15)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from dora_jax.bench.mode_row import mode_row, schedule
+from dora_jax.bench.mode_row import mode_row, schedule, variant_flags
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.coordinator.trace import LengthDistribution
@@ -27,13 +27,14 @@ from dora_jax.runtime.metrics import read_metrics
 def launch_mode(
     config_flags: list[str], workdir: str, mode: str, num_steps: int, trainer_cores: int, timeout_s: float
 ) -> None:
-    """Runs one mode as a launch_local job (exit 0: the trainer finished and the audit is clean)."""
+    """Runs one mode (or MODE+VARIANT, dora_jax.bench.mode_row.VARIANTS) as a launch_local job
+    (exit 0: the trainer finished and the audit is clean)."""
     command = [
         sys.executable,
         "-m",
         "dora_jax.launch_local",
         *config_flags,
-        f"--config.mode={mode}",
+        *variant_flags(mode),
         f"--config.num_steps={num_steps}",
         f"--workdir={workdir}",
         "--trace_lengths",

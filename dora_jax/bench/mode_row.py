@@ -6,6 +6,31 @@ from __future__ import annotations
 
 import numpy as np
 
+MODES = ("sync", "one_step_off", "partial_rollout", "dora")
+# Mode variants, `MODE+VARIANT` in `bench.modes` (e.g. "dora+score_ahead"): the mode with these
+# config fields changed, run side by side with the others; the ratios add VARIANT's against MODE.
+VARIANTS = {
+    "score_ahead": {"trainer.score_ahead": True},
+    "rollout_scored": {"trainer.behaviour_logps": "rollout"},
+}
+
+
+def split_mode(name: str) -> tuple[str, dict]:
+    """'dora+score_ahead' -> ('dora', {'trainer.score_ahead': True}); a clear error otherwise."""
+    mode, _, variant = name.partition("+")
+    if mode not in MODES or (variant and variant not in VARIANTS):
+        raise ValueError(
+            f"bench.modes holds {name!r}; expected one of {MODES}, optionally +VARIANT with VARIANT one of "
+            f"{tuple(VARIANTS)}"
+        )
+    return mode, VARIANTS.get(variant, {})
+
+
+def variant_flags(name: str) -> list[str]:
+    """The launch_local --config flags of a mode name (its mode and its variant's fields)."""
+    mode, fields = split_mode(name)
+    return [f"--config.mode={mode}", *(f"--config.{k}={v}" for k, v in fields.items())]
+
 
 def busy_union(intervals) -> list[tuple[float, float]]:
     merged: list[list[float]] = []

@@ -20,15 +20,13 @@ import numpy as np
 from dora_jax import cli
 from dora_jax.bench import disaggregated
 from dora_jax.bench.engine import EngineBenchConfig, run_engine_bench
-from dora_jax.bench.mode_row import mode_row, schedule
+from dora_jax.bench.mode_row import MODES, mode_row, schedule, split_mode
 from dora_jax.coordinator.ledger import read_ledger
 from dora_jax.coordinator.trace import ConstantScorer, LengthDistribution
 from dora_jax.runtime import run_config, runner
 from dora_jax.runtime.build import build_setup
 from dora_jax.runtime.cores import role_cores
 from dora_jax.tasks.running_sums import ALPHABET
-
-MODES = ("sync", "one_step_off", "partial_rollout", "dora")
 
 
 def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
@@ -57,9 +55,14 @@ def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution |
     lengths = lengths or LengthDistribution(cfg_dict.bench.median_len, cfg_dict.bench.sigma, cfg_dict.bench.max_len)
     seed = int(cfg_dict.seed)
     per_round, timelines = [{} for _ in range(rounds)], {}
+    fields = {k for m in modes for k in split_mode(m)[1]}
+    base = {k: _field(cfg_dict, k) for k in fields}  # a variant's fields, as the config sets them
     for mode, rnd, name in schedule(modes, rounds):
+        base_mode, changes = split_mode(mode)
         with cfg_dict.unlocked():
-            cfg_dict.mode = mode
+            cfg_dict.mode = base_mode
+            for key, value in {**base, **changes}.items():
+                _set_field(cfg_dict, key, value)
         config = run_config.parse(cfg_dict)
         if rnd is None:
             config = dataclasses.replace(config, num_steps=min(config.num_steps, 3))
@@ -83,6 +86,18 @@ def run_modes(cfg_dict, out_dir: str, modes=MODES, lengths: LengthDistribution |
             flush=True,
         )
     return {"rounds": per_round, "timelines": timelines, "lengths": dataclasses.asdict(lengths)}
+
+
+def _field(cfg_dict, key: str):
+    node = cfg_dict
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _set_field(cfg_dict, key: str, value) -> None:
+    *path, last = key.split(".")
+    _field(cfg_dict, ".".join(path))[last] = value
 
 
 _WORST_OF_ROUNDS = ("max_staleness", "c1_violations", "max_versions_in_flight")
@@ -118,6 +133,9 @@ def ratios(modes: dict) -> dict:
         "dora_vs_one_step_off": r("dora", "one_step_off"),
         "dora_vs_partial_rollout": r("dora", "partial_rollout"),
     }
+    for name in modes:  # each variant against its own mode, side by side
+        if "+" in name:
+            out[f"{name}_vs_{split_mode(name)[0]}"] = r(name, split_mode(name)[0])
     if "sync" in modes and "dora" in modes and modes["dora"]["rollout_only_s_per_step"] > 0:
         out["rollout_speedup_vs_sync"] = (
             modes["sync"]["rollout_only_s_per_step"] / modes["dora"]["rollout_only_s_per_step"]
@@ -264,7 +282,9 @@ def main(cfg_dict, out_dir: str, config_flags: list[str] | None = None) -> dict:
     bench = cfg_dict.bench
     rounds, modes = int(bench.get("rounds", 1)), tuple(bench.get("modes", MODES))
     trainer_cores = int(bench.get("trainer_cores", 0))
-    if "dora" not in modes or set(modes) - set(MODES):
+    for name in modes:
+        split_mode(name)  # names a mode (and variant) or says what it expected
+    if "dora" not in modes:
         raise ValueError(f"bench.modes={modes}; expected some of {MODES}, dora among them (the bound is dora's)")
     engine_config = dataclasses.replace(engine_bench_config(cfg_dict), migration=False)
     if trainer_cores:
