@@ -205,11 +205,15 @@ def test_a_mode_variant_runs_its_mode_with_its_fields_and_is_compared_with_it():
 
     assert split_mode("dora") == ("dora", {})
     assert split_mode("dora+score_ahead") == ("dora", {"trainer.score_ahead": True})
+    assert split_mode("dora+score_ahead+rollout_scored") == (
+        "dora",
+        {"trainer.score_ahead": True, "trainer.behaviour_logps": "rollout"},
+    )
     assert variant_flags("one_step_off+rollout_scored") == [
         "--config.mode=one_step_off",
         "--config.trainer.behaviour_logps=rollout",
     ]
-    for bad in ("dora+faster", "fast+score_ahead"):
+    for bad in ("dora+faster", "fast+score_ahead", "dora+score_ahead+score_ahead", "dora+"):
         with pytest.raises(ValueError, match="optionally \\+VARIANT"):
             split_mode(bad)
     rows = {"dora": {"tokens_per_s": 200.0, "rollout_only_s_per_step": 0.0}}

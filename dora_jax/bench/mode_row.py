@@ -16,14 +16,18 @@ VARIANTS = {
 
 
 def split_mode(name: str) -> tuple[str, dict]:
-    """'dora+score_ahead' -> ('dora', {'trainer.score_ahead': True}); a clear error otherwise."""
-    mode, _, variant = name.partition("+")
-    if mode not in MODES or (variant and variant not in VARIANTS):
+    """'dora+score_ahead' -> ('dora', {'trainer.score_ahead': True}); variants compose
+    ('dora+score_ahead+rollout_scored' sets both's fields); a clear error otherwise."""
+    mode, *variants = name.split("+")
+    if mode not in MODES or any(v not in VARIANTS for v in variants) or len(set(variants)) < len(variants):
         raise ValueError(
-            f"bench.modes holds {name!r}; expected one of {MODES}, optionally +VARIANT with VARIANT one of "
-            f"{tuple(VARIANTS)}"
+            f"bench.modes holds {name!r}; expected one of {MODES}, optionally +VARIANT (one or more, "
+            f"each once) with VARIANT one of {tuple(VARIANTS)}"
         )
-    return mode, VARIANTS.get(variant, {})
+    fields: dict = {}
+    for variant in variants:
+        fields.update(VARIANTS[variant])
+    return mode, fields
 
 
 def variant_flags(name: str) -> list[str]:

@@ -133,9 +133,10 @@ def ratios(modes: dict) -> dict:
         "dora_vs_one_step_off": r("dora", "one_step_off"),
         "dora_vs_partial_rollout": r("dora", "partial_rollout"),
     }
-    for name in modes:  # each variant against its own mode, side by side
+    for name in modes:  # each variant against its own mode and against sync, side by side
         if "+" in name:
             out[f"{name}_vs_{split_mode(name)[0]}"] = r(name, split_mode(name)[0])
+            out[f"{name}_vs_sync"] = r(name, "sync")
     if "sync" in modes and "dora" in modes and modes["dora"]["rollout_only_s_per_step"] > 0:
         out["rollout_speedup_vs_sync"] = (
             modes["sync"]["rollout_only_s_per_step"] / modes["dora"]["rollout_only_s_per_step"]
