@@ -13,8 +13,10 @@ trainer's recompute reads them.
 
 The trajectories finished in one worker step are scored together, right-padded (the decoder is
 causal: padding changes nothing before it) to a fixed bucket: rows a power of two up to
-`max_rows` (more are cut into several calls), positions `min_length * 2^k`. So a run compiles at
-most log2(max_rows) x log2(longest / min_length) programs, never one per length.
+`max_rows` (more are cut into several calls), positions `min_length * 2^k`, capped at `max_length`
+(the slice's cache length: no trajectory is longer, and its longest rows are then padded to it, not
+to the next power of two, as the trainer caps its buckets at its batch width). So a run compiles at
+most log2(max_rows) x (log2(longest / min_length) + 1) programs, never one per length.
 """
 
 from __future__ import annotations
@@ -53,13 +55,18 @@ class TrajectoryScorer:
         *,
         max_rows: int = 8,
         min_length: int = 16,
+        max_length: int | None = None,
     ):
         """`forward`: the trainer's log-prob forward (see the module docstring); `param_shardings`:
         the slice's params as its engine places them; `max_rows`: rows per call at most (the
-        worker passes its slot count: at most that many finish in one step)."""
-        if max_rows < 1 or min_length < 1:
-            raise ValueError(f"TrajectoryScorer: max_rows={max_rows}, min_length={min_length}; expected >= 1 each")
-        self.max_rows, self.min_length = max_rows, min_length
+        worker passes its slot count: at most that many finish in one step); `max_length`: the
+        widest bucket (the slice's cache length; None: powers of two without a cap)."""
+        if max_rows < 1 or min_length < 1 or (max_length is not None and max_length < 1):
+            raise ValueError(
+                f"TrajectoryScorer: max_rows={max_rows}, min_length={min_length}, max_length={max_length}; "
+                "expected >= 1 each"
+            )
+        self.max_rows, self.min_length, self.max_length = max_rows, min_length, max_length
         self.traces = 0  # programs traced so far (one per rows and length bucket)
         replicated = sharding_lib.replicated(mesh)
 
@@ -72,7 +79,10 @@ class TrajectoryScorer:
 
     def shape(self, rows: int, length: int) -> tuple[int, int]:
         """The (N, T) bucket of a call over `rows` sequences of at most `length` positions."""
-        return bucket(min(rows, self.max_rows), 1), bucket(length, self.min_length)
+        T = bucket(length, self.min_length)
+        if self.max_length is not None and length <= self.max_length:
+            T = min(T, self.max_length)
+        return bucket(min(rows, self.max_rows), 1), T
 
     def __call__(self, params, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
         """For each (prompt_ids, response_ids): float32 log-probs of the response tokens under
@@ -104,7 +114,7 @@ class TrajectoryScorer:
         while True:
             length = self.min_length
             while True:
-                shapes.add(self.shape(rows, length))
+                shapes.add(self.shape(rows, min(length, max_length)))
                 if length >= max_length:
                     break
                 length *= 2

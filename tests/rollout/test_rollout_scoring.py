@@ -4,6 +4,8 @@ scoring compiles per bucket, not per length; a worker without a scorer scores no
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -93,6 +95,28 @@ def test_scoring_compiles_per_bucket_not_per_length(engine, tiny_params):
         assert [len(x) for x in out] == [7 * size] * len(rows)
     assert scorer.traces == 9
     assert [bucket(n, 16) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+
+
+def test_the_widest_scoring_bucket_is_the_cache_length(tiny_params):
+    """A slice whose cache length is not a power of two pads its longest trajectories to that
+    length, not to the next power of two (as the trainer caps its buckets at its batch width):
+    warm-up compiles positions 16, 32 and 48 (not 64), and a 40-position trajectory scores in the
+    48 bucket to the same log-probs as in the 64 bucket."""
+    mesh = sharding.make_mesh(jax.devices()[:1], {})
+    engine = RolloutEngine(TINY, dataclasses.replace(ENGINE, cache_length=48), mesh)
+    scorer = make_scorer(SCORING, engine)
+    assert scorer.max_length == 48
+    assert [scorer.shape(1, n)[1] for n in (16, 17, 33, 40, 48)] == [16, 32, 48, 48, 48]
+    params = engine.load_params(tiny_params)
+    assert scorer.warmup(params, 48) == 3 * 3  # rows 1, 2, 4 x positions 16, 32, 48
+    rows = [([1, 2, 3], list(range(4, 41))), ([5, 6], list(range(7, 30)))]
+    capped = scorer(params, rows)
+    assert scorer.traces == 9  # the 40-position call took a warmed bucket
+    scorer.max_length = None  # the same scorer, uncapped: the 64 bucket
+    assert scorer.shape(2, 40) == (2, 64)
+    uncapped = scorer(params, rows)
+    for got, want in zip(capped, uncapped, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 def test_no_scorer_means_no_behaviour_logprobs(warm_engine, tiny_params):

@@ -67,4 +67,5 @@ def make_scorer(trainer: TrainerConfig, engine: RolloutEngine) -> TrajectoryScor
         engine.rules,
         # at most the trainer's recompute chunk a call: its memory is the recompute's, not the slots'
         max_rows=min(engine.max_concurrent_decodes, trainer.micro_batch_size),
+        max_length=engine.config.cache_length,  # no trajectory is longer: its widest bucket
     )
