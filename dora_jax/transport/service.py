@@ -147,6 +147,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.failures: list[tuple[int, str]] = []
         self._retired_counters: dict[str, int] = {}  # counters of ended sessions (bubble ratio totals)
         self._rejoins: dict[int, tuple[float, str]] = {}  # dropped slice -> (deadline to rejoin, why dropped)
+        # Slices whose session this service ended and posted as failed, until the coordinator drops
+        # them: that drop answers the failure, so it must not end the slice's newer session.
+        self._posted_failures: set[int] = set()
+        self._dropping: set[str] = set()  # sessions `slice_dropped` is ending now
         self._deadlines: dict[int, tuple[float, object]] = {}  # id -> (when, call context) to cancel
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
@@ -195,6 +199,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         nothing)."""
         with self._cond:
             self.backend = backend
+            self._posted_failures.clear()  # posted to an earlier coordinator
             self._snapshot_extra = snapshot_extra
             self._held_out = held_out
             late = [p for p in self.ports.values() if p.connected.is_set() and p not in known_ports]
@@ -350,6 +355,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 del self.ports[port.slice_id]
             backend = self.backend
             self.failures.append((port.slice_id, reason))
+            announced = port.connected.is_set() and not port.stopping  # the backend knows this port
+            if backend is not None and announced and port.session not in self._dropping:
+                self._posted_failures.add(port.slice_id)
         if port.stopping:
             return
         self._log(f"rollout slice {port.slice_id} failed: {reason}")
@@ -363,12 +371,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         that the slice will join again: a live worker registers again by itself and a dead one is
         restarted by its launcher. The promise holds for `rejoin_timeout_s`; a slice that has not
         registered again by then is posted as `post_slice_wont_rejoin` (with no slice left, the run
-        then stops). Called on the coordinator's loop; never calls back in."""
+        then stops). Called on the coordinator's loop; never calls back in.
+
+        A drop that answers a failure this service posted leaves the slice's port alone: that
+        session has ended already, and the port now registered, if any, is a newer session of the
+        worker that joined again before the coordinator got to the failure (ending it would cost
+        one more rejoin for nothing)."""
         with self._cond:
-            port = self.ports.get(slice_id)
-            self._rejoins[slice_id] = (time.monotonic() + self.timing.rejoin_timeout_s, reason)
+            answered = slice_id in self._posted_failures
+            self._posted_failures.discard(slice_id)
+            current = self.ports.get(slice_id)
+            port = None if answered else current
+            rejoined = answered and current is not None and current.connected.is_set()
+            if not rejoined:  # (a rejoined session is posted to the coordinator already)
+                self._rejoins[slice_id] = (time.monotonic() + self.timing.rejoin_timeout_s, reason)
+            if port is not None:
+                self._dropping.add(port.session)
         if port is not None:
-            port.fail(f"dropped by the coordinator: {reason}")
+            try:
+                port.fail(f"dropped by the coordinator: {reason}")
+            finally:
+                with self._cond:
+                    self._dropping.discard(port.session)
         return True
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:

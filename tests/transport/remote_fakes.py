@@ -59,6 +59,7 @@ class RemoteFake:
         self._seq, self._post_lock = 0, threading.Lock()
         self._halt = threading.Event()
         self.rejoins = 0
+        self.rejoin_causes: list[str] = []  # why each rejoin happened, for a failing test's message
         self.outcome: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"fake-slice-{slice_id}", daemon=True)
 
@@ -86,9 +87,10 @@ class RemoteFake:
             try:
                 self.outcome = self._serve()
                 return
-            except (SessionLost, CallFailed, grpc.RpcError):  # its session ended: join again
+            except (SessionLost, CallFailed, grpc.RpcError) as err:  # its session ended: join again
                 if self._halt.is_set():
                     return
+                self.rejoin_causes.append(f"{type(err).__name__}: {err}"[:200])
                 self.worker = FakeWorker(self.slice_id, self.num_slots, [self], self._length_of)  # drops all
                 self.rejoins += 1
 
