@@ -24,7 +24,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 from dora_jax.coordinator import (
@@ -101,6 +101,7 @@ class Coordinator:
         self._redispatch: set[str] = set()  # backlog ids that were dispatched before
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
         self._refused: set[int] = set()  # failing for a result refused at intake: nothing more of theirs counts
+        self._peeked: set[str] = set()  # samples a peek showed the trainer (trainer.score_ahead), until taken
         self._evaluation = evaluation.Rounds(config, ledger, self._count_eval)
         self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
         self._rewards = Rewards(scorer, self._inbox.put)
@@ -724,6 +725,7 @@ class Coordinator:
         self.stats.filtered_groups += 1
         self.stats.filtered_samples += len(group.samples)
         trajs = [s.trajectory.traj_id for s in group.samples]
+        self._peeked.difference_update(trajs)  # never taken
         self.ledger.write("filtered", group=group.group_id, version=group.version, why=why, trajs=trajs)
         self._filter_budget.spend(self._taken_at)
         if self.policy.supply != Supply.STREAM:  # streaming modes: `_supply` tops up by itself
@@ -859,6 +861,7 @@ class Coordinator:
             if not window_allows(rest, trainer_version, self.config.window, self.config.train_batch_size):
                 return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
+            self._peeked.difference_update(s.trajectory.traj_id for g in batch for s in g.samples)
             self._taken_at = trainer_version
             self._filter_budget.taken()
             for group in batch:
@@ -876,15 +879,28 @@ class Coordinator:
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
             return batch
 
-    def peek_batch(self, trainer_version: int, exclude: Collection[str] = ()) -> list[Group]:
-        """The finished groups the batch for `trainer_version` would take now, oldest first, but
-        those in `exclude` (group ids); nothing is taken or written. [] while the trainer's last
-        publish is still in the inbox (the trainer works ahead on these: `trainer.score_ahead`)."""
+    def peek_batch(self, trainer_version: int) -> list[Group]:
+        """What the trainer can work on while it waits for the batch of `trainer_version`
+        (`trainer.score_ahead`): finished samples it will train on that no peek has shown yet,
+        oldest version first (the whole groups in the TransferQueue, then the samples a group still
+        decoding has finished), at most a train batch of them, as groups. A peek writes nothing to
+        the ledger and takes nothing; each sample is shown once (a reply lost on the way leaves
+        its rows to the step's recompute). [] while the trainer's last publish is in the inbox."""
         with self._cond:
             if trainer_version != self.latest:
                 return []
-            need = self.config.train_batch_size // self.config.group_size
-            return [g for g in self.queue.peek_oldest(need) if g.group_id not in exclude]
+            queued = self.queue.peek_oldest(len(self.queue))
+            candidates = sorted(queued + self._groups.finished_so_far(), key=lambda g: g.version)  # stable
+            shown, room = [], self.config.train_batch_size
+            for group in candidates:
+                samples = tuple(s for s in group.samples if s.trajectory.traj_id not in self._peeked)[:room]
+                if samples:
+                    shown.append(dataclasses.replace(group, samples=samples))
+                    self._peeked.update(s.trajectory.traj_id for s in samples)
+                    room -= len(samples)
+                if room == 0:
+                    break
+            return shown
 
     def take_batch(
         self,

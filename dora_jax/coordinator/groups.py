@@ -122,6 +122,10 @@ class Groups:
         self.samples -= group.size
         return Group(group_id, group.version, samples_in_order(group.scored))
 
+    def finished_so_far(self) -> list[Group]:
+        """Each group in flight that has scored samples, as a group of those samples alone."""
+        return [Group(gid, g.version, samples_in_order(g.scored)) for gid, g in self.by_id.items() if g.scored]
+
     def retag_unsent(self, backlog: Sequence[Request], version: int) -> list[Request]:
         """Moves the groups none of whose requests was ever sent to `version`; returns `backlog`
         with their requests re-tagged (the rest keeps its version)."""

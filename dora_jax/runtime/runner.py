@@ -447,16 +447,15 @@ class CoordinatorSource:
 
 
 class _Peeker:
-    """`take_batch`'s idle work: hands `ahead` the groups the batch will hold, each once."""
+    """`take_batch`'s idle work: hands `ahead` finished samples the trainer will train on, each
+    once (Coordinator.peek_batch)."""
 
     def __init__(self, coord: Coordinator, trainer_version: int, ahead):
         self._coord, self._version, self._ahead = coord, trainer_version, ahead
-        self._handed: set[str] = set()
 
     def __call__(self) -> bool:
-        groups = self._coord.peek_batch(self._version, exclude=self._handed)
+        groups = self._coord.peek_batch(self._version)
         if groups:
-            self._handed.update(g.group_id for g in groups)
             self._ahead(groups)
         return bool(groups)
 

@@ -66,7 +66,8 @@ class AheadLogps:
     def apply(self, batch: TrainBatch, open_B: np.ndarray) -> tuple[TrainBatch, np.ndarray, dict[int, str]]:
         """Fills the `open_B` rows (those without log-probs that came with the batch) that were
         computed ahead: (the batch with them in `behaviour_logps_BT`, [B] bool of those rows, the
-        digests of the versions that computed them). Used rows are forgotten."""
+        digests of the versions that computed them). The batch's rows are forgotten, used or not
+        (a row the step's own forward gives is not used), as no later batch holds them."""
         found_B = np.zeros(batch.batch_size, bool)
         if not self._rows:
             return batch, found_B, {}
@@ -87,11 +88,12 @@ class AheadLogps:
                 or row.tokens_key != _tokens_key(tokens_BT[b, :length])
             ):
                 continue
-            del self._rows[batch.traj_ids[b]]
             behaviour_BT[b] = 0.0
             behaviour_BT[b, :length] = row.logps_L
             found_B[b] = True
             digests[row.version] = row.digest
+        for traj_id in batch.traj_ids:
+            self._rows.pop(traj_id, None)
         if not found_B.any():
             return batch, found_B, {}
         return dataclasses.replace(batch, behaviour_logps_BT=behaviour_BT), found_B, digests

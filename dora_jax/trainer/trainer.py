@@ -460,12 +460,12 @@ class Trainer:
         their slice, not computed before, not of the current version when the step's own forward
         gives those), to be used when a batch holding these rows comes (`train_step`). The trainer
         calls it while it waits for that batch (`trainer.score_ahead`); `batch` is packed as a
-        training batch (its size and widths), with padding rows. Returns the rows computed."""
+        training batch (its size and widths), with padding rows. Rows of the current version are
+        computed too: most are trained after the params move, and a step that trains one before
+        takes its own forward's instead (`train_step`). Returns the rows computed."""
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
         wanted_B = self._ahead.wanted(batch) & ~self._arrived_rows(batch)
-        if self.config.reuse_current_logps:
-            wanted_B &= versions_B != self._version
         if not wanted_B.any():
             return 0
         if self._bucketed is not None:
@@ -485,10 +485,11 @@ class Trainer:
         self._used_digests = {}
         start = time.perf_counter()
         arrived_B = self._arrived_rows(batch)
-        batch, ahead_B, ahead_digests = self._ahead.apply(batch, ~arrived_B)
+        own_B = self._current_rows(versions_B)  # the step's own forward gives these
+        batch, ahead_B, ahead_digests = self._ahead.apply(batch, ~arrived_B & ~own_B)
         self._used_digests.update(ahead_digests)
         known_B = arrived_B | ahead_B  # log-probs at hand: not recomputed
-        current_B = self._current_rows(versions_B) & ~known_B
+        current_B = own_B & ~known_B
         if current_B.any():
             self._params_of(self._version)  # notes the current version's digest for the ledger
         rows = (int(versions_B.size - current_B.sum() - known_B.sum()), int(arrived_B.sum()), int(ahead_B.sum()))

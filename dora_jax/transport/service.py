@@ -50,7 +50,6 @@ from dora_jax.transport.port import GrpcRolloutPort
 PROTOCOL = 3  # bump on any incompatible change to dora.proto's meaning (3: arrays' dtypes by name)
 MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch, Resume a whole state
 MAX_HOST_CHARS = 255  # a host name or transfer server address (DNS names are at most 253)
-MAX_PEEKED = 512  # group ids a TakeBatch may name as held already (trainer.score_ahead)
 MAX_WAIT_S = 60.0  # the longest a long-poll (TakeBatch, Evaluate) holds its thread
 MAX_EVAL_ROUNDS = 8  # evaluation rounds asked and not finished at once; finished ones kept for a retry
 
@@ -104,7 +103,7 @@ class Backend(Protocol):
     def post_slice_wont_rejoin(self, slice_id: int, reason: str) -> None: ...
     def record_behaviour(self, step: int, digests) -> None: ...
     def take_batch(self, trainer_version: int, timeout=None, cancel=None, idle=None) -> list[Group] | None: ...
-    def peek_batch(self, trainer_version: int, exclude=()) -> list[Group]: ...
+    def peek_batch(self, trainer_version: int) -> list[Group]: ...
     def request_eval(self, version: int, step: int, prompts, samples: int) -> Future: ...
 
 
@@ -549,8 +548,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # ------------------------------------------------------------------ trainer
     def TakeBatch(self, request: pb.TakeBatchRequest, context) -> pb.TakeBatchReply:
         self._session(request.session, context, pb.TRAINER)
-        if len(request.peeked) > MAX_PEEKED:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peeked holds over {MAX_PEEKED} group ids")
         with self._cond:
             if self._taken is not None and self._taken[0] == request.trainer_version:
                 return self._taken[1]  # the reply to this version was lost on the way: send it again
@@ -562,7 +559,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         def peek() -> bool:  # take_batch's idle work: stop waiting once there are groups to show
             if request.peek:
-                peeked.extend(backend.peek_batch(int(request.trainer_version), exclude=set(request.peeked)))
+                peeked.extend(backend.peek_batch(int(request.trainer_version)))
             if peeked:
                 raise _Peeked
             return False

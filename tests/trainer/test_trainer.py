@@ -366,6 +366,36 @@ def test_rows_scored_ahead_are_used_and_the_step_is_unchanged(model, length_buck
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)
 
 
+def test_current_rows_scored_ahead_leave_the_step_its_own_forward(model):
+    """With `reuse_current_logps`, score_ahead computes the current version's rows too (most are
+    trained after the params move), yet the rows a step trains before the params move (its first
+    update) take its own forward's: only the others use what was computed ahead (none recomputed),
+    and the step equals the one without score_ahead."""
+    graphdef, params, axes = model
+    mesh = sharding.make_mesh(jax.devices()[:2], {"fsdp": 2})
+    base = make_batch(4, np.arange(B) % 2)  # versions 0 and 1; the trainer is at version 1
+
+    def run(ahead: bool):
+        config = dataclasses.replace(CONFIG, kl_coef=0.0, reuse_current_logps=True, score_ahead=ahead)
+        own = jax.tree.map(np.array, params)
+        trainer = Trainer(graphdef, own, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE)
+        trainer.publish()
+        trainer.train_step(make_batch(0, 0))
+        trainer.publish()
+        if ahead:
+            assert trainer.score_ahead(base) == B  # both versions' rows
+        return trainer.train_step(base)
+
+    plain, ahead = run(False), run(True)
+    own = int(((np.arange(B) % 2 == 1) & (np.arange(B) < B // CONFIG.num_updates)).sum())  # current, 1st update
+    assert 0 < own < B // 2
+    assert (plain.recomputed_rows, plain.ahead_rows) == (B - own, 0)
+    assert (ahead.recomputed_rows, ahead.ahead_rows) == (0, B - own)
+    assert ahead.behaviour_digests == plain.behaviour_digests
+    for field in ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max"):
+        np.testing.assert_allclose(getattr(ahead, field), getattr(plain, field), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("length_bucket", [0, 8], ids=["whole_batch", "bucketed"])
 def test_rollout_scored_behaviour_logps_are_used_and_the_rest_recomputed(model, length_bucket):
     """trainer.behaviour_logps = "rollout": rows that arrive with behaviour log-probs use them and

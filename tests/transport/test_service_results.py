@@ -150,31 +150,34 @@ def test_sessions_stay_bounded_however_often_roles_register():
         server.stop(0)
 
 
-def test_take_batch_with_peek_shows_the_next_batchs_groups_once_each():
-    """trainer.score_ahead over gRPC: a not-ready TakeBatch with `peek` returns the finished groups
-    the batch will hold (less those named in `peeked`), takes nothing, and the batch then holds
-    them; naming over MAX_PEEKED group ids is refused."""
-    from dora_jax.transport import service
-
+def test_take_batch_with_peek_shows_finished_samples_once_each_groups_still_decoding_included():
+    """trainer.score_ahead over gRPC: a not-ready TakeBatch with `peek` returns finished samples
+    the trainer will train on, a group still decoding showing those it has finished; it takes
+    nothing; no sample is shown twice, in this take or the next; the batch holds samples shown."""
     run = RemoteRun(slices=1, slots=4, tbs=8, g=4)  # one slice: the groups of 4 finish one by one
     try:
         session = run.trainer.session
-        ask = lambda peeked: run.trainer.stub.TakeBatch(  # noqa: E731
-            pb.TakeBatchRequest(session=session, trainer_version=0, wait_s=5.0, peek=True, peeked=peeked), timeout=10
-        )
-        first = ask([])
-        assert not first.ready and first.groups, first  # the first group of the two finished
-        shown = [g.group_id for g in first.groups]
-        assert not _events(run, "consume")
-        reply = ask(shown)
-        while not reply.ready:  # each group shown once, then the batch
-            new = [g.group_id for g in reply.groups]
-            assert new and not set(new) & set(shown), (new, shown)
-            shown += new
-            reply = ask(shown)
-        assert set(shown) <= {g.group_id for g in reply.groups} and len(reply.groups) == 2
-        with pytest.raises(grpc.RpcError) as refused:
-            ask([f"g{i}" for i in range(service.MAX_PEEKED + 1)])
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        shown: set[str] = set()
+        partial = False
+        for version in (0, 1):
+            ask = lambda v=version: run.trainer.stub.TakeBatch(  # noqa: E731
+                pb.TakeBatchRequest(session=session, trainer_version=v, wait_s=5.0, peek=True), timeout=10
+            )
+            consumed = len(_events(run, "consume"))
+            reply = ask()
+            while not reply.ready:
+                assert reply.groups, reply
+                for group in reply.groups:
+                    ids = {s.trajectory.traj_id for s in group.samples}
+                    assert ids and not ids & shown, (ids, shown)  # each sample once
+                    assert {i.rsplit("/", 1)[0] for i in ids} == {group.group_id}
+                    partial |= len(ids) < 4
+                    shown |= ids
+                assert len(_events(run, "consume")) == consumed  # a peek takes nothing
+                reply = ask()
+            batch = {s.trajectory.traj_id for g in reply.groups for s in g.samples}
+            assert len(reply.groups) == 2 and len(batch) == 8 and batch & shown, (batch, shown)
+            run.trainer.stub.ReportPublished(pb.PublishedRequest(session=session, version=version + 1), timeout=10)
+        assert partial  # a group still decoding showed the samples it had finished
     finally:
         run.close()

@@ -42,7 +42,7 @@ from dora_jax.runtime.roles import trainer as trainer_role
 from dora_jax.store import ParamStore, TensorStoreTier
 from dora_jax.store.recent import RecentTier
 from dora_jax.trainer import Trainer
-from dora_jax.transport import codec, service
+from dora_jax.transport import codec
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import CoordinatorUnreachable, SessionLost
 from dora_jax.transport.evaluation import RemoteEvaluation
@@ -469,15 +469,12 @@ def _reporter(client, store, before=None):
 
 def _take_batch(client, version: int, poll_s: float, ahead=None):
     """Long-polls until the coordinator hands over the batch for `version` (a TakeBatchReply).
-    With `ahead` (trainer.score_ahead), the polls also return the batch's finished groups as they
-    come, each once, and `ahead` gets them."""
+    With `ahead` (trainer.score_ahead), the polls also return finished samples the trainer will
+    train on, each once (Coordinator.peek_batch), and `ahead` gets them."""
     request = pb.TakeBatchRequest(
         session=client.session, trainer_version=version, wait_s=poll_s, peek=ahead is not None
     )
-    handed: list[str] = []
     while True:
-        del request.peeked[:]
-        request.peeked.extend(handed[-service.MAX_PEEKED :])  # older ones may come again: skipped
         reply = client.call(
             "TakeBatch",
             lambda t: client.stub.TakeBatch(request, timeout=t),
@@ -486,6 +483,4 @@ def _take_batch(client, version: int, poll_s: float, ahead=None):
         if reply.ready:
             return reply
         if ahead is not None and reply.groups:
-            groups = [codec.group_from_proto(g) for g in reply.groups]
-            handed += [g.group_id for g in groups]
-            ahead(groups)
+            ahead([codec.group_from_proto(g) for g in reply.groups])
