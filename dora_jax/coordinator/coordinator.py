@@ -889,15 +889,18 @@ class Coordinator:
         with self._cond:
             if trainer_version != self.latest:
                 return []
-            queued = self.queue.peek_oldest(len(self.queue))
-            candidates = sorted(queued + self._groups.finished_so_far(), key=lambda g: g.version)  # stable
-            shown, room = [], self.config.train_batch_size
+            queued = []
+            for group in self.queue.peek_oldest(len(self.queue)):
+                fresh = tuple(s for s in group.samples if s.trajectory.traj_id not in self._peeked)
+                if fresh:
+                    queued.append(dataclasses.replace(group, samples=fresh))
+            candidates = sorted(queued + self._groups.finished_so_far(self._peeked), key=lambda g: g.version)
+            shown, room = [], self.config.train_batch_size  # (sorted is stable: queued first per version)
             for group in candidates:
-                samples = tuple(s for s in group.samples if s.trajectory.traj_id not in self._peeked)[:room]
-                if samples:
-                    shown.append(dataclasses.replace(group, samples=samples))
-                    self._peeked.update(s.trajectory.traj_id for s in samples)
-                    room -= len(samples)
+                samples = group.samples[:room]
+                shown.append(dataclasses.replace(group, samples=samples))
+                self._peeked.update(s.trajectory.traj_id for s in samples)
+                room -= len(samples)
                 if room == 0:
                     break
             return shown

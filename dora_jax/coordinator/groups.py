@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from dora_jax.coordinator.config import CoordinatorConfig
 from dora_jax.coordinator.legacy_fill import Pace
@@ -122,9 +122,14 @@ class Groups:
         self.samples -= group.size
         return Group(group_id, group.version, samples_in_order(group.scored))
 
-    def finished_so_far(self) -> list[Group]:
-        """Each group in flight that has scored samples, as a group of those samples alone."""
-        return [Group(gid, g.version, samples_in_order(g.scored)) for gid, g in self.by_id.items() if g.scored]
+    def finished_so_far(self, shown: Set[str]) -> list[Group]:
+        """Each group in flight with scored samples not in `shown`, as a group of those alone."""
+        out = []
+        for group_id, group in self.by_id.items():
+            fresh = {k: s for k, s in group.scored.items() if k not in shown}
+            if fresh:
+                out.append(Group(group_id, group.version, samples_in_order(fresh)))
+        return out
 
     def retag_unsent(self, backlog: Sequence[Request], version: int) -> list[Request]:
         """Moves the groups none of whose requests was ever sent to `version`; returns `backlog`

@@ -149,7 +149,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # Slices whose session this service ended and posted as failed, until the coordinator drops
         # them: that drop answers the failure, so it must not end the slice's newer session.
         self._posted_failures: set[int] = set()
-        self._dropping: set[str] = set()  # sessions `slice_dropped` is ending now
         self._deadlines: dict[int, tuple[float, object]] = {}  # id -> (when, call context) to cancel
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeats", daemon=True)
@@ -354,8 +353,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 del self.ports[port.slice_id]
             backend = self.backend
             self.failures.append((port.slice_id, reason))
-            announced = port.connected.is_set() and not port.stopping  # the backend knows this port
-            if backend is not None and announced and port.session not in self._dropping:
+            if backend is not None and port.connected.is_set() and not port.stopping:  # a port it knows
                 self._posted_failures.add(port.slice_id)
         if port.stopping:
             return
@@ -384,14 +382,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             rejoined = answered and current is not None and current.connected.is_set()
             if not rejoined:  # (a rejoined session is posted to the coordinator already)
                 self._rejoins[slice_id] = (time.monotonic() + self.timing.rejoin_timeout_s, reason)
-            if port is not None:
-                self._dropping.add(port.session)
         if port is not None:
-            try:
-                port.fail(f"dropped by the coordinator: {reason}")
-            finally:
-                with self._cond:
-                    self._dropping.discard(port.session)
+            port.fail(f"dropped by the coordinator: {reason}")
+            with self._cond:
+                self._posted_failures.discard(slice_id)  # that failure is this drop's own
         return True
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:

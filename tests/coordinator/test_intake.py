@@ -281,7 +281,8 @@ def test_refused_results_in_partial_rollout_and_a_bad_post_counts_none_of_its_re
         return [good, bad], "3 response tokens but 2 log-probs", {"good": requests[0].traj_id}
 
     coord, ledger, batches, forged = _run_with_forgery("partial_rollout", forge, seed=3)
-    assert forged is not None
+    failed = [e for e in ledger.memory if e["ev"] == "slice_failed"]
+    assert [e["slice"] for e in failed] == [0] and "3 response tokens but 2 log-probs" in failed[0]["reason"], failed
     report = audit(ledger.memory)
     assert report.ok and report.consumed == 6 * 8, report.summary()
     assert coord.stats.result_violations == 1
