@@ -216,6 +216,9 @@ def test_a_mode_variant_runs_its_mode_with_its_fields_and_is_compared_with_it():
     for bad in ("dora+faster", "fast+score_ahead", "dora+score_ahead+score_ahead", "dora+"):
         with pytest.raises(ValueError, match="optionally \\+VARIANT"):
             split_mode(bad)
+    assert split_mode("partial_rollout+sampler_logps") == ("partial_rollout", {"trainer.behaviour_logps": "sampler"})
+    with pytest.raises(ValueError, match="set trainer.behaviour_logps to both 'rollout' and 'sampler'"):
+        split_mode("dora+rollout_scored+sampler_logps")
     rows = {"dora": {"tokens_per_s": 200.0, "rollout_only_s_per_step": 0.0}}
     rows["dora+score_ahead"] = {"tokens_per_s": 230.0, "rollout_only_s_per_step": 0.0}
     assert ratios(rows)["dora+score_ahead_vs_dora"] == pytest.approx(1.15)

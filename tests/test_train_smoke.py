@@ -192,11 +192,11 @@ def test_embedded_run_with_the_dapo_knobs(tmp_path):
     assert sum(r["overlong_masked"] for r in rows) > 0 and min(r["overlong_penalty_mean"] for r in rows) < 0
 
 
-def _scored_run(tmp_path, steps: int = 4):
-    """An embedded dora run with trainer.behaviour_logps = "rollout": (result, events, metrics rows)."""
-    c = tiny_config("dora", steps=steps)
+def _scored_run(tmp_path, steps: int = 4, source: str = "rollout", mode: str = "dora"):
+    """An embedded run with trainer.behaviour_logps = `source`: (result, events, metrics rows)."""
+    c = tiny_config(mode, steps=steps)
     with c.unlocked():
-        c.trainer.behaviour_logps = "rollout"
+        c.trainer.behaviour_logps = source
         c.log.tensorboard = False
     result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
     events = list(read_ledger(str(tmp_path / "ledger.jsonl")))
@@ -216,6 +216,26 @@ def test_rollout_scored_behaviour_logps_run_audits_clean(tmp_path):
     loaded = {(e["version"], e["digest"]) for e in events if e["ev"] == "load_version"}
     assert {(e["version"], e["behaviour_digest"]) for e in consumed} <= loaded
     assert [r["rollout_scored_rows"] for r in rows] == [8] * 4 and [r["recomputed_rows"] for r in rows] == [0] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dora", "partial_rollout"])
+def test_sampler_behaviour_logps_run_audits_clean(tmp_path, mode):
+    """trainer.behaviour_logps = "sampler": every consumed row's behaviour log-probs are its own
+    sampling log-probs (partial rollout's included, sampled by several versions), the ledger says
+    so row by row, the trainer recomputes none and reports no recompute digests, and the audit
+    is clean; the slices score nothing."""
+    result, events, rows = _scored_run(tmp_path, source="sampler", mode=mode)
+    assert result.steps == 4 and result.audit.ok, result.audit.summary()
+    consumed = [e for e in events if e["ev"] == "consume"]
+    assert len(consumed) == 4 * 8 and all(e["behaviour"] == "sampler" for e in consumed)
+    assert (result.audit.behaviour_sampler, result.audit.behaviour_rollout, result.audit.behaviour_trainer) == (
+        32,
+        0,
+        0,
+    )
+    assert [e["digests"] for e in events if e["ev"] == "behaviour"] == [{}] * 4
+    assert [(r["sampler_rows"], r["recomputed_rows"], r["rollout_scored_rows"]) for r in rows] == [(8, 0, 0)] * 4
 
 
 @pytest.mark.slow

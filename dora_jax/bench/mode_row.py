@@ -12,6 +12,7 @@ MODES = ("sync", "one_step_off", "partial_rollout", "dora")
 VARIANTS = {
     "score_ahead": {"trainer.score_ahead": True},
     "rollout_scored": {"trainer.behaviour_logps": "rollout"},
+    "sampler_logps": {"trainer.behaviour_logps": "sampler"},
 }
 
 
@@ -26,7 +27,12 @@ def split_mode(name: str) -> tuple[str, dict]:
         )
     fields: dict = {}
     for variant in variants:
-        fields.update(VARIANTS[variant])
+        for key, value in VARIANTS[variant].items():
+            if fields.get(key, value) != value:
+                raise ValueError(
+                    f"bench.modes holds {name!r}: its variants set {key} to both {fields[key]!r} and {value!r}"
+                )
+            fields[key] = value
     return mode, fields
 
 

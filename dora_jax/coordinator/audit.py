@@ -18,8 +18,10 @@ its last `load_version`.
      recompute behaviour log-probs) and every consume whose behaviour log-probs a rollout slice
      scored (`"behaviour": "rollout"` with the scoring params' `behaviour_digest`) of one version
      carry the same params digest. Consumes count by where their behaviour log-probs came from
-     (`behaviour_rollout`, `behaviour_trainer`); a rollout-scored one without a digest is a
-     weights violation.
+     (`behaviour_rollout`, `behaviour_trainer`, `behaviour_sampler`); a rollout-scored one without
+     a digest is a weights violation. A row whose behaviour log-probs are its own sampling
+     log-probs (`"behaviour": "sampler"`) was sampled by the params its slices loaded, whose
+     digests the `load_version` records carry (and C1 holds it to its version's).
   evaluation: requests dispatched with `"eval": true` (dora_jax.coordinator.evaluation) are held
      to C1 like any other, are counted apart (`eval_dispatched`, `eval_finished`,
      `eval_unfinished_at_end`: not C2 losses, they were never for training), and an evaluation
@@ -77,6 +79,7 @@ class AuditReport:
     dynamic_sampling_violations: list = dataclasses.field(default_factory=list)
     behaviour_rollout: int = 0  # consumed rows whose behaviour log-probs their rollout slice scored
     behaviour_trainer: int = 0  # consumed rows whose behaviour log-probs the trainer computed
+    behaviour_sampler: int = 0  # consumed rows whose behaviour log-probs are the engine's sampling log-probs
 
     @property
     def max_staleness(self) -> int:
@@ -287,6 +290,9 @@ class _Walk:
     def _behaviour_source(self, event: dict, version: int) -> None:
         """Counts where a consumed row's behaviour log-probs came from; a slice-scored row's digest
         must be its version's."""
+        if event.get("behaviour") == "sampler":
+            self.report.behaviour_sampler += 1
+            return
         if event.get("behaviour") != "rollout":
             self.report.behaviour_trainer += 1
             return

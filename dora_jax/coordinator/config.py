@@ -44,6 +44,9 @@ class CoordinatorConfig:
     # with dynamic_sampling: the reward a sample whose grading failed counts with (task.reward_on_error,
     # as the trainer scores it: dora_jax/tasks/reward_shaping.py); None ("mask"): it does not count
     reward_on_error: float | None = None
+    # Where the trainer takes behaviour log-probs from (trainer.behaviour_logps): under "sampler" every
+    # consumed row's are its trajectory's own sampling log-probs, and the ledger records so.
+    behaviour_logps: str = "trainer"
 
     def validate(self, num_slices: int) -> None:
         """Rejects inconsistent settings, naming the field."""

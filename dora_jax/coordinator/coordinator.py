@@ -873,7 +873,7 @@ class Coordinator:
                         version=sample.trajectory.version,
                         step=trainer_version,
                         trainer_version=trainer_version,
-                        **_behaviour_source(sample.trajectory),
+                        **_behaviour_source(sample.trajectory, self.config.behaviour_logps),
                     )
                     self.stats.consumed += 1
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
@@ -938,12 +938,15 @@ class Coordinator:
             self.stats.trainer_wait_s += time.monotonic() - start - working
 
 
-def _behaviour_source(traj: Trajectory) -> dict:
-    """A consume event's record of where the row's behaviour log-probs come from: its rollout slice
-    scored them (with the digest of the params it scored with: the audit matches it with the
-    version's), or the trainer computes them. The trainer uses slice-scored log-probs exactly when
-    they arrive, which is exactly under trainer.behaviour_logps = "rollout" (only then do slices
-    score: dora_jax.runtime.roles.rollout.make_scorer)."""
+def _behaviour_source(traj: Trajectory, source: str) -> dict:
+    """A consume event's record of where the row's behaviour log-probs come from: its own sampling
+    log-probs (`source` = trainer.behaviour_logps = "sampler": the params that sampled it are the
+    ones its slice loaded, whose digest the audit matches with the version's), its rollout slice
+    scored them (with the digest of the params it scored with), or the trainer computes them. The
+    trainer uses slice-scored log-probs exactly when they arrive, which is exactly under "rollout"
+    (only then do slices score: dora_jax.runtime.roles.rollout.make_scorer)."""
+    if source == "sampler":
+        return {"behaviour": "sampler"}
     if traj.behaviour_logprobs is None:
         return {"behaviour": "trainer"}
     return {"behaviour": "rollout", "behaviour_digest": traj.behaviour_digest}

@@ -239,6 +239,7 @@ TAKEN_FROM = {
     "coordinator.vocab_size": "the model's vocabulary",
     "coordinator.dynamic_sampling": "trainer.dynamic_sampling",
     "coordinator.reward_on_error": "task.reward_on_error",
+    "coordinator.behaviour_logps": "trainer.behaviour_logps",
     "trainer.temperature": "rollout.temperature",
     "task.source.seed": "seed",
     "task.source.hold_out": "eval.num_prompts (with eval on and no eval.path)",
@@ -438,6 +439,7 @@ def parse(c: ml_collections.ConfigDict) -> RunConfig:
         # DAPO's dynamic sampling is the trainer's setting; the coordinator does the filtering and refilling
         dynamic_sampling=values["trainer"]["dynamic_sampling"],
         reward_on_error=reward_on_error,
+        behaviour_logps=values["trainer"]["behaviour_logps"],  # the ledger records each row's source
         **values["coordinator"],
     )
     coordinator.validate(rollout.num_slices)

@@ -54,7 +54,7 @@ from dora_jax.trainer.step import (
 # trainer.truncated_sampling_ratio: what a training run with top-p/top-k filtering does (see TrainerConfig).
 TRUNCATED_SAMPLING_RATIOS = ("refuse", "ignore")
 # trainer.behaviour_logps: who computes the behaviour log-probs (see TrainerConfig).
-BEHAVIOUR_SOURCES = ("trainer", "rollout")
+BEHAVIOUR_SOURCES = ("trainer", "rollout", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +105,15 @@ class TrainerConfig:
     # own version (dora_jax.rollout.scoring) while its devices would idle; the trainer uses those and
     # recomputes only rows that arrive without them (their slice's scoring failed, or several
     # versions sampled them: partial rollout), each with its own version as before.
+    # "sampler": the behaviour log-probs are the engine's own log-probs of the tokens it sampled (the
+    # inference log-probs every trajectory carries), so nobody computes them: no recompute, no
+    # scoring forward. Exact where decode and the training forward agree (fp32: within 5e-7 per
+    # token here, tests/rollout/test_rollout_scoring.py); in bf16 the ratio then absorbs the
+    # engine/trainer mismatch that the TIS weight corrects otherwise (that weight becomes 1).
     behaviour_logps: str = setting(
-        "trainer | rollout: who computes behaviour log-probs (rollout: the generating slice scores them)", "trainer"
+        "trainer | rollout | sampler: who computes behaviour log-probs (rollout: the generating slice "
+        "scores them; sampler: the engine's log-probs of the sampled tokens)",
+        "trainer",
     )
     # While the trainer waits for its batch, it computes the behaviour log-probs of the finished
     # groups the coordinator will hand it (dora_jax.trainer.ahead); the step then recomputes only
@@ -138,6 +145,11 @@ class TrainerConfig:
             )
         if self.behaviour_logps not in BEHAVIOUR_SOURCES:
             raise ValueError(f"trainer.behaviour_logps={self.behaviour_logps!r}; expected one of {BEHAVIOUR_SOURCES}")
+        if self.score_ahead and self.behaviour_logps == "sampler":
+            raise ValueError(
+                'trainer.score_ahead=True with trainer.behaviour_logps="sampler": every row\'s behaviour '
+                "log-probs arrive with it, so there is nothing to score ahead; set one of them"
+            )
         if self.router_aux_coef < 0:
             raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
         if self.length_bucket < 0:
@@ -194,6 +206,7 @@ class StepMetrics:
     staleness: dict[int, int]  # trainer version - generating version -> samples
     recomputed_rows: int = 0  # rows whose behaviour log-probs were recomputed (the rest: the step's own forward)
     rollout_scored_rows: int = 0  # rows whose behaviour log-probs came scored by their rollout slice
+    sampler_rows: int = 0  # rows whose behaviour log-probs are the engine's sampling log-probs
     ahead_rows: int = 0  # rows whose behaviour log-probs the trainer computed while it waited (score_ahead)
     # MoE only (None for a dense model), over the step's loss tokens:
     expert_load: tuple[tuple[int, ...], ...] | None = None  # per MoE layer: assignments per expert
@@ -484,6 +497,10 @@ class Trainer:
         self._check_batch(batch, versions_B)
         self._used_digests = {}
         start = time.perf_counter()
+        if self.config.behaviour_logps == "sampler":
+            batch = dataclasses.replace(
+                batch, behaviour_logps_BT=batch.inference_logps_BT, behaviour_known_B=np.ones(batch.batch_size, bool)
+            )
         arrived_B = self._arrived_rows(batch)
         own_B = self._current_rows(versions_B)  # the step's own forward gives these
         batch, ahead_B, ahead_digests = self._ahead.apply(batch, ~arrived_B & ~own_B)
@@ -523,9 +540,12 @@ class Trainer:
 
     def _arrived_rows(self, batch: TrainBatch) -> np.ndarray:
         """[B] bool: rows whose behaviour log-probs came with the batch, scored by their rollout slice
-        (`trainer.behaviour_logps = "rollout"`); none under "trainer", which recomputes every row."""
+        (`trainer.behaviour_logps = "rollout"`) or sampled with them (every row under "sampler");
+        none under "trainer", which recomputes every row."""
         known_B = np.zeros(batch.batch_size, bool)
-        if self.config.behaviour_logps == "rollout" and batch.behaviour_known_B is not None:
+        if self.config.behaviour_logps == "sampler":
+            known_B[:] = True
+        elif self.config.behaviour_logps == "rollout" and batch.behaviour_known_B is not None:
             known_B = np.asarray(batch.behaviour_known_B, bool)
         return known_B
 
@@ -612,7 +632,8 @@ class Trainer:
             )
 
     def _finish(self, outputs, versions_B: np.ndarray, elapsed: float, rows: tuple[int, int, int]) -> StepMetrics:
-        """`rows`: (recomputed here, scored by the rollout, computed ahead) behaviour log-prob rows."""
+        """`rows`: (recomputed here, arrived with the batch, computed ahead) behaviour log-prob rows;
+        the arrived ones were scored by the rollout, or sampled with them under "sampler"."""
         finite_U = np.asarray(outputs.finite_U)
         lr = float(self._schedule(max(int(outputs.updates) - 1, 0)))
         for ok in finite_U:
@@ -640,7 +661,8 @@ class Trainer:
             step_time_s=elapsed,
             staleness={int(k): int(v) for k, v in sorted(staleness.items())},
             recomputed_rows=rows[0],
-            rollout_scored_rows=rows[1],
+            rollout_scored_rows=rows[1] if self.config.behaviour_logps != "sampler" else 0,
+            sampler_rows=rows[1] if self.config.behaviour_logps == "sampler" else 0,
             ahead_rows=rows[2],
             behaviour_digests=dict(sorted(self._used_digests.items())),
             **stats.summary(),

@@ -207,3 +207,20 @@ def test_rows_scored_by_a_rollout_slice_are_counted_and_their_digest_checked():
     missing = _one([LOAD0, *_run("a", 0), _consume("a", behaviour="rollout")], "weights")
     assert missing.weights_violations == ["a: scored by a rollout slice with no params digest"]
     assert audit(_events(RUN, LOAD0, *_run("a", 0, trainer_version=1))).behaviour_trainer == 1
+
+
+def test_rows_whose_behaviour_logps_are_their_sampling_logps_are_counted_apart():
+    """trainer.behaviour_logps = "sampler": the consume says so, and the audit counts those rows
+    apart from the trainer's and the slices' (their params are the ones their slice loaded)."""
+    report = audit(
+        _events(
+            RUN,
+            LOAD0,
+            *_run("a", 0),
+            *_run("b", 0),
+            _consume("a", behaviour="sampler"),
+            _consume("b", behaviour="sampler"),
+        )
+    )
+    assert report.ok, report.summary()
+    assert (report.behaviour_sampler, report.behaviour_rollout, report.behaviour_trainer) == (2, 0, 0)

@@ -1,5 +1,6 @@
 """Behaviour log-probs scored on the rollout slice (dora_jax.rollout.scoring): they equal the
-trainer's recompute of the same rows, dense and MoE, on one device and tensor parallel; the
+trainer's recompute of the same rows, dense and MoE, on one device and tensor parallel, as the
+engine's sampling log-probs do (trainer.behaviour_logps = "sampler"); the
 scoring compiles per bucket, not per length; a worker without a scorer scores nothing."""
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def test_rollout_scores_equal_the_trainer_recompute(model_config, devices, shape
         assert traj.behaviour_digest == digest
         got = np.asarray(traj.behaviour_logprobs)
         np.testing.assert_allclose(got, want_BT[b, start : start + n], atol=1e-5, rtol=0)
+        # The engine's own log-probs of the tokens it sampled agree as closely (trainer.behaviour_logps
+        # = "sampler" takes those: 4.8e-7 at most here).
+        np.testing.assert_allclose(np.asarray(traj.logprobs), want_BT[b, start : start + n], atol=1e-5, rtol=0)
         assert np.all(got <= 0) and np.all(np.isfinite(got))
         np.testing.assert_allclose(batch.behaviour_logps_BT[b, start : start + n], got)
     assert batch.behaviour_known_B.tolist() == [True] * len(PROMPTS) + [False] * 2

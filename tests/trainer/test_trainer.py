@@ -434,3 +434,56 @@ def test_rollout_scored_behaviour_logps_are_used_and_the_rest_recomputed(model, 
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)
     # Behaviour log-probs 0.5 lower on half the rows: their ratios grow by exp(0.5) = 1.65.
     assert shifted.ratio_max > 1.4 * recomputed.ratio_max and shifted.ratio_mean > 1.2 * recomputed.ratio_mean
+
+
+@pytest.mark.parametrize("length_bucket", [0, 8], ids=["whole_batch", "bucketed"])
+def test_sampler_behaviour_logps_are_the_inference_logps_and_nothing_is_recomputed(model, length_bucket):
+    """trainer.behaviour_logps = "sampler": every row's behaviour log-probs are its own inference
+    (sampling) log-probs, current-version rows included, so the step recomputes none and needs no
+    params of older versions. Where those equal the trainer's recompute (as the engine's do in
+    fp32: tests/rollout/test_rollout_scoring.py) the step equals the recomputing one, params and
+    all; lowered by 0.5, the ratios grow by exp(0.5) (they are used) and the TIS weight stays 1."""
+    graphdef, params, axes = model
+    mesh = sharding.make_mesh(jax.devices()[:2], {"fsdp": 2})
+    base = make_batch(4, np.arange(B) % 2)  # versions 0 and 1; the trainer is at version 1
+
+    def run(source: str, shift: float):
+        config = dataclasses.replace(CONFIG, behaviour_logps=source, length_bucket=length_bucket, kl_coef=0.0)
+        own = jax.tree.map(np.array, params)  # kl_coef 0: the trainer donates (deletes) what it is given
+        trainer = Trainer(graphdef, own, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE)
+
+        def sampled(batch, shift=0.0):  # the batch with inference log-probs of the trainer's own
+            exact_BT = trainer.behaviour_logps(batch)
+            logps_BT = np.where(batch.loss_mask_BT > 0, exact_BT + shift, 0.0).astype(np.float32)
+            return dataclasses.replace(batch, inference_logps_BT=logps_BT)
+
+        trainer.publish()
+        trainer.train_step(sampled(make_batch(0, 0)))  # both sources start the second step from the same params
+        trainer.publish()
+        return trainer.train_step(sampled(base, shift)), host(trainer.params)
+
+    recomputed, params_t = run("trainer", 0.0)
+    sampled, params_s = run("sampler", 0.0)
+    shifted, _ = run("sampler", -0.5)
+    own = int(((np.arange(B) % 2 == 1) & (np.arange(B) < B // CONFIG.num_updates)).sum())  # current, 1st update
+    assert (recomputed.recomputed_rows, recomputed.sampler_rows) == (B - own, 0)
+    assert (sampled.recomputed_rows, sampled.rollout_scored_rows, sampled.ahead_rows, sampled.sampler_rows) == (
+        0,
+        0,
+        0,
+        B,
+    )
+    assert sampled.behaviour_digests == {} and set(recomputed.behaviour_digests) == {0, 1}
+    for field in ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_frac_high", "tis_mean"):
+        np.testing.assert_allclose(getattr(sampled, field), getattr(recomputed, field), rtol=1e-4, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(params_s), jax.tree.leaves(params_t)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)
+    assert shifted.ratio_max > 1.4 * recomputed.ratio_max and shifted.ratio_mean > 1.2 * recomputed.ratio_mean
+    assert shifted.tis_mean == shifted.tis_max == 1.0
+
+
+def test_sampler_behaviour_logps_refuse_score_ahead():
+    """Nothing is left to score ahead when every row arrives with its behaviour log-probs: the
+    config is refused, naming both fields."""
+    with pytest.raises(ValueError, match=r"trainer.score_ahead=True with trainer.behaviour_logps=\"sampler\""):
+        dataclasses.replace(CONFIG, behaviour_logps="sampler", score_ahead=True)
