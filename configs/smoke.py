@@ -125,7 +125,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trainer.length_bucket = 16  # micro-batches sorted by length, each padded to 16 * 2^k (0 = batch-wide padding)
     c.trainer.micro_batch_tokens = 0  # with length_bucket: 0 = micro_batch_size rows each; N = rows fitting N positions
     c.trainer.reuse_current_logps = True  # current-version rows: behaviour log-probs from the step's own forward
-    c.trainer.behaviour_logps = "trainer"  # trainer | rollout (each slice scores its trajectories while idle)
+    # trainer | rollout (each slice scores its trajectories while idle) | sampler (the engine's own log-probs)
+    c.trainer.behaviour_logps = "trainer"
     c.trainer.score_ahead = False  # True: behaviour log-probs of finished groups computed while the trainer waits
     c.trainer.dynamic_sampling = False  # DAPO: the coordinator trains only groups with reward variance, drawing more
 
