@@ -479,3 +479,20 @@ def test_the_behaviour_recompute_slices_the_vocabulary_by_trainer_vocab_chunk(vo
     trainer = aot._abstract_trainer(cfg, target.mesh, config.trainer)
     (recompute,) = [p for p in aot.trainer_programs(config, trainer, cfg, 2) if p.name.startswith("recompute")]
     assert len(re.findall(r"stablehlo\.while", recompute.lower().as_text())) == loops
+
+
+def test_the_trainer_compiles_no_recompute_program_when_behaviour_logps_come_from_the_sampler():
+    """trainer.behaviour_logps = "sampler": every row comes with its sampling log-probs, so the
+    trainer role compiles (and is charged for) its gradient programs alone."""
+    names = {}
+    for source in ("trainer", "sampler"):
+        c = _config()
+        with c.unlocked():
+            c.trainer.behaviour_logps = source
+        config = run_config.parse(c)
+        (target,) = [t for t in aot.plan_roles(config, None, "local") if t.role == "trainer"]
+        cfg = aot.model_config(config)
+        trainer = aot._abstract_trainer(cfg, target.mesh, config.trainer)
+        names[source] = [p.name for p in aot.trainer_programs(config, trainer, cfg, 2)]
+    assert [n for n in names["trainer"] if n.startswith("recompute[")] == ["recompute[C=8,T=32]"]
+    assert names["sampler"] == [n for n in names["trainer"] if not n.startswith("recompute[")] != []

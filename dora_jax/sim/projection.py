@@ -23,7 +23,8 @@ and `rollout.num_slices` rollout slices, all split, as `pod.layout` deploys them
   x cost(bucket(l)) over the workload's sample lengths l = prompt + response, divided by their
   mean. Recompute is charged on every row (what an asynchronous step pays); sync's first update
   reuses its own forward's log-probs, so sync's train time is overstated by recompute / U (the
-  notes give the seconds). Fixed per step: num_updates x `optimizer_update`.
+  notes give the seconds). Under trainer.behaviour_logps = "sampler" nothing is recomputed (no
+  recompute program is compiled) and none is charged. Fixed per step: num_updates x `optimizer_update`.
 - weight load: the rollout slice's params (bytes per chip x chips) over `weight_load_bytes_per_s`;
   KV migration: `decode_state` bytes / (slots x cache_length) per token over
   `migrate_bytes_per_s`. Both bandwidths are assumed constants of the sim config (`projection`).
@@ -245,6 +246,12 @@ def _get(tree: Mapping, dotted: str, path: str) -> Any:
     return node
 
 
+def _sampler_logps(config: Mapping) -> bool:
+    """trainer.behaviour_logps = "sampler" in a compile.json's config (absent in files written before
+    that option: "trainer")."""
+    return config.get("trainer", {}).get("behaviour_logps", "trainer") == "sampler"
+
+
 def _role(roles: dict, name: str, paths: Sequence[str]) -> tuple[str, dict]:
     if name not in roles:
         have = ", ".join(f"{r} ({p})" for r, (p, _) in roles.items()) or "none"
@@ -271,19 +278,22 @@ def _program(record: dict, name: str, path: str) -> dict:
     raise ValueError(f"{path}: the {record['role']} role has no program '{name}'")
 
 
-def _train_widths(record: dict, path: str) -> tuple[TrainWidth, ...]:
-    """One TrainWidth per T with both a grad and a recompute program; null estimates scaled by model flops."""
-    found: dict[str, dict[int, dict]] = {"grad": {}, "recompute": {}}
+def _train_widths(record: dict, path: str, recomputes: bool = True) -> tuple[TrainWidth, ...]:
+    """One TrainWidth per T with both a grad and a recompute program; null estimates scaled by model
+    flops. `recomputes=False` (trainer.behaviour_logps = "sampler": the trainer never recomputes,
+    and compiles no recompute program): grad programs alone, at no recompute cost."""
+    kinds = ("grad", "recompute") if recomputes else ("grad",)
+    found: dict[str, dict[int, dict]] = {kind: {} for kind in kinds}
     for program in record["programs"]:
         m = _TRAIN_PROGRAM.match(program["name"])
-        if m:
+        if m and m.group(1) in found:
             found[m.group(1)][int(m.group(3))] = dict(program, rows=int(m.group(2)))
     for kind, by_width in found.items():
         if not by_width:
             raise ValueError(
                 f"{path}: the trainer role has no {kind}[rows=R,T=T] program (a config with trainer.length_bucket > 0)"
             )
-    if set(found["grad"]) != set(found["recompute"]):
+    if recomputes and set(found["grad"]) != set(found["recompute"]):
         grad, recompute = sorted(found["grad"]), sorted(found["recompute"])
         raise ValueError(f"{path}: grad widths {grad} != recompute widths {recompute}")
     seconds = {}
@@ -304,10 +314,9 @@ def _train_widths(record: dict, path: str) -> tuple[TrainWidth, ...]:
             width=T,
             grad_rows=found["grad"][T]["rows"],
             grad_s=seconds["grad"][T],
-            recompute_rows=found["recompute"][T]["rows"],
-            recompute_s=seconds["recompute"][T],
-            estimated=found["grad"][T].get("estimated_s") is not None
-            and found["recompute"][T].get("estimated_s") is not None,
+            recompute_rows=found["recompute"][T]["rows"] if recomputes else found["grad"][T]["rows"],
+            recompute_s=seconds["recompute"][T] if recomputes else 0.0,
+            estimated=all(found[kind][T].get("estimated_s") is not None for kind in kinds),
         )
         for T in sorted(found["grad"])
     )
@@ -353,7 +362,7 @@ def read_estimates(config: dict, roles: dict, paths: Sequence[str]) -> Estimates
         decode_step_s=_estimated_s(_program(rollout, "generate", rollout_path), rollout_path, "rollout"),
         prefill_width=prefill_width,
         prefill_s=_estimated_s(prefills[prefill_width], rollout_path, "rollout"),
-        train_widths=_train_widths(trainer, trainer_path),
+        train_widths=_train_widths(trainer, trainer_path, recomputes=not _sampler_logps(config)),
         grad_sum_s=_estimated_s(_program(trainer, "grad_sum", trainer_path), trainer_path, "trainer"),
         optimizer_update_s=_estimated_s(_program(trainer, "optimizer_update", trainer_path), trainer_path, "trainer"),
         num_updates=int(_get(config, "trainer.num_updates", where)),
@@ -510,9 +519,14 @@ def notes(projection: Projection, results: dict) -> list[str]:
         f"bound); XLA estimated width(s) {estimated}, the others scaled at the same seconds per model flop "
         f"(model flops per position vary {per_flop} across widths). Fixed per step: {e.num_updates} x "
         f"optimizer_update = {costs.train_fixed_s:.3f} s.",
-        f"Recompute is charged on every row; sync's first update takes its rows' behaviour log-probs from "
-        f"its own forward, so sync's step is overstated by ~{sync_extra:.1f} s (recompute / "
-        f"num_updates={e.num_updates}).",
+        (
+            f"Recompute is charged on every row; sync's first update takes its rows' behaviour log-probs from "
+            f"its own forward, so sync's step is overstated by ~{sync_extra:.1f} s (recompute / "
+            f"num_updates={e.num_updates})."
+            if any(t.recompute_s for t in e.train_widths)
+            else "No recompute is charged: trainer.behaviour_logps=sampler (every row's behaviour log-probs "
+            "are its sampling log-probs; the trainer compiles no recompute program)."
+        ),
         f"Assumed bandwidths (sim config `projection`): a version load moves {e.weight_bytes / 1e9:.1f} GB per "
         f"rollout slice at {projection.weight_load_bytes_per_s / 1e9:g} GB/s = {costs.weight_load_s:.2f} s; a KV "
         f"migration moves {costs.kv_bytes_per_token / 1e3:.1f} KB per context token at "

@@ -589,7 +589,8 @@ class Trainer:
         return self._behaviour.lower(self._state.params, tokens)
 
     def lower_bucketed(self, batch_size: int, max_length: int, widths=(None,)) -> list[tuple[str, jax.stages.Lowered]]:
-        """With `length_bucket`, every program `warmup` compiles (gradient and recompute per bucket,
+        """With `length_bucket`, every program `warmup` compiles (gradient and, unless
+        `behaviour_logps = "sampler"`, recompute per bucket,
         the gradient sum, the optimizer update), lowered; [] without."""
         if self._bucketed is None:
             return []

@@ -120,6 +120,30 @@ def test_train_cost_by_hand(tmp_path):
     assert cost.recompute_s_per_token == pytest.approx((2 * 0.004 / 2 + 2 * (1.1e9 * 0.004 / 0.7e9) / 2) / 266)
 
 
+def test_sampler_behaviour_logps_compile_and_charge_no_recompute(tmp_path):
+    """trainer.behaviour_logps = "sampler": tpu_compile lowers no recompute program (the trainer
+    never runs one), and the cost model reads the grad programs alone and charges no recompute;
+    the same files without that setting are refused, naming the missing program."""
+    trainer = copy.deepcopy(_TRAINER)
+    trainer["programs"] = [p for p in trainer["programs"] if not p["name"].startswith("recompute[")]
+    sampler = copy.deepcopy(_CONFIG)
+    sampler["trainer"]["behaviour_logps"] = "sampler"
+    config, roles = read_compile_json(_files(tmp_path / "sampler", trainer=trainer, config=sampler))
+    e = read_estimates(config, roles, ["x"])
+    assert [(w.width, w.recompute_s) for w in e.train_widths] == [(32, 0.0), (64, 0.0), (96, 0.0)]
+    assert e.width(64).estimated and not e.width(96).estimated
+    assert e.width(64).s_per_position(e.grad_sum_s) == pytest.approx((0.02 + 0.001) / 128)
+    cost = train_cost(e, np.array([40, 60, 70, 96]))
+    s96 = (0.032 + 0.001) / (2 * 96)
+    assert cost.s_per_token == pytest.approx((2 * 64 * (0.021 / 128) + 2 * 96 * s96) / 266)
+    assert cost.recompute_s_per_token == 0.0
+    with pytest.raises(ValueError, match=r"trainer/compile.json: the trainer role has no recompute\[rows=R,T=T\]"):
+        read_estimates(
+            *read_compile_json(_files(tmp_path / "trainer", trainer=trainer)),
+            [str(tmp_path / "trainer" / "trainer" / "compile.json")],
+        )
+
+
 def test_bucket_positions_match_the_trainer():
     lengths = np.arange(1, 641)
     want = [bucket_length(int(n), 64, cap=640) for n in lengths]

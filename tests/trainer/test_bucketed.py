@@ -133,3 +133,33 @@ def test_bucketed_steps_equal_fixed_shape_steps(model, loss_norm):  # noqa: F811
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * config.lr, err_msg=name)
             assert np.abs(a - b).mean() < 1e-7
         assert trainers[name].trace_counts["bucketed"] == warm[name] == 4, name  # warmup compiled every shape
+
+
+@pytest.mark.slow
+def test_sampler_behaviour_logps_warm_up_and_lower_no_recompute_program(model):  # noqa: F811
+    """trainer.behaviour_logps = "sampler" never recomputes, so `warmup` compiles and
+    `lower_bucketed` lowers the gradient programs alone; a mixed-version step after the warm-up
+    traces nothing new. The recomputing trainer warms up a recompute program per length."""
+    graphdef, params, axes = model
+    mesh = sharding.make_mesh(jax.devices()[:2], {"fsdp": 2})
+    names, traces = {}, {}
+    for source in ("trainer", "sampler"):
+        config = dataclasses.replace(CONFIG, length_bucket=8, behaviour_logps=source)
+        trainer = Trainer(
+            graphdef, params, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE
+        )
+        trainer.publish()
+        assert trainer.warmup(T, B) == [8, 16, 32, 64]
+        traces[source] = dict(trainer.trace_counts)
+        if source == "sampler":
+            trainer.train_step(long_tailed_batch(0, 0))
+            trainer.publish()
+            metrics = trainer.train_step(long_tailed_batch(1, np.arange(B) % 2))  # versions 0 and 1
+            assert (metrics.recomputed_rows, metrics.sampler_rows) == (0, B)
+            assert dict(trainer.trace_counts) == traces["sampler"]  # nothing compiled after the warm-up
+        names[source] = [name for name, _ in trainer.lower_bucketed(B, T)]  # (lowering traces again)
+    assert traces["trainer"]["recompute"] == 4 and traces["trainer"]["bucketed"] == 4
+    assert traces["sampler"].get("recompute", 0) == 0 and traces["sampler"]["bucketed"] == 4
+    recompute = [f"recompute[rows=4,T={t}]" for t in (8, 16, 32, 64)]
+    assert [n for n in names["trainer"] if n.startswith("recompute[")] == recompute
+    assert names["sampler"] == [n for n in names["trainer"] if not n.startswith("recompute[")]
