@@ -467,21 +467,28 @@ def test_llama_3_1_8b_on_v6e_estimates_within_its_floors(tmp_path):
     assert recompute["model_flops"] == pytest.approx(recompute["flops_due"] + recompute["kernel_flops"])
 
 
+def _local_trainer_programs(**trainer_fields):
+    """(model config, trainer programs) of `_config()` with `trainer_fields` set, on local devices."""
+    c = _config()
+    with c.unlocked():
+        for field, value in trainer_fields.items():
+            setattr(c.trainer, field, value)
+    config = run_config.parse(c)
+    (target,) = [t for t in aot.plan_roles(config, None, "local") if t.role == "trainer"]
+    cfg = aot.model_config(config)
+    trainer = aot._abstract_trainer(cfg, target.mesh, config.trainer)
+    return cfg, aot.trainer_programs(config, trainer, cfg, 2)
+
+
 @pytest.mark.parametrize("vocab_chunk, loops", [(0, 0), (64, 1)])
 def test_the_behaviour_recompute_slices_the_vocabulary_by_trainer_vocab_chunk(vocab_chunk, loops):
     """The recompute's forward takes `trainer.vocab_chunk`, as the gradient's does: a cost probe
     (vocab_chunk 0) holds no vocabulary scan for XLA to count once (before, the recompute walked the
     vocabulary in 8K slices whatever the trainer's setting: Llama-3.1-8B's LM head counted 0.46 of
     4.30 TFLOP per chip, MFU 105%)."""
-    c = _config()
-    with c.unlocked():
-        c.trainer.vocab_chunk = vocab_chunk
-    config = run_config.parse(c)
-    (target,) = [t for t in aot.plan_roles(config, None, "local") if t.role == "trainer"]
-    cfg = aot.model_config(config)
+    cfg, programs = _local_trainer_programs(vocab_chunk=vocab_chunk)
     assert cfg.vocab_size > 64
-    trainer = aot._abstract_trainer(cfg, target.mesh, config.trainer)
-    (recompute,) = [p for p in aot.trainer_programs(config, trainer, cfg, 2) if p.name.startswith("recompute")]
+    (recompute,) = [p for p in programs if p.name.startswith("recompute")]
     assert len(re.findall(r"stablehlo\.while", recompute.lower().as_text())) == loops
 
 
@@ -490,13 +497,6 @@ def test_the_trainer_compiles_no_recompute_program_when_behaviour_logps_come_fro
     trainer role compiles (and is charged for) its gradient programs alone."""
     names = {}
     for source in ("trainer", "sampler"):
-        c = _config()
-        with c.unlocked():
-            c.trainer.behaviour_logps = source
-        config = run_config.parse(c)
-        (target,) = [t for t in aot.plan_roles(config, None, "local") if t.role == "trainer"]
-        cfg = aot.model_config(config)
-        trainer = aot._abstract_trainer(cfg, target.mesh, config.trainer)
-        names[source] = [p.name for p in aot.trainer_programs(config, trainer, cfg, 2)]
+        names[source] = [p.name for p in _local_trainer_programs(behaviour_logps=source)[1]]
     assert [n for n in names["trainer"] if n.startswith("recompute[")] == ["recompute[C=8,T=32]"]
     assert names["sampler"] == [n for n in names["trainer"] if not n.startswith("recompute[")] != []
