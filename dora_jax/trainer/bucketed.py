@@ -301,7 +301,7 @@ class BucketedStep:
         c, params = self._config, state.params
         shapes = self._micro_shapes(max_length, rows_per_update, widths)
         for T, R, chunk in shapes:
-            if self._recomputes:
+            if self._config.recomputes:
                 tokens = np.zeros((chunk, T), np.int32)
                 self._behaviour(
                     jax.device_put(tokens[None, None], self._rows_UMCT), np.full(chunk, version), params_of, chunk=chunk
@@ -323,12 +323,6 @@ class BucketedStep:
         B = rows_per_update * c.num_updates
         self._advantages(np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.float32))
         return [T for T, _, _ in shapes]
-
-    @property
-    def _recomputes(self) -> bool:
-        """Whether a step can recompute behaviour log-probs: not under "sampler" (every row comes
-        with its sampling log-probs), so no recompute program is compiled or lowered then."""
-        return self._config.behaviour_logps != "sampler"
 
     def _micro_shapes(self, max_length: int, rows_per_update: int, widths) -> list[tuple[int, int, int]]:
         """(T, gradient rows, recompute rows) of every micro-batch a row of up to `max_length`
@@ -354,7 +348,7 @@ class BucketedStep:
         abstract = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
         programs = []
         for T, R, chunk in self._micro_shapes(max_length, rows_per_update, widths):
-            if self._recomputes:
+            if self._config.recomputes:
                 tokens = abstract((1, 1, chunk, T), jnp.int32, self._rows_UMCT)
                 programs.append((f"recompute[rows={chunk},T={T}]", self._behaviour.lower(params, tokens, chunk=chunk)))
             zeros = lambda dtype, R=R, T=T: abstract((R, T), dtype, self._rows_CT)  # noqa: E731

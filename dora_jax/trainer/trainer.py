@@ -133,6 +133,12 @@ class TrainerConfig:
     )
     overlong_filter: bool = setting("DAPO: samples cut at rollout.max_new_tokens are masked from the loss", False)
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether a step may recompute behaviour log-probs, and so needs recompute programs: not
+        under "sampler", where every row comes with its sampling log-probs."""
+        return self.behaviour_logps != "sampler"
+
     def __post_init__(self):
         self.loss_config()  # validates the loss fields
         make_optimizer(self.optimizer_config())  # validates the schedule fields

@@ -76,7 +76,7 @@ def trainer_programs(config: RunConfig, trainer: Trainer, cfg, chips: int, lengt
                 weight_bytes=weights,
             )
         )
-        if t.behaviour_logps == "sampler":
+        if not t.recomputes:
             continue  # every row comes with its sampling log-probs: the trainer never recomputes
         # the behaviour recompute's program runs one chunk of C rows per call
         opaque = attention_kernel_flops(cfg, C, T, backward=False) / chips if kernel else 0.0
