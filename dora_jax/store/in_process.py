@@ -35,6 +35,10 @@ class InProcessTier:
             raise ValueError(f"device_versions={device_versions}; expected None (all on device) or >= 1")
         self._device_versions = device_versions
         self._lock = threading.Lock()
+        # jax's resharding of one stored array from several threads at once is not safe (a reader saw
+        # 3 of an array's 4 shards while two others resharded it: tests/store/test_param_store.py's
+        # concurrent test, under load), so copies out of the stored trees are made one at a time.
+        self._copy_lock = threading.Lock()
         self._on_device: dict[int, Params] = {}
         self._on_host: dict[int, Params] = {}
 
@@ -48,7 +52,8 @@ class InProcessTier:
                 offload = sorted(self._on_device)[: -self._device_versions]
             moved = {v: self._on_device[v] for v in offload}
         # Device-to-host copies outside the lock; readers of these versions still see device copies.
-        moved = {v: jax.tree.map(np.asarray, tree) for v, tree in moved.items()}
+        with self._copy_lock:
+            moved = {v: jax.tree.map(np.asarray, tree) for v, tree in moved.items()}
         with self._lock:
             for v, host_tree in moved.items():
                 if v in self._on_device:  # not deleted meanwhile
@@ -62,7 +67,8 @@ class InProcessTier:
                 tree = self._on_host.get(version)
         if tree is None:
             raise KeyError(f"in-process tier holds no version {version}")
-        return jax.device_put(tree, shardings, may_alias=False if copy else None)
+        with self._copy_lock:
+            return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
     def stored(self, version: int) -> Params:
         """The tier's own copy of `version` (device or host arrays), not a copy of it: for a
