@@ -36,7 +36,7 @@ class InProcessTier:
         self._device_versions = device_versions
         self._lock = threading.Lock()
         # jax's resharding of one stored array from several threads at once is not safe (a reader saw
-        # 3 of an array's 4 shards while two others resharded it: tests/store/test_param_store.py's
+        # 3 of an array's 4 shards while others resharded it: tests/store/test_param_store.py's
         # concurrent test, under load), so copies out of the stored trees are made one at a time.
         self._copy_lock = threading.Lock()
         self._on_device: dict[int, Params] = {}
@@ -51,7 +51,8 @@ class InProcessTier:
             if self._device_versions is not None:
                 offload = sorted(self._on_device)[: -self._device_versions]
             moved = {v: self._on_device[v] for v in offload}
-        # Device-to-host copies outside the lock; readers of these versions still see device copies.
+        # Device-to-host copies outside the dict lock (one at a time with the readers' copies);
+        # readers of these versions still see device copies.
         with self._copy_lock:
             moved = {v: jax.tree.map(np.asarray, tree) for v, tree in moved.items()}
         with self._lock:
