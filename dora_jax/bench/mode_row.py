@@ -13,6 +13,7 @@ VARIANTS = {
     "score_ahead": {"trainer.score_ahead": True},
     "rollout_scored": {"trainer.behaviour_logps": "rollout"},
     "sampler_logps": {"trainer.behaviour_logps": "sampler"},
+    "grad_ahead": {"trainer.grad_ahead": True},
 }
 
 

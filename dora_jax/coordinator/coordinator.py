@@ -18,6 +18,7 @@ Beside it, one idea a module: its settings (config.py) and counters (stats.py), 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -102,6 +103,7 @@ class Coordinator:
         self._failing: dict[int, str] = {}  # slices whose port call failed, handled after the cycle
         self._refused: set[int] = set()  # failing for a result refused at intake: nothing more of theirs counts
         self._peeked: set[str] = set()  # samples a peek showed the trainer (trainer.score_ahead), until taken
+        self._committed: tuple[int, set[str]] = (-1, set())  # (trainer version, groups committed to its batch)
         self._evaluation = evaluation.Rounds(config, ledger, self._count_eval)
         self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
         self._rewards = Rewards(scorer, self._inbox.put)
@@ -862,6 +864,9 @@ class Coordinator:
                 return None  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
             self._peeked.difference_update(s.trajectory.traj_id for g in batch for s in g.samples)
+            if self._committed[0] == trainer_version:
+                self.stats.commitments_broken += len(self._committed[1] - {g.group_id for g in batch})
+            self._committed = (-1, set())
             self._taken_at = trainer_version
             self._filter_budget.taken()
             for group in batch:
@@ -879,16 +884,20 @@ class Coordinator:
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
             return batch
 
-    def peek_batch(self, trainer_version: int) -> list[Group]:
+    def peek_batch(self, trainer_version: int, committed: bool = False) -> list[Group]:
         """What the trainer can work on while it waits for the batch of `trainer_version`
         (`trainer.score_ahead`): finished samples it will train on that no peek has shown yet,
         oldest version first (the whole groups in the TransferQueue, then the samples a group still
         decoding has finished), at most a train batch of them, as groups. A peek writes nothing to
         the ledger and takes nothing; each sample is shown once (a reply lost on the way leaves
-        its rows to the step's recompute). [] while the trainer's last publish is in the inbox."""
+        its rows to the step's recompute). [] while the trainer's last publish is in the inbox.
+        `committed` (`trainer.grad_ahead`): only whole queued groups committed to that batch
+        (`_commit`), each shown once."""
         with self._cond:
             if trainer_version != self.latest:
                 return []
+            if committed:
+                return self._commit(trainer_version)
             queued = []
             for group in self.queue.peek_oldest(len(self.queue)):
                 fresh = tuple(s for s in group.samples if s.trajectory.traj_id not in self._peeked)
@@ -904,6 +913,28 @@ class Coordinator:
                 if room == 0:
                     break
             return shown
+
+    def _commit(self, trainer_version: int) -> list[Group]:
+        """The queued groups the take for `trainer_version` will hold, not committed before. The
+        take is the `need` oldest groups by (version, arrival); a queued group at position i can
+        only be pushed out of them by groups that arrive later and sort before it: groups in
+        flight of an older version (new groups start at the newest version, a publish only moves
+        unsent groups to a newer one). So it is committed if i + those < need. Legacy fill can
+        still start an older group later; the take then stays oldest first and counts the
+        commitment broken (`stats.commitments_broken`). Caller holds the lock."""
+        if self._committed[0] != trainer_version:
+            self._committed = (trainer_version, set())
+        shown, need = self._committed[1], self.config.train_batch_size // self.config.group_size
+        in_flight = sorted(group.version for group in self._groups.by_id.values())
+        fresh = []
+        for i, group in enumerate(self.queue.peek_oldest(need)):
+            if i + bisect.bisect_left(in_flight, group.version) >= need:
+                break  # and every later group: its position and the older groups in flight only grow
+            if group.group_id not in shown:
+                shown.add(group.group_id)
+                fresh.append(group)
+        self.stats.committed_groups += len(fresh)
+        return fresh
 
     def take_batch(
         self,

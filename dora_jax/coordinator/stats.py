@@ -32,3 +32,7 @@ class CoordinatorStats:
     scored_groups: int = 0  # training groups completed (every sample scored)
     filtered_groups: int = 0  # of those, filtered by dynamic sampling (no reward variance; never trained on)
     filtered_samples: int = 0  # their samples
+    committed_groups: int = 0  # groups committed to the trainer's next batch (trainer.grad_ahead)
+    # Of those, groups a take left out after all: an older group that started later (legacy fill)
+    # sorted ahead of them. The take stays oldest first; the trainer drops what it computed for them.
+    commitments_broken: int = 0

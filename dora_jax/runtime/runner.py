@@ -417,8 +417,8 @@ class CoordinatorSource:
         self._coord, self._store, self._threads = coord, store, threads  # threads grows as slices restart
         self._cancel, self._loop_error = cancel, loop_error
 
-    def take(self, trainer_version: int, ahead=None) -> training_loop.TakenBatch | None:
-        idle = None if ahead is None else _Peeker(self._coord, trainer_version, ahead)
+    def take(self, trainer_version: int, ahead=None, committed: bool = False) -> training_loop.TakenBatch | None:
+        idle = None if ahead is None else _Peeker(self._coord, trainer_version, ahead, committed)
         groups = self._coord.take_batch(trainer_version, cancel=self._cancel, idle=idle)
         if groups is None:
             if self._cancel is not None and self._cancel.is_set():
@@ -448,13 +448,13 @@ class CoordinatorSource:
 
 class _Peeker:
     """`take_batch`'s idle work: hands `ahead` finished samples the trainer will train on, each
-    once (Coordinator.peek_batch)."""
+    once (Coordinator.peek_batch; `committed`: only whole groups committed to the batch)."""
 
-    def __init__(self, coord: Coordinator, trainer_version: int, ahead):
-        self._coord, self._version, self._ahead = coord, trainer_version, ahead
+    def __init__(self, coord: Coordinator, trainer_version: int, ahead, committed: bool):
+        self._coord, self._version, self._ahead, self._committed = coord, trainer_version, ahead, committed
 
     def __call__(self) -> bool:
-        groups = self._coord.peek_batch(self._version)
+        groups = self._coord.peek_batch(self._version, committed=self._committed)
         if groups:
             self._ahead(groups)
         return bool(groups)

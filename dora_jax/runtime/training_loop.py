@@ -43,11 +43,14 @@ class TakenBatch:
 
 
 class BatchSource(Protocol):
-    def take(self, trainer_version: int, ahead: Callable[[Sequence[Group]], None] | None = None) -> TakenBatch | None:
+    def take(
+        self, trainer_version: int, ahead: Callable[[Sequence[Group]], None] | None = None, committed: bool = False
+    ) -> TakenBatch | None:
         """Blocks for the batch that takes the trainer from `trainer_version` to the next; None
         when the run is to stop (a preemption) with nothing taken. While it waits, hands
         `ahead` each finished group the batch will hold (once each; oldest first), for the
-        trainer to work on meanwhile (`trainer.score_ahead`)."""
+        trainer to work on meanwhile (`trainer.score_ahead`); with `committed`, only whole groups
+        the coordinator commits to that batch (`trainer.grad_ahead`)."""
 
     def published(self, version: int, behaviour_digests: Mapping[int, str]) -> None:
         """The trainer stored `version`; `behaviour_digests` are the params it recomputed with."""
@@ -103,13 +106,16 @@ def train(
     result = LoopResult([], 0.0, [], stopped_early=False)
     last = dict(source.counters())
     ahead = None
-    if trainer.scores_ahead:
+    if trainer.scores_ahead or trainer.grads_ahead:
         if batch_rows is None:
-            raise ValueError("trainer.score_ahead needs batch_rows (the train batch size)")
-        ahead = _Ahead(trainer, pad_to, pad_id, batch_rows, max_length)
+            raise ValueError("trainer.score_ahead and trainer.grad_ahead need batch_rows (the train batch size)")
+        ahead = _Ahead(trainer, pad_to, pad_id, batch_rows, max_length, shaping)
     for step in range(trainer.version, num_steps):
         t_take = time.perf_counter()
-        taken = source.take(trainer.version) if ahead is None else source.take(trainer.version, ahead=ahead)
+        if ahead is None:
+            taken = source.take(trainer.version)
+        else:
+            taken = source.take(trainer.version, ahead=ahead, committed=trainer.grads_ahead)
         if taken is None:
             result.stopped_early = True
             break
@@ -131,8 +137,8 @@ def train(
         source.published(trainer.version, metrics.behaviour_digests)
         row = step_row(step, batch, metrics, taken.stats, last, start, wait_s=t0 - t_take)
         row["train_interval_t"] = [wall0, wall0 + (t1 - t0)]  # wall clock: lines up with other processes
-        if ahead is not None:  # behaviour log-probs computed while waiting for this batch
-            row["score_ahead_s"], ahead.seconds = ahead.seconds, 0.0
+        if ahead is not None:  # behaviour log-probs or gradients computed while waiting for this batch
+            row["grad_ahead_s" if trainer.grads_ahead else "score_ahead_s"], ahead.seconds = ahead.seconds, 0.0
         last = dict(taken.stats)
         if after_step is not None:
             row.update(after_step(step) or {})
@@ -148,12 +154,13 @@ def train(
 
 
 class _Ahead:
-    """`trainer.score_ahead`: packs the groups a take hands over while it waits as a training
-    batch would be packed, and has the trainer compute their behaviour log-probs."""
+    """`trainer.score_ahead` / `trainer.grad_ahead`: packs the groups a take hands over while it
+    waits as a training batch would be packed (the same reward shaping), and has the trainer
+    compute their behaviour log-probs, or their gradients."""
 
-    def __init__(self, trainer: Trainer, pad_to: int, pad_id: int, batch_rows: int, max_length: int | None):
+    def __init__(self, trainer: Trainer, pad_to: int, pad_id: int, batch_rows: int, max_length: int | None, shaping):
         self._trainer, self._pad_to, self._pad_id = trainer, pad_to, pad_id
-        self._rows, self._max_length = batch_rows, max_length
+        self._rows, self._max_length, self._shaping = batch_rows, max_length, shaping
         self.seconds = 0.0  # spent computing since the last step's row
 
     def __call__(self, groups: Sequence[Group]) -> None:
@@ -170,8 +177,19 @@ class _Ahead:
         self.seconds += time.perf_counter() - start
 
     def _score(self, groups: list[Group]) -> None:
-        batch = make_train_batch(groups, self._pad_to, self._pad_id, num_rows=self._rows, max_length=self._max_length)
-        self._trainer.score_ahead(batch)
+        batch = make_train_batch(
+            groups,
+            self._pad_to,
+            self._pad_id,
+            num_rows=self._rows,
+            max_length=self._max_length,
+            shaping=self._shaping,
+            overlong_filter=self._trainer.config.overlong_filter,
+        )
+        if self._trainer.grads_ahead:
+            self._trainer.grad_ahead(batch)
+        else:
+            self._trainer.score_ahead(batch)
 
 
 def step_row(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+from typing import Any
 
 import numpy as np
 
@@ -97,3 +98,62 @@ class AheadLogps:
         if not found_B.any():
             return batch, found_B, {}
         return dataclasses.replace(batch, behaviour_logps_BT=behaviour_BT), found_B, digests
+
+
+@dataclasses.dataclass
+class HeldGrads:
+    """`trainer.grad_ahead`: gradient sums the trainer computed at `version`'s params, while it
+    waited, for the rows of whole groups the coordinator committed to its next batch
+    (Coordinator.peek_batch with `committed`). `keys`: trajectory id -> `row_key` of each row they
+    cover; the step uses them only if it is still at `version` and its batch holds every one of
+    those rows with the same key (else they are dropped and the step computes those rows itself).
+    `digests`: version -> digest of the params that computed behaviour log-probs for them;
+    `recomputed`: how many of their rows had theirs recomputed."""
+
+    version: int
+    partial: Any  # dora_jax.trainer.bucketed.Partial
+    keys: dict[str, bytes]
+    digests: dict[int, str]
+    recomputed: int
+
+    def rows_in(self, batch: TrainBatch) -> np.ndarray | None:
+        """[B] bool: `batch`'s rows these sums cover, if the batch holds every one of them with the
+        same key (the same tokens, masks, log-probs, reward, validity, version and group); None
+        otherwise."""
+        index = {t: b for b, t in enumerate(batch.traj_ids) if t}
+        if any(t not in index for t in self.keys):
+            return None
+        rows_B = np.zeros(batch.batch_size, bool)
+        rows_B[[index[t] for t in self.keys]] = True
+        if row_keys(batch, rows_B) != self.keys:
+            return None
+        return rows_B
+
+
+def row_keys(batch: TrainBatch, rows_B: np.ndarray) -> dict[str, bytes]:
+    """trajectory id -> a digest of everything a row's gradient depends on besides the params and
+    the batch-level weight factor: its version, tokens, loss mask, inference log-probs, behaviour
+    log-probs when they came with it, reward, validity, and the ids of its group's rows (its
+    advantage is its group's)."""
+    group_of = collections.defaultdict(list)
+    for t, g in zip(batch.traj_ids, np.asarray(batch.group_ids_B)):
+        if t:
+            group_of[int(g)].append(t)
+    known_B = batch.behaviour_known_B
+    keys = {}
+    for b in np.flatnonzero(rows_B):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.int64(batch.versions_B[b]).tobytes())
+        h.update(np.float32(batch.rewards_B[b]).tobytes() + np.float32(batch.valid_B[b]).tobytes())
+        h.update("\0".join(sorted(group_of[int(batch.group_ids_B[b])])).encode())
+        # Trailing zeros are padding: rows packed in batches of other widths hash alike.
+        arrays = [batch.tokens_BT, batch.loss_mask_BT, batch.inference_logps_BT]
+        if known_B is not None and known_B[b] and batch.behaviour_logps_BT is not None:
+            arrays.append(batch.behaviour_logps_BT)
+        for x in arrays:
+            row = np.asarray(x[b])
+            nonzero = np.flatnonzero(row)
+            row = row[: nonzero[-1] + 1] if nonzero.size else row[:0]
+            h.update(str(row.dtype).encode() + np.ascontiguousarray(row).tobytes() + b"|")
+        keys[batch.traj_ids[b]] = h.digest()
+    return keys

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dora_jax.core.records import TrainBatch
 from dora_jax.trainer.batching import bucket_length
-from dora_jax.trainer.loss import LossStats, token_weights
+from dora_jax.trainer.loss import LossStats, row_weights, token_weights, weights_scale
 from dora_jax.trainer.step import StepOutputs, _micro_loss, apply_grads, batch_advantages
 
 
@@ -46,6 +46,18 @@ class Micro(NamedTuple):
     rows: np.ndarray
     length: int
     size: int
+
+
+class Partial(NamedTuple):
+    """Sums over some micro-batches of one update at one set of params: gradients (None for none),
+    loss, LossStats, router load, aux loss, and how many micro-batches."""
+
+    grads: Any
+    loss: Any
+    stats: LossStats | None
+    load: Any
+    aux: Any
+    micros: int
 
 
 def micro_rows(length: int, *, micro_batch_size: int, token_budget: int, shards: int, limit: int) -> int:
@@ -175,6 +187,12 @@ class BucketedStep:
         self._weights = jax.jit(
             functools.partial(token_weights, loss_norm=loss_config.loss_norm, t_max=loss_config.t_max)
         )
+        self._row_weights = jax.jit(functools.partial(row_weights, loss_norm=loss_config.loss_norm))
+        self._scale_of = jax.jit(
+            functools.partial(weights_scale, loss_norm=loss_config.loss_norm, t_max=loss_config.t_max)
+        )
+        self._scaled = jax.jit(lambda a, s: jax.tree.map(lambda x: x * s, a))
+        self._add_scaled = jax.jit(lambda a, b, s: jax.tree.map(lambda x, y: x + y * s, a, b), donate_argnums=(0,))
 
     def plan(
         self, lengths_B: np.ndarray, width: int, num_updates: int, max_rows: int | None = None
@@ -191,13 +209,104 @@ class BucketedStep:
             max_rows=max_rows,
         )
 
-    def __call__(self, state, batch: TrainBatch, ref_params, params_of, current_B=None, known_B=None):
+    def __call__(self, state, batch: TrainBatch, ref_params, params_of, current_B=None, known_B=None, ahead=None):
         """`current_B` ([B] bool): rows whose behaviour log-probs are the gradient forward's own (the
         rows the current params generated, trained on before any update moves them): not recomputed.
         `known_B` ([B] bool): rows whose behaviour log-probs came with the batch
-        (`batch.behaviour_logps_BT`, scored by their rollout slice): used as they are, not recomputed."""
+        (`batch.behaviour_logps_BT`, scored by their rollout slice): used as they are, not recomputed.
+        `ahead`: (Partial, [B] bool rows it holds): those rows' gradient sums, computed at these
+        params with `row_weights` (`partial`); one update only (`trainer.grad_ahead`). The step
+        computes the other rows and scales the held sums by the batch's `weights_scale`."""
         c = self._config
-        versions_B = np.asarray(batch.versions_B, np.int64)
+        ahead_B = np.zeros(batch.batch_size, bool) if ahead is None else np.asarray(ahead[1], bool)
+        if ahead is not None and c.num_updates != 1:
+            raise ValueError(f"gradients computed ahead need trainer.num_updates=1, not {c.num_updates}")
+        x = self._inputs(batch, params_of, current_B, known_B, skip_B=ahead_B)
+        mask_BT, lengths_B = x["mask"], x["lengths"]
+        width = mask_BT.shape[1]
+        plan = self.plan(lengths_B, width, c.num_updates)
+        per_update = batch.batch_size // c.num_updates
+        losses, norms, finites, stats, load, aux = [], [], [], None, None, []
+        for u, micros in enumerate(plan):
+            rows_u = np.arange(u * per_update, (u + 1) * per_update)
+            weights_BT = np.zeros_like(mask_BT)
+            weights_BT[rows_u] = np.asarray(self._weights(mask_BT[rows_u]))  # over the whole mini-batch
+            if ahead is not None:  # the rows not computed ahead, cut as a plan of their own
+                micros = self._plan_rows(lengths_B, np.flatnonzero(~ahead_B), width, per_update)
+            part = self._micros(state.params, micros, x, weights_BT, ref_params)
+            if ahead is not None:
+                scale = self._scale_of(mask_BT[rows_u])
+                part = self._join(part, ahead[0], scale)
+            state, grad_norm, finite = self._apply(state, part.grads, jnp.asarray(part.loss, jnp.float32))
+            losses.append(part.loss)
+            norms.append(grad_norm)
+            finites.append(finite)
+            aux.append(part.aux / max(part.micros, 1))
+            stats = part.stats if stats is None else stats.merge(part.stats)
+            load = part.load if load is None else load + part.load
+        outputs = StepOutputs(
+            loss=jnp.mean(jnp.stack(losses)),
+            grad_norm=jnp.mean(jnp.stack(norms)),
+            finite_U=jnp.stack(finites).astype(jnp.int32),
+            dropped_groups=x["dropped"],
+            updates=state.updates,
+            stats=stats if stats is not None else LossStats.empty(),
+            router_load_LX=load,
+            router_aux_loss=jnp.mean(jnp.stack(aux)),
+        )
+        return state, outputs
+
+    def partial(self, state, batch: TrainBatch, ref_params, params_of, rows_B, current_B=None, known_B=None):
+        """`trainer.grad_ahead`: the gradient sums of `batch`'s `rows_B` rows (whole groups: their
+        advantages are their groups') at `state`'s params, with `row_weights` (the batch-level
+        factor is applied by the step that holds them, `__call__`'s `ahead`). `batch` is packed as
+        a training batch (its size: the update's rows), so that the micro-batches take the shapes
+        `warmup` compiled. Returns a Partial (its grads live on the trainer mesh)."""
+        rows_B = np.asarray(rows_B, bool)
+        x = self._inputs(batch, params_of, current_B, known_B, skip_B=~rows_B)
+        weights_BT = np.asarray(self._row_weights(x["mask"]))
+        micros = self._plan_rows(x["lengths"], np.flatnonzero(rows_B), x["mask"].shape[1], batch.batch_size)
+        return self._micros(state.params, micros, x, weights_BT, ref_params)
+
+    def add(self, a: Partial, b: Partial) -> Partial:
+        """Two Partials of one update's rows, summed (`a`'s grads are donated)."""
+        return Partial(
+            self._add(a.grads, b.grads),
+            a.loss + b.loss,
+            a.stats.merge(b.stats),
+            a.load + b.load,
+            a.aux + b.aux,
+            a.micros + b.micros,
+        )
+
+    def _join(self, part: Partial, ahead: Partial, scale) -> Partial:
+        """The step's rows (`part`, weighted over the whole batch) and the rows computed ahead
+        (`row_weights`), the latter scaled by the batch's factor."""
+        if part.grads is None:  # every row was computed ahead
+            return Partial(
+                self._scaled(ahead.grads, scale), scale * ahead.loss, ahead.stats, ahead.load, ahead.aux, ahead.micros
+            )
+        return Partial(
+            self._add_scaled(part.grads, ahead.grads, scale),
+            part.loss + scale * ahead.loss,
+            part.stats.merge(ahead.stats),
+            part.load + ahead.load,
+            part.aux + ahead.aux,
+            part.micros + ahead.micros,
+        )
+
+    def _plan_rows(self, lengths_B: np.ndarray, rows: np.ndarray, width: int, per_update: int) -> list[Micro]:
+        """One update's micro-batches over the batch rows `rows` only, at the shapes of a plan over
+        `per_update` rows (those `warmup` compiled)."""
+        if rows.size == 0:
+            return []
+        micros = self.plan(lengths_B[rows], width, 1, max_rows=per_update)[0]
+        return [Micro(rows[m.rows], m.length, m.size) for m in micros]
+
+    def _inputs(self, batch: TrainBatch, params_of, current_B, known_B, skip_B) -> dict:
+        """The step's per-row host arrays: advantages (per group), the loss mask with DAPO's
+        dropped groups out, tokens, inference and behaviour log-probs (recomputed for the rows
+        that are neither current, known nor in `skip_B`), lengths."""
         adv_B, valid_B, dropped = jax.device_get(
             self._advantages(
                 np.asarray(batch.rewards_B, np.float32),
@@ -205,58 +314,48 @@ class BucketedStep:
                 np.asarray(batch.valid_B, np.float32),
             )
         )
-        mask_BT = np.asarray(batch.loss_mask_BT, np.float32) * valid_B[:, None]
-        lengths_B = row_lengths(batch)
-        width = mask_BT.shape[1]
-        plan = self.plan(lengths_B, width, c.num_updates)
-        per_update = batch.batch_size // c.num_updates
+        versions_B = np.asarray(batch.versions_B, np.int64)
         tokens_BT = np.asarray(batch.tokens_BT, np.int32)
-        inference_BT = np.asarray(batch.inference_logps_BT, np.float32)
+        lengths_B = row_lengths(batch)
         current_B = np.zeros(batch.batch_size, bool) if current_B is None else np.asarray(current_B, bool)
-        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of, current_B, known_B)
-        if known_B is not None and known_B.any():
+        known_B = np.zeros(batch.batch_size, bool) if known_B is None else np.asarray(known_B, bool)
+        behaviour_BT = self._behaviour_logps(tokens_BT, versions_B, lengths_B, params_of, current_B, known_B | skip_B)
+        if known_B.any():
             behaviour_BT[known_B] = np.asarray(batch.behaviour_logps_BT, np.float32)[known_B]
-        losses, norms, finites, stats, load, aux = [], [], [], None, None, []
-        for u, micros in enumerate(plan):
-            rows_u = np.arange(u * per_update, (u + 1) * per_update)
-            weights_BT = np.zeros_like(mask_BT)
-            weights_BT[rows_u] = np.asarray(self._weights(mask_BT[rows_u]))  # over the whole mini-batch
-            grads, loss, update_aux = None, 0.0, 0.0
-            count = np.float32(len(micros))
-            for m in micros:
-                rows_of = functools.partial(_padded_rows, m)  # padding rows: empty (zero mask and weight)
-                micro = dict(
-                    tokens=self._put(rows_of(tokens_BT)),
-                    mask=self._put(rows_of(mask_BT)),
-                    inference=self._put(rows_of(inference_BT)),
-                    behaviour=self._put(rows_of(behaviour_BT)),
-                    adv=jax.device_put(rows_of(adv_B), self._rows_C),
-                    current=jax.device_put(rows_of(current_B.astype(np.float32)), self._rows_C),
-                )
-                (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
-                    state.params, micro, self._put(rows_of(weights_BT)), ref_params, count
-                )
-                grads = micro_grads if grads is None else self._add(grads, micro_grads)
-                loss = loss + micro_loss
-                update_aux = update_aux + micro_aux
-                stats = micro_stats if stats is None else stats.merge(micro_stats)
-                load = micro_load if load is None else load + micro_load
-            state, grad_norm, finite = self._apply(state, grads, jnp.asarray(loss, jnp.float32))
-            losses.append(loss)
-            norms.append(grad_norm)
-            finites.append(finite)
-            aux.append(update_aux / len(micros))
-        outputs = StepOutputs(
-            loss=jnp.mean(jnp.stack(losses)),
-            grad_norm=jnp.mean(jnp.stack(norms)),
-            finite_U=jnp.stack(finites).astype(jnp.int32),
-            dropped_groups=dropped,
-            updates=state.updates,
-            stats=stats if stats is not None else LossStats.empty(),
-            router_load_LX=load,
-            router_aux_loss=jnp.mean(jnp.stack(aux)),
+        return dict(
+            adv=adv_B,
+            dropped=dropped,
+            mask=np.asarray(batch.loss_mask_BT, np.float32) * valid_B[:, None],
+            tokens=tokens_BT,
+            inference=np.asarray(batch.inference_logps_BT, np.float32),
+            behaviour=behaviour_BT,
+            current=current_B,
+            lengths=lengths_B,
         )
-        return state, outputs
+
+    def _micros(self, params, micros: list[Micro], x: dict, weights_BT: np.ndarray, ref_params) -> Partial:
+        """The summed gradient, loss, stats, router load and aux loss of `micros` at `params`."""
+        grads, loss, stats, load, aux = None, 0.0, None, None, 0.0
+        count = np.float32(len(micros))
+        for m in micros:
+            rows_of = functools.partial(_padded_rows, m)  # padding rows: empty (zero mask and weight)
+            micro = dict(
+                tokens=self._put(rows_of(x["tokens"])),
+                mask=self._put(rows_of(x["mask"])),
+                inference=self._put(rows_of(x["inference"])),
+                behaviour=self._put(rows_of(x["behaviour"])),
+                adv=jax.device_put(rows_of(x["adv"]), self._rows_C),
+                current=jax.device_put(rows_of(x["current"].astype(np.float32)), self._rows_C),
+            )
+            (micro_loss, (micro_stats, (micro_load, micro_aux))), micro_grads = self._grad(
+                params, micro, self._put(rows_of(weights_BT)), ref_params, count
+            )
+            grads = micro_grads if grads is None else self._add(grads, micro_grads)
+            loss = loss + micro_loss
+            aux = aux + micro_aux
+            stats = micro_stats if stats is None else stats.merge(micro_stats)
+            load = micro_load if load is None else load + micro_load
+        return Partial(grads, loss, stats, load, aux, len(micros))
 
     def behaviour_logps(self, batch: TrainBatch, params_of, skip_B: np.ndarray) -> np.ndarray:
         """[B, T] behaviour log-probs on the host of the rows not in `skip_B` (the rest 0), in the
@@ -320,6 +419,9 @@ class BucketedStep:
         # The per-update programs: compiled ahead (not run: the update would donate the state).
         self._add.lower(grads, grads).compile()
         self._apply.lower(state, grads, loss).compile()
+        if c.grad_ahead:  # the step's sum of its rows and the rows computed ahead
+            self._add_scaled.lower(grads, grads, loss).compile()
+            self._scaled.lower(grads, loss).compile()
         B = rows_per_update * c.num_updates
         self._advantages(np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.float32))
         return [T for T, _, _ in shapes]

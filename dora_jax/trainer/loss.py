@@ -168,6 +168,33 @@ def token_weights(mask_BT: jax.Array, loss_norm: str, t_max: int) -> jax.Array:
     raise ValueError(f"loss_norm={loss_norm!r}; expected one of {LOSS_NORMS}")
 
 
+def row_weights(mask_BT: jax.Array, loss_norm: str) -> jax.Array:
+    """`token_weights` without its batch-level factor (`weights_scale`): what each row's weights are
+    before the rest of the optimizer batch is known. token_mean and constant: m_bt;
+    seq_mean_token_mean: m_bt / n_b. Gradients computed ahead with these are scaled when the batch
+    is whole (dora_jax.trainer.bucketed: `trainer.grad_ahead`)."""
+    mask_BT = mask_BT.astype(jnp.float32)
+    if loss_norm == "seq_mean_token_mean":
+        return mask_BT / jnp.maximum(mask_BT.sum(-1), 1.0)[:, None]
+    if loss_norm in ("token_mean", "constant"):
+        return mask_BT
+    raise ValueError(f"loss_norm={loss_norm!r}; expected one of {LOSS_NORMS}")
+
+
+def weights_scale(mask_BT: jax.Array, loss_norm: str, t_max: int) -> jax.Array:
+    """The batch-level factor of `token_weights` over the whole optimizer batch `mask_BT`:
+    token_weights = row_weights * weights_scale. token_mean: 1 / sum_bt m_bt;
+    seq_mean_token_mean: 1 / S; constant: 1 / (B * T_max)."""
+    mask_BT = mask_BT.astype(jnp.float32)
+    if loss_norm == "token_mean":
+        return 1.0 / jnp.maximum(mask_BT.sum(), 1.0)
+    if loss_norm == "seq_mean_token_mean":
+        return 1.0 / jnp.maximum((mask_BT.sum(-1) > 0).sum(), 1).astype(jnp.float32)
+    if loss_norm == "constant":
+        return jnp.float32(1.0 / (mask_BT.shape[0] * float(t_max)))
+    raise ValueError(f"loss_norm={loss_norm!r}; expected one of {LOSS_NORMS}")
+
+
 @flax.struct.dataclass
 class LossStats:
     """Sums and extrema over the loss tokens; `merge` combines micro-batches and updates."""

@@ -37,7 +37,7 @@ from dora_jax.parallel.sharding import (
 from dora_jax.store import ParamStore
 from dora_jax.store.digest import params_digest
 from dora_jax.trainer.advantages import ESTIMATORS
-from dora_jax.trainer.ahead import AheadLogps
+from dora_jax.trainer.ahead import AheadLogps, HeldGrads, row_keys
 from dora_jax.trainer.bucketed import BucketedStep, batch_widths
 from dora_jax.trainer.loss import LossConfig, LossStats
 from dora_jax.trainer.recompute import BehaviourLogps
@@ -120,6 +120,13 @@ class TrainerConfig:
     # the rows that arrived since. One-process trainers only (the hosts of a multi-host trainer
     # would have to wait in step).
     score_ahead: bool = setting("compute behaviour log-probs of finished groups while waiting for the batch", False)
+    # While the trainer waits for its batch (C3 holds it for an old version's last group), it
+    # computes the gradients of the whole groups the coordinator commits to that batch, at the params
+    # the step will have; the step computes only the other rows and makes one update of the sum
+    # (dora_jax.trainer.ahead.HeldGrads; every loss_norm is a per-row weight times one batch-level
+    # factor, applied when the batch is whole). Needs length_bucket, num_updates = 1 and
+    # router_aux_coef = 0; one-process trainers only, as score_ahead.
+    grad_ahead: bool = setting("compute the gradients of committed groups while waiting for the batch", False)
     # The rollout's sampling temperature T: every log-prob the trainer takes (current policy,
     # behaviour recompute, KL reference) is of softmax(logits / T), as the engine's inference
     # log-probs are. Set by dora_jax.runtime.run_config from rollout.temperature, not by hand.
@@ -156,6 +163,16 @@ class TrainerConfig:
                 'trainer.score_ahead=True with trainer.behaviour_logps="sampler": every row\'s behaviour '
                 "log-probs arrive with it, so there is nothing to score ahead; set one of them"
             )
+        if self.grad_ahead:
+            needs = {
+                "trainer.length_bucket > 0 (micro-batches of their own length)": self.length_bucket > 0,
+                "trainer.num_updates = 1 (one update: its params are the ones waiting)": self.num_updates == 1,
+                "trainer.router_aux_coef = 0 (its loss is a mean over all micro-batches)": self.router_aux_coef == 0,
+                "trainer.score_ahead = False (grad_ahead computes its rows' log-probs itself)": not self.score_ahead,
+            }
+            missing = [need for need, ok in needs.items() if not ok]
+            if missing:
+                raise ValueError(f"trainer.grad_ahead=True needs {'; '.join(missing)}")
         if self.router_aux_coef < 0:
             raise ValueError(f"trainer.router_aux_coef={self.router_aux_coef}; expected >= 0")
         if self.length_bucket < 0:
@@ -214,6 +231,8 @@ class StepMetrics:
     rollout_scored_rows: int = 0  # rows whose behaviour log-probs came scored by their rollout slice
     sampler_rows: int = 0  # rows whose behaviour log-probs are the engine's sampling log-probs
     ahead_rows: int = 0  # rows whose behaviour log-probs the trainer computed while it waited (score_ahead)
+    grad_ahead_rows: int = 0  # rows whose gradient the trainer computed while it waited (grad_ahead)
+    grad_ahead_dropped: int = 0  # rows computed ahead and not used: the batch did not hold them as they were
     # MoE only (None for a dense model), over the step's loss tokens:
     expert_load: tuple[tuple[int, ...], ...] | None = None  # per MoE layer: assignments per expert
     router_load_ratio: tuple[float, ...] | None = None  # per MoE layer: max / mean expert load (1 = balanced)
@@ -348,6 +367,8 @@ class Trainer:
         self._digests: dict[int, str] = {}  # version -> params digest (dora_jax.store.digest)
         self._used_digests: dict[int, str] = {}  # those the current step recomputed with
         self._ahead = AheadLogps()  # rows computed while waiting for their batch (score_ahead)
+        self._held: HeldGrads | None = None  # gradients computed while waiting for the batch (grad_ahead)
+        self._held_dropped = 0  # rows of held gradients dropped since the last step
         self._behaviour = BehaviourLogps(
             graphdef,
             self.param_shardings,
@@ -418,6 +439,11 @@ class Trainer:
     def scores_ahead(self) -> bool:
         """`trainer.score_ahead`, for a one-process trainer (see TrainerConfig)."""
         return self.config.score_ahead and jax.process_count() == 1
+
+    @property
+    def grads_ahead(self) -> bool:
+        """`trainer.grad_ahead`, for a one-process trainer (see TrainerConfig)."""
+        return self.config.grad_ahead and jax.process_count() == 1
 
     @property
     def params(self):
@@ -498,29 +524,101 @@ class Trainer:
         self._ahead.store(batch, np.asarray(logps_BT), wanted_B, digests)
         return int(wanted_B.sum())
 
+    def grad_ahead(self, batch: TrainBatch) -> int:
+        """Computes, at the current params, the gradient sums of `batch`'s rows (whole groups the
+        coordinator committed to the next batch; padding rows and rows held already are skipped),
+        and holds them for the step whose batch holds those rows (`trainer.grad_ahead`;
+        `HeldGrads`). Their behaviour log-probs are computed here as the step would (recomputed
+        with their own version, or taken as they arrived). `batch` is packed as a training batch
+        (its size and widths). Held sums of an earlier version are dropped. Returns the rows
+        computed."""
+        versions_B = np.asarray(batch.versions_B, np.int64)
+        self._check_batch(batch, versions_B)
+        if self._held is not None and self._held.version != self._version:
+            self._drop_held()
+        held = self._held
+        rows_B = np.asarray([bool(t) and (held is None or t not in held.keys) for t in batch.traj_ids], bool)
+        if not rows_B.any():
+            return 0
+        batch = self._with_sampler_logps(batch)
+        known_B = self._arrived_rows(batch) & rows_B
+        current_B = self._current_rows(versions_B) & rows_B & ~known_B
+        saved, self._used_digests = self._used_digests, {}
+        try:
+            if current_B.any():
+                self._params_of(self._version)  # notes the current version's digest for the ledger
+            part = self._bucketed.partial(
+                self._state, batch, self._ref_params, self._params_of, rows_B, current_B, known_B
+            )
+            digests = self._used_digests
+        finally:
+            self._used_digests = saved
+        recomputed = int((rows_B & ~known_B & ~current_B).sum())
+        keys = row_keys(batch, rows_B)
+        if held is None:
+            self._held = HeldGrads(self._version, part, keys, dict(digests), recomputed)
+        else:
+            held.partial = self._bucketed.add(held.partial, part)
+            held.keys.update(keys)
+            held.digests.update(digests)
+            held.recomputed += recomputed
+        return int(rows_B.sum())
+
+    def _drop_held(self) -> None:
+        self._held_dropped += len(self._held.keys)
+        self._held = None
+
+    def _with_sampler_logps(self, batch: TrainBatch) -> TrainBatch:
+        """Under `behaviour_logps = "sampler"`, the batch with its inference log-probs as every
+        row's behaviour log-probs; otherwise the batch."""
+        if self.config.behaviour_logps != "sampler":
+            return batch
+        return dataclasses.replace(
+            batch, behaviour_logps_BT=batch.inference_logps_BT, behaviour_known_B=np.ones(batch.batch_size, bool)
+        )
+
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
         self._used_digests = {}
         start = time.perf_counter()
-        if self.config.behaviour_logps == "sampler":
-            batch = dataclasses.replace(
-                batch, behaviour_logps_BT=batch.inference_logps_BT, behaviour_known_B=np.ones(batch.batch_size, bool)
-            )
+        batch = self._with_sampler_logps(batch)
+        held_B, held = None, self._held
+        if held is not None:
+            held_B = held.rows_in(batch) if held.version == self._version else None
+            if held_B is None:
+                self._drop_held()  # the params moved, or the batch does not hold those rows as they were
+                held = None
+            self._held = None
         arrived_B = self._arrived_rows(batch)
         own_B = self._current_rows(versions_B)  # the step's own forward gives these
         batch, ahead_B, ahead_digests = self._ahead.apply(batch, ~arrived_B & ~own_B)
         self._used_digests.update(ahead_digests)
         known_B = arrived_B | ahead_B  # log-probs at hand: not recomputed
         current_B = own_B & ~known_B
+        if held is not None:
+            self._used_digests.update(held.digests)
+            current_B &= ~held_B
         if current_B.any():
             self._params_of(self._version)  # notes the current version's digest for the ledger
-        rows = (int(versions_B.size - current_B.sum() - known_B.sum()), int(arrived_B.sum()), int(ahead_B.sum()))
+        if held is None:
+            rows = (int(versions_B.size - current_B.sum() - known_B.sum()), int(arrived_B.sum()), int(ahead_B.sum()))
+        else:
+            here = int((~current_B & ~known_B & ~held_B).sum())
+            rows = (here + held.recomputed, int(arrived_B.sum()), int(ahead_B.sum()))
         if self._bucketed is not None:
+            ahead = None if held is None else (held.partial, held_B)
             self._state, outputs = self._bucketed(
-                self._state, batch, self._ref_params, self._params_of, current_B, known_B
+                self._state, batch, self._ref_params, self._params_of, current_B, known_B, ahead=ahead
             )
-            return self._finish(jax.device_get(outputs), versions_B, time.perf_counter() - start, rows)
+            metrics = self._finish(jax.device_get(outputs), versions_B, time.perf_counter() - start, rows)
+            metrics = dataclasses.replace(
+                metrics,
+                grad_ahead_rows=0 if held_B is None else int(held_B.sum()),
+                grad_ahead_dropped=self._held_dropped,
+            )
+            self._held_dropped = 0
+            return metrics
         tokens_UMCT = self._rows(batch.tokens_BT, np.int32)
         U, C = self.config.num_updates, self.config.micro_batch_size
         arrived_UMCT = None

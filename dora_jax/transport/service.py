@@ -47,7 +47,7 @@ from dora_jax.transport import dora_pb2_grpc as pb_grpc
 from dora_jax.transport.guard import principal_of, shown
 from dora_jax.transport.port import GrpcRolloutPort
 
-PROTOCOL = 3  # bump on any incompatible change to dora.proto's meaning (3: arrays' dtypes by name)
+PROTOCOL = 4  # bump on any incompatible change to dora.proto's meaning (3: arrays' dtypes by name; 4: TakeBatch commit)
 MAX_MESSAGE_BYTES = 512 << 20  # a TakeBatch reply carries a whole training batch, Resume a whole state
 MAX_HOST_CHARS = 255  # a host name or transfer server address (DNS names are at most 253)
 MAX_WAIT_S = 60.0  # the longest a long-poll (TakeBatch, Evaluate) holds its thread
@@ -103,7 +103,7 @@ class Backend(Protocol):
     def post_slice_wont_rejoin(self, slice_id: int, reason: str) -> None: ...
     def record_behaviour(self, step: int, digests) -> None: ...
     def take_batch(self, trainer_version: int, timeout=None, cancel=None, idle=None) -> list[Group] | None: ...
-    def peek_batch(self, trainer_version: int) -> list[Group]: ...
+    def peek_batch(self, trainer_version: int, committed: bool = False) -> list[Group]: ...
     def request_eval(self, version: int, step: int, prompts, samples: int) -> Future: ...
 
 
@@ -553,7 +553,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         def peek() -> bool:  # take_batch's idle work: stop waiting once there are groups to show
             if request.peek:
-                peeked.extend(backend.peek_batch(int(request.trainer_version)))
+                peeked.extend(backend.peek_batch(int(request.trainer_version), committed=bool(request.commit)))
             if peeked:
                 raise _Peeked
             return False

@@ -1,5 +1,6 @@
 """The coordinator driven by scripted fake workers: C1-C3 and exactly-once under every mode."""
 
+import dataclasses
 import random
 
 import pytest
@@ -247,3 +248,46 @@ def test_a_peek_shows_each_finished_sample_once_oldest_first_and_takes_nothing()
         coord.post_published(version)
         coord.process()
     assert version == 6 and partial > 0 and audit(ledger.memory).ok
+
+
+@pytest.mark.parametrize("legacy_fill", [False, True], ids=["plain", "legacy_fill"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_committed_groups_are_whole_shown_once_and_in_the_next_take(seed, legacy_fill):
+    """peek_batch(committed=True) (trainer.grad_ahead): whole queued groups, each shown once, that
+    the take for that version holds. Without legacy fill nothing can break a commitment (only older
+    groups in flight could sort ahead, and they are counted); with it, a group started later at an
+    older version may: the take stays the oldest groups and counts the commitment broken. Every
+    take is the one a coordinator without commitments makes, and the audit is clean."""
+    ref, length_of = [None], longtail(seed)
+    workers = {i: FakeWorker(i, 4, ref, length_of) for i in range(3)}
+    ledger = Ledger(None)
+    cfg = dataclasses.replace(config("dora", k_max=2, tbs=16, rbs=32, g=4), legacy_fill=legacy_fill)
+    coord = Coordinator(cfg, workers, prompts(), InstantScorer(0), ledger)
+    ref[0] = coord
+    coord.start()
+    rng, version, committed, ticks = random.Random(seed), 0, {}, 0
+    while version < 8:
+        ticks += 1
+        assert ticks < 20000, "no progress"
+        tick_some(workers, rng)
+        coord.process()
+        shown = coord.peek_batch(version, committed=True)
+        assert coord.peek_batch(version + 1, committed=True) == []  # that publish is not applied yet
+        assert all(len(g.samples) == 4 for g in shown) and not {g.group_id for g in shown} & set(committed)
+        committed.update((g.group_id, version) for g in shown)
+        oldest = [g.group_id for g in coord.queue.peek_oldest(4)]
+        batch = coord.try_take_batch(version)
+        if batch is None:
+            continue
+        assert [g.group_id for g in batch] == oldest  # the take is oldest first, commitments or not
+        mine = {gid for gid, v in committed.items() if v == version}
+        if not legacy_fill:
+            assert mine <= {g.group_id for g in batch}
+        version += 1
+        coord.post_published(version)
+        coord.process()
+    held = sum(v < version for v in committed.values())
+    assert coord.stats.committed_groups == len(committed) and held >= 8, (coord.stats, held)
+    if not legacy_fill:
+        assert coord.stats.commitments_broken == 0
+    assert audit(ledger.memory).ok

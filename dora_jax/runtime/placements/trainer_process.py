@@ -418,9 +418,9 @@ class _BatchSource:
         self._client, self._channel, self._report = client, channel, report
         self._poll_s = poll_s
 
-    def take(self, version: int, ahead=None):
+    def take(self, version: int, ahead=None, committed: bool = False):
         if self._client is not None:
-            reply = _take_batch(self._client, version, self._poll_s, ahead)
+            reply = _take_batch(self._client, version, self._poll_s, ahead, committed)
             if self._channel is not None:
                 self._channel.send(reply.SerializeToString())
         else:
@@ -467,12 +467,13 @@ def _reporter(client, store, before=None):
     return report
 
 
-def _take_batch(client, version: int, poll_s: float, ahead=None):
+def _take_batch(client, version: int, poll_s: float, ahead=None, committed: bool = False):
     """Long-polls until the coordinator hands over the batch for `version` (a TakeBatchReply).
     With `ahead` (trainer.score_ahead), the polls also return finished samples the trainer will
-    train on, each once (Coordinator.peek_batch), and `ahead` gets them."""
+    train on, each once (Coordinator.peek_batch), and `ahead` gets them; `committed`
+    (trainer.grad_ahead): only whole groups the coordinator commits to the batch."""
     request = pb.TakeBatchRequest(
-        session=client.session, trainer_version=version, wait_s=poll_s, peek=ahead is not None
+        session=client.session, trainer_version=version, wait_s=poll_s, peek=ahead is not None, commit=committed
     )
     while True:
         reply = client.call(
