@@ -128,6 +128,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # trainer | rollout (each slice scores its trajectories while idle) | sampler (the engine's own log-probs)
     c.trainer.behaviour_logps = "trainer"
     c.trainer.score_ahead = False  # True: behaviour log-probs of finished groups computed while the trainer waits
+    c.trainer.grad_ahead = False  # True: gradients of the groups committed to the next batch computed while it waits
     c.trainer.dynamic_sampling = False  # DAPO: the coordinator trains only groups with reward variance, drawing more
 
     c.checkpoint = ml_collections.ConfigDict()

@@ -284,3 +284,21 @@ def test_behaviour_logps_scored_ahead_while_waiting_audit_clean(tmp_path):
         assert row["recomputed_rows"] + row["ahead_rows"] == stale, (row, stale)
         assert row["score_ahead_s"] >= 0
     assert sum(r["ahead_rows"] for r in rows) > 0, [(r["recomputed_rows"], r["ahead_rows"]) for r in rows]
+
+
+@pytest.mark.slow
+def test_gradients_computed_ahead_while_waiting_audit_clean(tmp_path):
+    """trainer.grad_ahead in the embedded run: while the trainer waits for a batch it computes the
+    gradients of the groups the coordinator commits to it; each is in the batch it takes (none
+    dropped), the audit is clean, and some rows' gradients were computed ahead."""
+    steps = 8
+    c = tiny_config("dora", steps=steps)
+    with c.unlocked():
+        c.trainer.grad_ahead = True
+        c.rollout.num_slices = 1
+        c.log.tensorboard = False
+    result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
+    assert result.steps == steps and result.audit.ok, result.audit.summary()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert all(r["grad_ahead_dropped"] == 0 and r["grad_ahead_s"] >= 0 for r in rows), rows
+    assert sum(r["grad_ahead_rows"] for r in rows) > 0, [r["grad_ahead_rows"] for r in rows]

@@ -151,6 +151,23 @@ def test_behaviour_logps_scored_ahead_over_grpc(tmp_path):
     assert _left_running(tmp_path / "run") == []
 
 
+def test_gradients_computed_ahead_over_grpc(tmp_path):
+    """trainer.grad_ahead across processes: the trainer's TakeBatch polls (`peek` + `commit`) bring
+    the whole groups the coordinator commits to its next batch; the trainer computes their gradients
+    while it waits, every one of them is in the batch it then takes (none dropped), and the audit
+    (behaviour digests included) is clean. One slice of 2 slots finishes groups one after another:
+    the trainer waits with part of its batch finished."""
+    proc = _launch(tmp_path / "run", "--config.trainer.grad_ahead=True", "--config.rollout.num_slices=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = list(read_ledger(str(tmp_path / "run" / "ledger.jsonl")))
+    report = audit(events)
+    assert report.ok and report.consumed == STEPS * TBS, report.summary()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert all(r["grad_ahead_dropped"] == 0 and r["grad_ahead_s"] >= 0 for r in rows), rows
+    assert sum(r["grad_ahead_rows"] for r in rows) > 0, [r["grad_ahead_rows"] for r in rows]
+    assert _left_running(tmp_path / "run") == []
+
+
 def test_a_killed_rollout_process_is_survived(tmp_path):
     steps = 2 * STEPS  # a run long enough that the kill lands mid-run on a loaded machine
     proc = _launch(tmp_path / "run", f"--config.num_steps={steps}", "--kill_slice=0", "--kill_after_s=0")
