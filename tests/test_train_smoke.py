@@ -295,6 +295,7 @@ def test_gradients_computed_ahead_while_waiting_audit_clean(tmp_path):
     c = tiny_config("dora", steps=steps)
     with c.unlocked():
         c.trainer.grad_ahead = True
+        c.trainer.micro_batch_size = 4  # one group fills a micro-batch: it is computed ahead once committed
         c.rollout.num_slices = 1
         c.log.tensorboard = False
     result = runner.run(run_config.parse(c), str(tmp_path), progress=False)

@@ -156,15 +156,23 @@ def train(
 class _Ahead:
     """`trainer.score_ahead` / `trainer.grad_ahead`: packs the groups a take hands over while it
     waits as a training batch would be packed (the same reward shaping), and has the trainer
-    compute their behaviour log-probs, or their gradients."""
+    compute their behaviour log-probs, or their gradients. Gradients are computed a whole
+    micro-batch at a time (`Trainer.grad_ahead`'s `full_only`): the groups committed so far to the
+    batch are packed again with each new commit, until the take."""
 
     def __init__(self, trainer: Trainer, pad_to: int, pad_id: int, batch_rows: int, max_length: int | None, shaping):
         self._trainer, self._pad_to, self._pad_id = trainer, pad_to, pad_id
         self._rows, self._max_length, self._shaping = batch_rows, max_length, shaping
         self.seconds = 0.0  # spent computing since the last step's row
+        self._committed: tuple[int, list[Group]] = (-1, [])  # (trainer version, groups committed to its batch)
 
     def __call__(self, groups: Sequence[Group]) -> None:
         start = time.perf_counter()
+        if self._trainer.grads_ahead:
+            version = self._trainer.version
+            earlier = self._committed[1] if self._committed[0] == version else []
+            groups = earlier + list(groups)
+            self._committed = (version, groups)
         part, rows = [], 0  # a take hands over at most a batch; more is packed as several
         for group in groups:
             if part and rows + len(group.samples) > self._rows:
@@ -187,7 +195,7 @@ class _Ahead:
             overlong_filter=self._trainer.config.overlong_filter,
         )
         if self._trainer.grads_ahead:
-            self._trainer.grad_ahead(batch)
+            self._trainer.grad_ahead(batch, full_only=True)
         else:
             self._trainer.score_ahead(batch)
 

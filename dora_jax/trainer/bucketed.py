@@ -256,17 +256,29 @@ class BucketedStep:
         )
         return state, outputs
 
-    def partial(self, state, batch: TrainBatch, ref_params, params_of, rows_B, current_B=None, known_B=None):
-        """`trainer.grad_ahead`: the gradient sums of `batch`'s `rows_B` rows (whole groups: their
-        advantages are their groups') at `state`'s params, with `row_weights` (the batch-level
-        factor is applied by the step that holds them, `__call__`'s `ahead`). `batch` is packed as
-        a training batch (its size: the update's rows), so that the micro-batches take the shapes
-        `warmup` compiled. Returns a Partial (its grads live on the trainer mesh)."""
-        rows_B = np.asarray(rows_B, bool)
-        x = self._inputs(batch, params_of, current_B, known_B, skip_B=~rows_B)
+    def partial(
+        self, state, batch: TrainBatch, ref_params, params_of, rows_B, current_B=None, known_B=None, full_only=False
+    ) -> tuple[Partial | None, np.ndarray]:
+        """`trainer.grad_ahead`: the gradient sums of `batch`'s `rows_B` rows (of whole groups:
+        their advantages are their groups') at `state`'s params, with `row_weights` (the
+        batch-level factor is applied by the step that holds them, `__call__`'s `ahead`). `batch`
+        is packed as a training batch (its size: the update's rows), so that the micro-batches take
+        the shapes `warmup` compiled. `full_only`: only the micro-batches that `rows_B` fill (a
+        micro-batch of a few real rows costs as much as a full one; its rows are left to a later
+        call or to the step). Returns (a Partial, its grads on the trainer mesh, or None when no
+        micro-batch is computed; [B] bool of the rows it covers)."""
+        lengths_B = row_lengths(batch)
+        micros = self._plan_rows(lengths_B, np.flatnonzero(rows_B), batch.tokens_BT.shape[1], batch.batch_size)
+        if full_only:
+            micros = [m for m in micros if m.rows.size == m.size]
+        covered_B = np.zeros(batch.batch_size, bool)
+        for m in micros:
+            covered_B[m.rows] = True
+        if not micros:
+            return None, covered_B
+        x = self._inputs(batch, params_of, current_B, known_B, skip_B=~covered_B)
         weights_BT = np.asarray(self._row_weights(x["mask"]))
-        micros = self._plan_rows(x["lengths"], np.flatnonzero(rows_B), x["mask"].shape[1], batch.batch_size)
-        return self._micros(state.params, micros, x, weights_BT, ref_params)
+        return self._micros(state.params, micros, x, weights_BT, ref_params), covered_B
 
     def add(self, a: Partial, b: Partial) -> Partial:
         """Two Partials of one update's rows, summed (`a`'s grads are donated)."""

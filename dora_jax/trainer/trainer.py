@@ -524,14 +524,15 @@ class Trainer:
         self._ahead.store(batch, np.asarray(logps_BT), wanted_B, digests)
         return int(wanted_B.sum())
 
-    def grad_ahead(self, batch: TrainBatch) -> int:
+    def grad_ahead(self, batch: TrainBatch, full_only: bool = False) -> int:
         """Computes, at the current params, the gradient sums of `batch`'s rows (whole groups the
         coordinator committed to the next batch; padding rows and rows held already are skipped),
         and holds them for the step whose batch holds those rows (`trainer.grad_ahead`;
         `HeldGrads`). Their behaviour log-probs are computed here as the step would (recomputed
         with their own version, or taken as they arrived). `batch` is packed as a training batch
-        (its size and widths). Held sums of an earlier version are dropped. Returns the rows
-        computed."""
+        (its size and widths). `full_only`: only the rows of micro-batches they fill (the training
+        loop passes every committed group again with the next ones, until the take). Held sums of
+        an earlier version are dropped. Returns the rows computed."""
         versions_B = np.asarray(batch.versions_B, np.int64)
         self._check_batch(batch, versions_B)
         if self._held is not None and self._held.version != self._version:
@@ -545,14 +546,18 @@ class Trainer:
         current_B = self._current_rows(versions_B) & rows_B & ~known_B
         saved, self._used_digests = self._used_digests, {}
         try:
+            part, rows_B = self._bucketed.partial(
+                self._state, batch, self._ref_params, self._params_of, rows_B, current_B, known_B, full_only
+            )
+            known_B &= rows_B
+            current_B &= rows_B
             if current_B.any():
                 self._params_of(self._version)  # notes the current version's digest for the ledger
-            part = self._bucketed.partial(
-                self._state, batch, self._ref_params, self._params_of, rows_B, current_B, known_B
-            )
             digests = self._used_digests
         finally:
             self._used_digests = saved
+        if part is None:
+            return 0
         recomputed = int((rows_B & ~known_B & ~current_B).sum())
         keys = row_keys(batch, rows_B)
         if held is None:

@@ -12,6 +12,7 @@ from dora_jax.core.records import TrainBatch
 from dora_jax.parallel import sharding
 from dora_jax.store import InProcessTier, ParamStore
 from dora_jax.trainer import Trainer, TrainerConfig
+from dora_jax.trainer.bucketed import row_lengths
 from dora_jax.trainer.loss import LOSS_NORMS, row_weights, token_weights, weights_scale
 from tests.trainer.test_bucketed import long_tailed_batch
 from tests.trainer.test_trainer import CONFIG, FAST_COMPILE, G, host, model  # noqa: F401  (fixture)
@@ -68,7 +69,8 @@ def packed(batch: TrainBatch, rows, width: int) -> TrainBatch:
 def trainer_at_version_1(model, config):  # noqa: F811
     graphdef, params, axes = model
     mesh = sharding.make_mesh(jax.devices()[:2], {"fsdp": 2})
-    trainer = Trainer(graphdef, params, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE)
+    own = jax.tree.map(np.array, params)  # with kl_coef 0 the trainer donates (deletes) what it is given
+    trainer = Trainer(graphdef, own, axes, mesh, config, ParamStore(InProcessTier()), compiler_options=FAST_COMPILE)
     trainer.publish()
     trainer.train_step(long_tailed_batch(9, 0))
     trainer.publish()
@@ -148,3 +150,38 @@ def test_held_gradients_the_batch_does_not_hold_as_they_were_are_dropped(model):
     assert ahead.grad_ahead(packed(full, np.arange(G), T)) == G
     ahead.load_state(ahead.state, 5)
     assert ahead.train_step(full).grad_ahead_dropped == G
+
+
+def test_full_only_computes_the_micro_batches_the_rows_fill_and_the_step_the_rest(model):  # noqa: F811
+    """`grad_ahead(full_only=True)` (the training loop's way): of the rows not held yet, only those
+    of micro-batches they fill are computed (a micro-batch of a few real rows costs a full one);
+    passing the committed groups again with more computes more; the step computes the rest and
+    equals the plain step."""
+    config = dataclasses.replace(
+        CONFIG, num_updates=1, length_bucket=8, micro_batch_tokens=128, loss_norm="token_mean", kl_coef=0.0
+    )
+    base = long_tailed_batch(5, np.arange(B) % 2)
+    plain = trainer_at_version_1(model, config)
+    want = plain.train_step(base)
+    ahead = trainer_at_version_1(model, dataclasses.replace(config, grad_ahead=True))
+
+    def expected(rows) -> int:  # rows of the micro-batches that those of `rows` not held yet fill
+        batch, held = packed(base, rows, T), ahead._held.keys if ahead._held else {}
+        free = np.flatnonzero([bool(t) and t not in held for t in batch.traj_ids])
+        plan = ahead._bucketed._plan_rows(row_lengths(batch), free, T, B)
+        return sum(m.rows.size for m in plan if m.rows.size == m.size)
+
+    held, calls = 0, []
+    for groups in (1, 2, 4):
+        rows = np.arange(groups * G)
+        want_rows = expected(rows)
+        calls.append(ahead.grad_ahead(packed(base, rows, T), full_only=True))
+        assert calls[-1] == want_rows
+        held += calls[-1]
+    assert calls[0] < G and 0 < held < B, calls  # one group leaves micro-batches unfilled; so do all
+    got = ahead.train_step(base)
+    assert (got.grad_ahead_rows, got.grad_ahead_dropped) == (held, 0)
+    for field in FIELDS:
+        np.testing.assert_allclose(getattr(got, field), getattr(want, field), rtol=1e-4, atol=1e-6, err_msg=field)
+    for a, b in zip(jax.tree.leaves(host(ahead.params)), jax.tree.leaves(host(plain.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=0.02 * CONFIG.lr)

@@ -156,8 +156,14 @@ def test_gradients_computed_ahead_over_grpc(tmp_path):
     the whole groups the coordinator commits to its next batch; the trainer computes their gradients
     while it waits, every one of them is in the batch it then takes (none dropped), and the audit
     (behaviour digests included) is clean. One slice of 2 slots finishes groups one after another:
-    the trainer waits with part of its batch finished."""
-    proc = _launch(tmp_path / "run", "--config.trainer.grad_ahead=True", "--config.rollout.num_slices=1")
+    the trainer waits with part of its batch finished; micro-batches of 4 rows, which one group fills
+    (a micro-batch is computed ahead once its rows are committed)."""
+    proc = _launch(
+        tmp_path / "run",
+        "--config.trainer.grad_ahead=True",
+        "--config.rollout.num_slices=1",
+        "--config.trainer.micro_batch_size=4",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = list(read_ledger(str(tmp_path / "run" / "ledger.jsonl")))
     report = audit(events)
