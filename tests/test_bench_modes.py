@@ -196,6 +196,9 @@ def test_a_role_process_jobs_figures_are_read_from_its_workdir(tmp_path):
     assert row["straggler_s"] == pytest.approx(3.0) and row["trainer_wait_s"] == 3.0
     assert run["timelines"]["slices"] == [[(t + 1.0, t + 4.5, 0, 0.5)]]
     assert run["timelines"]["trainer"] == [(t + 4.0, t + 5.0, 0)]
+    # Work done while waiting for the batch (grad_ahead) is the trainer's work too.
+    _write_jsonl(tmp_path / "metrics.jsonl", [{**rows[0], "grad_ahead_s": 0.25}])
+    assert read_run(str(tmp_path), num_slots=4)["inputs"]["train_busy_s"] == pytest.approx(1.25)
 
 
 def test_a_mode_variant_runs_its_mode_with_its_fields_and_is_compared_with_it():

@@ -74,7 +74,9 @@ def read_run(workdir: str, num_slots: int) -> dict:
             "rows": rows,
             "rollout_intervals": [(b[0], min(b[1], end)) for slice_bars in bars for b in slice_bars],
             "train_intervals": train,
-            "train_busy_s": sum(e - s for s, e, _ in train),
+            # steps, and the work done while waiting for their batches (score_ahead, grad_ahead)
+            "train_busy_s": sum(e - s for s, e, _ in train)
+            + sum(r.get("score_ahead_s", 0.0) + r.get("grad_ahead_s", 0.0) for r in rows),
             "slot_steps": int(slot_steps),
             "idle_slot_steps": int(round(idle)),
             # one token per busy slot-step: the heartbeat counters in the rows lag the end

@@ -62,7 +62,7 @@ class BatchSource(Protocol):
 @dataclasses.dataclass
 class LoopResult:
     rows: list[dict]
-    train_busy_s: float  # pack + step + publish, without waiting for batches
+    train_busy_s: float  # pack + step + publish, and work done while waiting (score_ahead, grad_ahead)
     timeline: list[tuple[float, float, int]]  # (start, end, version trained on) per step
     stopped_early: bool  # the source returned no batch before num_steps
 
@@ -138,6 +138,7 @@ def train(
         row = step_row(step, batch, metrics, taken.stats, last, start, wait_s=t0 - t_take)
         row["train_interval_t"] = [wall0, wall0 + (t1 - t0)]  # wall clock: lines up with other processes
         if ahead is not None:  # behaviour log-probs or gradients computed while waiting for this batch
+            result.train_busy_s += ahead.seconds
             row["grad_ahead_s" if trainer.grads_ahead else "score_ahead_s"], ahead.seconds = ahead.seconds, 0.0
         last = dict(taken.stats)
         if after_step is not None:

@@ -480,6 +480,8 @@ class BucketedStep:
         grads = params  # the gradient function's outputs: the params' shapes, dtypes and shardings
         loss = abstract((), jnp.float32, self._replicated)
         programs.append(("grad_sum", self._add.lower(grads, grads)))
+        if self._config.grad_ahead:  # the step's rows plus the scaled rows computed ahead
+            programs.append(("grad_ahead_join", self._add_scaled.lower(grads, grads, loss)))
         programs.append(("optimizer_update", self._apply.lower(state, grads, loss)))
         return programs
 

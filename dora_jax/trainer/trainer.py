@@ -459,6 +459,8 @@ class Trainer:
         self._state = jax.device_put(state, self.state_shardings, may_alias=False)
         self._version = int(version)
         self._nonfinite_in_a_row = 0
+        if self._held is not None:  # computed with the params replaced
+            self._drop_held()
 
     def warmup(self, max_length: int, batch_size: int, pad_to: int | None = None) -> list[int]:
         """With `length_bucket`, compiles the step of `batch_size`-row batches for every micro-batch
