@@ -79,7 +79,11 @@ def trainer_at_version_1(model, config):  # noqa: F811
 
 @pytest.mark.parametrize(
     "loss_norm,behaviour",
-    [("token_mean", "trainer"), ("seq_mean_token_mean", "trainer"), ("constant", "sampler")],
+    [
+        ("token_mean", "trainer"),
+        pytest.param("seq_mean_token_mean", "trainer", marks=pytest.mark.slow),
+        pytest.param("constant", "sampler", marks=pytest.mark.slow),
+    ],
 )
 def test_gradients_computed_ahead_give_the_plain_step(model, loss_norm, behaviour):  # noqa: F811
     """Versions 0 and 1 mixed (the trainer is at 1: version-0 rows are recomputed ahead, version-1
@@ -112,6 +116,7 @@ def test_gradients_computed_ahead_give_the_plain_step(model, loss_norm, behaviou
         assert np.abs(a - b).mean() < 1e-7
 
 
+@pytest.mark.slow
 def test_held_gradients_the_batch_does_not_hold_as_they_were_are_dropped(model):  # noqa: F811
     """A batch whose row differs from the one computed ahead (its reward changed), or that lacks a
     held row, or a step at another version: the held sums are dropped (counted), and the step is
@@ -152,6 +157,7 @@ def test_held_gradients_the_batch_does_not_hold_as_they_were_are_dropped(model):
     assert ahead.train_step(full).grad_ahead_dropped == G
 
 
+@pytest.mark.slow
 def test_full_only_computes_the_micro_batches_the_rows_fill_and_the_step_the_rest(model):  # noqa: F811
     """`grad_ahead(full_only=True)` (the training loop's way): of the rows not held yet, only those
     of micro-batches they fill are computed (a micro-batch of a few real rows costs a full one);

@@ -16,7 +16,7 @@ import dora_jax
 from dora_jax.transport import auth, guard, tls
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport.client import Client, ClientTiming, Refused
-from dora_jax.transport.service import CoordinatorService, Identity, Timing, make_server
+from dora_jax.transport.service import PROTOCOL, CoordinatorService, Identity, Timing, make_server
 from tests.transport.conftest import Sink
 
 HASH = "5afe" * 16
@@ -191,7 +191,7 @@ def test_a_huge_or_forging_host_string_is_refused_and_logged_bounded():
     service, server, address, sink = _serve(log=log.append)
     client = _client(address, auth.rollout(0))
     try:
-        request = dict(role=pb.ROLLOUT, slice_id=0, num_slots=4, config_hash=HASH, protocol=3)
+        request = dict(role=pb.ROLLOUT, slice_id=0, num_slots=4, config_hash=HASH, protocol=PROTOCOL)
         request["package_version"] = dora_jax.__version__
         with pytest.raises(grpc.RpcError) as err:
             client.stub.Register(pb.RegisterRequest(host="x" * (1 << 20), **request), timeout=10)
@@ -215,7 +215,7 @@ def test_refusals_show_none_of_the_coordinators_values():
         with pytest.raises(Refused) as err:
             client.register(pb.ROLLOUT, "0123456789ab" * 4, slice_id=0, num_slots=4)
         assert "0123456789ab" in str(err.value) and HASH[:6] not in str(err.value)
-        bad = pb.RegisterRequest(role=pb.TRAINER, config_hash=HASH, package_version="0.0.1", protocol=3)
+        bad = pb.RegisterRequest(role=pb.TRAINER, config_hash=HASH, package_version="0.0.1", protocol=PROTOCOL)
         with pytest.raises(grpc.RpcError) as err:
             _client(address, auth.TRAINER).stub.Register(bad, timeout=5)
         assert "'0.0.1' differs" in err.value.details() and dora_jax.__version__ not in err.value.details()
@@ -230,7 +230,7 @@ def test_refusals_show_none_of_the_coordinators_values():
                     num_slots=4,
                     config_hash=HASH,
                     package_version=dora_jax.__version__,
-                    protocol=3,
+                    protocol=PROTOCOL,
                 ),
                 timeout=5,
             )

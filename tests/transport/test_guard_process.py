@@ -14,6 +14,7 @@ import dora_jax
 from dora_jax.transport import auth
 from dora_jax.transport import dora_pb2 as pb
 from dora_jax.transport import dora_pb2_grpc as pb_grpc
+from dora_jax.transport.service import PROTOCOL
 from tests.transport.guard_server import HASH, SECRET
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -56,7 +57,12 @@ def test_the_object_dtype_ack_is_refused_and_the_server_lives(server_process):
         stub.Ack(_object_ack("not-a-session"), metadata=token, timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     register = pb.RegisterRequest(
-        role=pb.ROLLOUT, slice_id=0, num_slots=4, config_hash=HASH, package_version=dora_jax.__version__, protocol=3
+        role=pb.ROLLOUT,
+        slice_id=0,
+        num_slots=4,
+        config_hash=HASH,
+        package_version=dora_jax.__version__,
+        protocol=PROTOCOL,
     )
     session = stub.Register(register, metadata=token, timeout=10).session
     with pytest.raises(grpc.RpcError) as err:  # a live session: the dtype is refused before allocating
