@@ -36,6 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mode = "dora"  # sync | one_step_off | partial_rollout | dora
     c.num_steps = 200  # training steps (= versions published); ~1.7 epochs of GSM8K's 7.5K prompts
     c.seed = 0  # prompt order, sampling seeds
+    c.compile_ahead = True  # every program compiled before the run starts: none compiles mid-run
 
     c.model = ml_collections.ConfigDict()
     c.model.hf_path = "models/Qwen2.5-0.5B-Instruct"  # HF checkpoint dir on the host (relative: to ~/dora_jax)

@@ -41,6 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mode = "dora"  # sync | one_step_off | partial_rollout | dora
     c.num_steps = 300  # training steps (= versions published): 9.6K prompts at 32 per step
     c.seed = 0  # prompt order, sampling seeds
+    c.compile_ahead = True  # every program compiled before the run starts: none compiles mid-run
 
     c.model = ml_collections.ConfigDict()
     c.model.hf_path = "models/Qwen2.5-7B"  # HF checkpoint dir on every worker (relative: to ~/dora_jax)

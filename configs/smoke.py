@@ -28,6 +28,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         250
     )  # training steps (= versions published); about 1 s each on 2 CPU cores
     c.seed = 0  # model init, prompt order, sampling seeds
+    # Every role compiles each program it can run before the run starts, so none compiles mid-run
+    # (False: each when first used, a faster start for short runs).
+    c.compile_ahead = True
 
     c.model = ml_collections.ConfigDict()
     c.model.hf_path = ""  # a HF checkpoint directory; "" = a fresh tiny model from the fields below

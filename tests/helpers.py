@@ -20,6 +20,7 @@ def tiny_config(mode: str, steps: int = 4):
     with c.unlocked():
         c.mode = mode
         c.num_steps = steps
+        c.compile_ahead = False  # a few steps: compile only the programs they use
         c.init.sft_steps = 0
         c.model.hidden_size, c.model.intermediate_size, c.model.head_dim = 64, 128, 16
         c.rollout.num_slices = 3

@@ -80,6 +80,7 @@ def _train_command(workdir: str, *overrides: str) -> list[str]:
         f"--config={CONFIG}",
         f"--workdir={workdir}",
         "--config.num_steps=2",
+        "--config.compile_ahead=False",  # two steps: compile only the programs they use
         "--config.init.sft_steps=0",
         "--config.model.hidden_size=64",
         "--config.model.intermediate_size=128",
@@ -164,6 +165,46 @@ def test_a_gs_workdir_without_its_bucket_fails_before_anything_starts(gcs_emulat
     config = run_config.parse(tiny_config("dora"))
     with pytest.raises(fs.StorageError, match="gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"):
         runner.run(config, "gs://no-such-bucket/run", progress=False)
+
+
+def _lowered_while(fn) -> int:
+    """Programs jax lowers while `fn()` runs (compiled or read from the persistent cache alike)."""
+    import jax.monitoring
+
+    count = []
+    listener = lambda event, seconds, **_: count.append(1) if event.endswith("jaxpr_to_mlir_module_duration") else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(count)
+
+
+@pytest.mark.slow
+def test_without_compile_ahead_programs_compile_when_first_used_and_sample_the_same(tmp_path):
+    """compile_ahead=False skips the roles' warmups: the run lowers fewer programs, and version 0's
+    trajectories (the same params and sampling keys) finish with the same tokens and rewards."""
+    runs = {}
+    for ahead in (False, True):
+        c = tiny_config("sync", steps=2)
+        with c.unlocked():
+            c.compile_ahead = ahead
+        workdir = tmp_path / f"ahead_{ahead}"
+        lowered = _lowered_while(lambda c=c, w=workdir: runner.run(run_config.parse(c), str(w), progress=False))
+        events = list(read_ledger(str(workdir / "ledger.jsonl")))
+        finished = {(e["traj"], e["tokens"], e["reason"]) for e in events if e["ev"] == "finish" and e["version"] == 0}
+        scores = sorted(
+            json.dumps({k: v for k, v in e.items() if k != "t"}, sort_keys=True)
+            for e in events
+            if e["ev"] == "score" and e["version"] == 0
+        )
+        assert audit(events).ok
+        runs[ahead] = lowered, finished, scores
+    (lazy, lazy_finished, lazy_scores), (eager, eager_finished, eager_scores) = runs[False], runs[True]
+    assert lazy < eager, (lazy, eager)
+    assert len(lazy_finished) >= 8 and lazy_finished == eager_finished
+    assert lazy_scores and lazy_scores == eager_scores
 
 
 @pytest.mark.slow

@@ -49,6 +49,11 @@ class RunSpec:
     num_steps: int = setting("training steps (= versions published)")
     mode: str = setting("sync | one_step_off | partial_rollout | dora", "dora")
     seed: int = setting("model init, prompt order, sampling seeds", 0)
+    compile_ahead: bool = setting(
+        "every role compiles each program it can run before the run starts (no compile mid-run; the "
+        "migration rule's prefill times are measured then); False: each when first used (a faster start)",
+        True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +225,7 @@ class RunConfig:
     log: LogSpec = LogSpec()
     # task.overlong_penalty_tokens and task.reward_on_error, with rollout.max_new_tokens as L_max
     reward_shaping: RewardShaping = RewardShaping()
+    compile_ahead: bool = True  # RunSpec.compile_ahead
 
 
 # Descriptions of the fields of the dataclasses other modules own, by class name, while those carry
@@ -477,6 +483,7 @@ def parse(c: ml_collections.ConfigDict) -> RunConfig:
         eval=evaluation,
         log=log,
         reward_shaping=shaping,
+        compile_ahead=top["compile_ahead"],
     )
 
 

@@ -143,7 +143,8 @@ class _Embedded:
             repair_torn_tail(self.ledger_path)
             self.restored = trainer_role.restore(self.checkpointer, self.trainer, self.store, self.fingerprint)
         self.trainer.publish()
-        self.trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
+        if config.compile_ahead:
+            self.trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
         self.checkpoint_errors: list[str] = []
         self.checkpoint_s: list[float] = []
         self.loop_error: list[BaseException] = []
@@ -201,7 +202,8 @@ class _Embedded:
         setup = self.setup
         engine = rollout_role.build_engine(self.config, setup.model_config, mesh, setup.tokenizer)
         params = self.store.get(self.trainer.version, engine.param_shardings)
-        engine.warmup(params)
+        if self.config.compile_ahead:
+            engine.warmup(params)
         part = _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, (self.load_faults, self.score_faults))
         part.warm_scorer(params)
         return part
@@ -383,8 +385,9 @@ class _Slice:
         self._scorer = self._plain_scorer and _FaultyScorer(self._plain_scorer, slice_id, self._score_faults)
 
     def warm_scorer(self, params) -> None:
-        """Compiles every scoring bucket before the first dispatch (nothing under "trainer")."""
-        if self._plain_scorer is not None:
+        """Compiles every scoring bucket before the first dispatch (nothing under "trainer", or without
+        `compile_ahead`)."""
+        if self._plain_scorer is not None and self.config.compile_ahead:
             self._plain_scorer.warmup(self.engine.load_params(params), self.config.rollout.cache_length)
 
     def worker(self) -> RolloutWorker:

@@ -25,6 +25,7 @@ STEPS, TBS = 6, 16
 TINY = [
     "--config=configs/smoke.py",
     f"--config.num_steps={STEPS}",
+    "--config.compile_ahead=False",  # a few steps: each process compiles only the programs they use
     "--config.init.sft_steps=0",
     "--config.model.hidden_size=64",
     "--config.model.intermediate_size=128",

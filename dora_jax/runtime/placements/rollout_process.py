@@ -127,9 +127,10 @@ def serve(config, workdir: str, client, slice_id: int, context: Context) -> str:
         log.info(f"registered with the coordinator at {client.address}; waiting for the first version")
         opened.append(_open_store(context.versions_root, context.version_wait_s))
         first = _first_version(opened[0], context.version_wait_s)
-        if mirror is not None:
+        # Without compile_ahead, each program compiles when first used (on every host of a mirrored slice alike).
+        if config.compile_ahead and mirror is not None:
             mirror.warmup(first)
-        else:
+        elif config.compile_ahead:
             params = fetch(first)
             engine.warmup(params)
             if worker.scorer is not None:  # trainer.behaviour_logps = "rollout": every scoring bucket too
