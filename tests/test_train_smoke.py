@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.monitoring
 import pytest
 
 from dora_jax.coordinator.audit import audit
@@ -169,10 +171,12 @@ def test_a_gs_workdir_without_its_bucket_fails_before_anything_starts(gcs_emulat
 
 def _lowered_while(fn) -> int:
     """Programs jax lowers while `fn()` runs (compiled or read from the persistent cache alike)."""
-    import jax.monitoring
-
     count = []
-    listener = lambda event, seconds, **_: count.append(1) if event.endswith("jaxpr_to_mlir_module_duration") else None  # noqa: E731
+
+    def listener(event, seconds, **_):
+        if event.endswith("jaxpr_to_mlir_module_duration"):
+            count.append(1)
+
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         fn()
@@ -187,9 +191,11 @@ def test_without_compile_ahead_programs_compile_when_first_used_and_sample_the_s
     trajectories (the same params and sampling keys) finish with the same tokens and rewards."""
     runs = {}
     for ahead in (False, True):
-        c = tiny_config("sync", steps=2)
+        jax.clear_caches()  # each run lowers its programs itself, none reused from the other
+        c = tiny_config("sync", steps=1)
         with c.unlocked():
             c.compile_ahead = ahead
+            c.rollout.num_slices = 1  # one slice's warmup is enough to tell
         workdir = tmp_path / f"ahead_{ahead}"
         lowered = _lowered_while(lambda c=c, w=workdir: runner.run(run_config.parse(c), str(w), progress=False))
         events = list(read_ledger(str(workdir / "ledger.jsonl")))
