@@ -73,6 +73,9 @@ def test_crashed_and_hung_slices_and_a_full_disk_do_not_stop_the_run(tmp_path, f
     with c.unlocked():
         c.checkpoint.every_steps = 1
         c.rollout.heartbeat_timeout_s = 8.0
+        # Compiled before the run: a first-use compile mid-run holds a slice past its 8 s heartbeat
+        # on a loaded machine, and the coordinator counts it as hung (a failure this test did not inject).
+        c.compile_ahead = True
         c.log.tensorboard = False
     result = runner.run(run_config.parse(c), str(tmp_path), progress=False)
     assert result.steps == num_steps
