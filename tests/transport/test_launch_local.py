@@ -80,7 +80,9 @@ def _left_running(workdir) -> list[str]:
 
 
 def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
-    proc = _launch(tmp_path / "run", "--config.rollout.weights_transfer=True")
+    # Compiled ahead: a worker still compiling a first-used program when the run ended did not log
+    # its clean stop (asserted below) in 2 of 3 runs of this test alone.
+    proc = _launch(tmp_path / "run", "--config.rollout.weights_transfer=True", "--config.compile_ahead=True")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = _summary(proc)
     assert summary["trainer_exit"] == 0 and summary["audit_ok"] and summary["processes"] == 4
