@@ -143,8 +143,7 @@ class _Embedded:
             repair_torn_tail(self.ledger_path)
             self.restored = trainer_role.restore(self.checkpointer, self.trainer, self.store, self.fingerprint)
         self.trainer.publish()
-        if config.compile_ahead:
-            self.trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
+        trainer_role.warmup(config, self.trainer)
         self.checkpoint_errors: list[str] = []
         self.checkpoint_s: list[float] = []
         self.loop_error: list[BaseException] = []
@@ -202,10 +201,8 @@ class _Embedded:
         setup = self.setup
         engine = rollout_role.build_engine(self.config, setup.model_config, mesh, setup.tokenizer)
         params = self.store.get(self.trainer.version, engine.param_shardings)
-        if self.config.compile_ahead:
-            engine.warmup(params)
         part = _Slice(self.config, engine, slice_id, setup.eos_ids, self.store, (self.load_faults, self.score_faults))
-        part.warm_scorer(params)
+        rollout_role.warmup(self.config, engine, part.plain_scorer, params)
         return part
 
     def _start_slice(self, slice_id: int) -> WorkerThread:
@@ -381,14 +378,8 @@ class _Slice:
         self._store, (self._load_faults, self._score_faults) = store, faults
         self._shardings = engine.param_shardings  # the slice's own layout (ROLLOUT_RULES)
         # One scorer per slice, shared by its workers: a restarted slice's scoring stays compiled.
-        self._plain_scorer = rollout_role.make_scorer(config.trainer, engine)
-        self._scorer = self._plain_scorer and _FaultyScorer(self._plain_scorer, slice_id, self._score_faults)
-
-    def warm_scorer(self, params) -> None:
-        """Compiles every scoring bucket before the first dispatch (nothing under "trainer", or without
-        `compile_ahead`)."""
-        if self._plain_scorer is not None and self.config.compile_ahead:
-            self._plain_scorer.warmup(self.engine.load_params(params), self.config.rollout.cache_length)
+        self.plain_scorer = rollout_role.make_scorer(config.trainer, engine)
+        self._scorer = self.plain_scorer and _FaultyScorer(self.plain_scorer, slice_id, self._score_faults)
 
     def worker(self) -> RolloutWorker:
         return rollout_role.make_worker(self.config, self.engine, self.slice_id, self.eos_ids, self._scorer)

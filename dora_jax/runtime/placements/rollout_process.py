@@ -131,10 +131,7 @@ def serve(config, workdir: str, client, slice_id: int, context: Context) -> str:
         if config.compile_ahead and mirror is not None:
             mirror.warmup(first)
         elif config.compile_ahead:
-            params = fetch(first)
-            engine.warmup(params)
-            if worker.scorer is not None:  # trainer.behaviour_logps = "rollout": every scoring bucket too
-                worker.scorer.warmup(engine.load_params(params), config.rollout.cache_length)
+            rollout_role.warmup(config, engine, worker.scorer, fetch(first))
         log.info(f"ready ({len(jax.devices())} devices on {jax.process_count()} host(s), {worker.num_slots} slots)")
         outcome = agent.run()
     except BaseException as err:

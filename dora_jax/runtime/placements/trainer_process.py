@@ -118,11 +118,7 @@ class _PodTrainer:
         offer = _weight_offer(config, setup, self.trainer, workdir, context) if self._offers() else None
         # The store has the version (the slices fetch it and warm up meanwhile): compile every train-step
         # shape before the coordinator hears of it, so no step compiles while the run is timed.
-        widths = []
-        if config.compile_ahead:
-            widths = self.trainer.warmup(
-                config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to
-            )
+        widths = trainer_role.warmup(config, self.trainer)
         if widths:
             log.info("compiled the train step for micro-batch lengths %s", widths)
         before = functools.partial(_offer, offer, self.trainer) if offer else None

@@ -69,3 +69,14 @@ def make_scorer(trainer: TrainerConfig, engine: RolloutEngine) -> TrajectoryScor
         max_rows=min(engine.max_concurrent_decodes, trainer.micro_batch_size),
         max_length=engine.config.cache_length,  # no trajectory is longer: its widest bucket
     )
+
+
+def warmup(config: RunConfig, engine: RolloutEngine, scorer: TrajectoryScorer | None, params) -> None:
+    """With `compile_ahead`, compiles every engine program and every scoring bucket (a slice that
+    scores, `trainer.behaviour_logps = "rollout"`) before the first dispatch; without it, nothing:
+    each program compiles when first used."""
+    if not config.compile_ahead:
+        return
+    engine.warmup(params)
+    if scorer is not None:
+        scorer.warmup(engine.load_params(params), config.rollout.cache_length)

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 ROW_FILES = ("metrics.jsonl", "eval_samples.jsonl")  # rows by step, rewritten after a resume
 
 
+def warmup(config: RunConfig, trainer) -> list[int]:
+    """With `compile_ahead`, compiles every train-step shape a batch can take (returns the
+    micro-batch lengths); without it, nothing (each compiles when first used)."""
+    if not config.compile_ahead:
+        return []
+    return trainer.warmup(config.rollout.cache_length, config.coordinator.train_batch_size, config.pad_to)
+
+
 def restore(checkpointer: RunCheckpointer, trainer, store, fingerprint: dict) -> Restored | None:
     """Loads the newest checkpoint that restores into `trainer` and publishes its versions to
     `store`; None when there is none (the run starts over). A checkpoint of another config or
