@@ -23,7 +23,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="dora_jax_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+# Every program, however quick its compile: the suite's tiny engines compile dozens of programs
+# of ~0.1-0.3 s each and compile them again after each module drops them (below). With jax's
+# default threshold (1 s) they were never cached, with 0.3 s most were not: the fast lane took
+# 314 s with 0.3 and 278 s with 0 on this 2-core machine, one run after the other.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 @pytest.fixture(scope="session")
