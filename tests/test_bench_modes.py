@@ -199,6 +199,13 @@ def test_a_role_process_jobs_figures_are_read_from_its_workdir(tmp_path):
     # Work done while waiting for the batch (grad_ahead) is the trainer's work too.
     _write_jsonl(tmp_path / "metrics.jsonl", [{**rows[0], "grad_ahead_s": 0.25}])
     assert read_run(str(tmp_path), num_slots=4)["inputs"]["train_busy_s"] == pytest.approx(1.25)
+    # The coordinator's waits on slice commands come from the stats file its process writes.
+    assert row["coordinator_port_wait_s"] is None and row["coordinator_port_wait_by_call_s"] is None
+    waits = {"submit": 0.25, "load_version": 1.5, "import_": 0.5}
+    (tmp_path / "coordinator_stats.json").write_text(json.dumps({"dispatched": 2, "port_wait_s": waits}))
+    row = mode_row(**read_run(str(tmp_path), num_slots=4)["inputs"])
+    assert row["coordinator_port_wait_s"] == pytest.approx(2.25)
+    assert row["coordinator_port_wait_by_call_s"] == {"import_": 0.5, "load_version": 1.5, "submit": 0.25}
 
 
 def test_a_mode_variant_runs_its_mode_with_its_fields_and_is_compared_with_it():

@@ -11,6 +11,7 @@ left out, as the embedded run leaves them out.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from dora_jax.bench.mode_row import mode_row, schedule, variant_flags
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.ledger import read_ledger
+from dora_jax.coordinator.stats import STATS_FILE
 from dora_jax.coordinator.trace import LengthDistribution
 from dora_jax.rollout import timeline
 from dora_jax.runtime.metrics import read_metrics
@@ -83,6 +85,7 @@ def read_run(workdir: str, num_slots: int) -> dict:
             "generated_tokens": int(round(slot_steps - idle)),
             "trainer_wait_s": float(rows[-1].get("trainer_wait_s", 0.0)),
             "legacy_groups": len(legacy),
+            "port_wait_s": _port_waits(workdir),
             "report": audit(events),
             "events": events,
         },
@@ -92,6 +95,15 @@ def read_run(workdir: str, num_slots: int) -> dict:
             "trainer": train,
         },
     }
+
+
+def _port_waits(workdir: str) -> dict[str, float] | None:
+    """`CoordinatorStats.port_wait_s` from the coordinator process's stats file (None without one)."""
+    path = os.path.join(workdir, STATS_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("port_wait_s")
 
 
 def run_modes(cfg_dict, out_dir: str, modes, rounds: int, config_flags: list[str]) -> dict:

@@ -4,6 +4,8 @@ and the order the bench runs the modes in. Shared by `bench/modes.py` and `bench
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 MODES = ("sync", "one_step_off", "partial_rollout", "dora")
@@ -129,8 +131,11 @@ def mode_row(
     legacy_groups: int,
     report,
     events: list[dict],
+    port_wait_s: Mapping[str, float] | None = None,
 ) -> dict:
-    """The figures of one mode's run, however its roles ran (threads or processes)."""
+    """The figures of one mode's run, however its roles ran (threads or processes).
+    `port_wait_s`: the coordinator's loop seconds waiting on slices' commands, by method
+    (`CoordinatorStats.port_wait_s`; None where the run did not say)."""
     rollout = busy_union(rollout_intervals)
     train = busy_union(train_intervals)
     rollout_s = sum(e - s for s, e in rollout)
@@ -159,6 +164,8 @@ def mode_row(
         "straggler_s": straggler_s,
         "straggler_train_steps": straggler_s * steps / train_busy_s if train_busy_s else None,
         "at_take": take_profile(events),
+        "coordinator_port_wait_s": None if port_wait_s is None else sum(port_wait_s.values()),
+        "coordinator_port_wait_by_call_s": None if port_wait_s is None else dict(sorted(port_wait_s.items())),
     }
 
 

@@ -43,6 +43,7 @@ def mode_result(result: runner.RunResult, config: run_config.RunConfig) -> dict:
         generated_tokens=sum(r["generated_tokens"] for r in result.metrics),
         trainer_wait_s=result.coordinator_stats["trainer_wait_s"],
         legacy_groups=result.coordinator_stats["legacy_groups"],
+        port_wait_s=result.coordinator_stats["port_wait_s"],
         report=result.audit,
         events=list(read_ledger(os.path.join(result.workdir, "ledger.jsonl"))),
     )
@@ -108,7 +109,7 @@ def median_of_rounds(rows: list[dict]) -> dict:
     and violation counts are the worst round's."""
     out = {}
     for key, first in rows[0].items():
-        values = [row[key] for row in rows]
+        values = [row.get(key) for row in rows]  # a round may lack a key of a nested dict
         if isinstance(first, bool):
             out[key] = all(values)
         elif isinstance(first, dict):
@@ -257,6 +258,7 @@ def format_table(results: dict) -> str:
         "rollout_only_share",
         "bubble_ratio",
         "trainer_wait_s",
+        "coordinator_port_wait_s",
         "straggler_train_steps",
         "max_staleness",
         "audit_ok",

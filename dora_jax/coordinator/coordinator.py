@@ -506,6 +506,7 @@ class Coordinator:
             return default
         port = self.ports[slice_id]
         self._cond.release()  # never hold the lock across I/O (the trainer's take waits on it)
+        start = self._clock()
         try:
             result = getattr(port, method)(*args)
         except Exception as err:
@@ -513,6 +514,8 @@ class Coordinator:
             return default
         finally:
             self._cond.acquire()
+            waits = self.stats.port_wait_s
+            waits[method] = waits.get(method, 0.0) + self._clock() - start
         return True if result is None else result
 
     def _on_slice_failed(self, slice_id: int, reason: str) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# WORKDIR/coordinator_stats.json: the coordinator process's counters when it stops (as JSON).
+STATS_FILE = "coordinator_stats.json"
+
 
 @dataclasses.dataclass
 class CoordinatorStats:
@@ -36,3 +39,7 @@ class CoordinatorStats:
     # Of those, groups a take left out after all: an older group that started later (legacy fill)
     # sorted ahead of them. The take stays oldest first; the trainer drops what it computed for them.
     commitments_broken: int = 0
+    # Seconds the coordinator's loop spent waiting on slices' command calls, by method (submit,
+    # load_version, export, import_, ...). Each call returns once the worker has done it, and the
+    # loop applies no other event meanwhile (finishes, scores and publishes wait in its inbox).
+    port_wait_s: dict[str, float] = dataclasses.field(default_factory=dict)

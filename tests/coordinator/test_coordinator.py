@@ -291,3 +291,71 @@ def test_committed_groups_are_whole_shown_once_and_in_the_next_take(seed, legacy
     if not legacy_fill:
         assert coord.stats.commitments_broken == 0
     assert audit(ledger.memory).ok
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class _TimedWorker(FakeWorker):
+    """A fake slice whose commands take known (fake-clock) seconds, counted per method."""
+
+    COST = {"submit": 0.01, "load_version": 0.5, "export": 0.1, "import_": 0.2}
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.calls = clock, {m: 0 for m in self.COST}
+
+    def _took(self, method):
+        self.calls[method] += 1
+        self.clock.t += self.COST[method]
+
+    def submit(self, requests):
+        self._took("submit")
+        return super().submit(requests)
+
+    def load_version(self, version):
+        self._took("load_version")
+        return super().load_version(version)
+
+    def export(self, traj_ids, kv=True):
+        self._took("export")
+        return super().export(traj_ids, kv)
+
+    def import_(self, items):
+        self._took("import_")
+        return super().import_(items)
+
+
+def test_the_loops_waits_on_slice_commands_are_counted_by_method():
+    """`stats.port_wait_s`: the seconds the loop waited on each kind of command (the coordinator's
+    clock across the port call), which the bench reports per mode."""
+    clock, ref = _Clock(), [None]
+    length_of = longtail(0)
+    workers = {i: _TimedWorker(clock, i, 4, ref, length_of) for i in range(3)}
+    ledger = Ledger(None)
+    coord = Coordinator(config("dora"), workers, prompts(), InstantScorer(), ledger, clock=clock)
+    ref[0] = coord
+    coord.start()
+    rng, version, ticks = random.Random(0), 0, 0
+    while version < 6:
+        ticks += 1
+        assert ticks < 20000, "no progress"
+        clock.t += 1.0
+        tick_some(workers, rng)
+        coord.process()
+        if coord.try_take_batch(version) is not None:
+            version += 1
+            coord.post_published(version)
+            coord.process()
+    assert audit(ledger.memory).ok
+    calls = {m: sum(w.calls[m] for w in workers.values()) for m in _TimedWorker.COST}
+    assert calls["load_version"] >= 3 and calls["submit"] > 0 and calls["export"] > 0  # dora migrates
+    expected = {m: n * _TimedWorker.COST[m] for m, n in calls.items() if n}
+    assert coord.stats.port_wait_s.keys() == expected.keys()
+    for method, seconds in expected.items():
+        assert coord.stats.port_wait_s[method] == pytest.approx(seconds), method

@@ -115,6 +115,12 @@ def test_launch_local_runs_a_clean_multi_process_job(tmp_path):
     assert len(tier_reads) <= 2 and all("version 0 from the tensorstore tier (NotOffered" in t for t in tier_reads)
     loads = [e for e in events if e["ev"] == "load_version"]
     assert len(loads) > len(tier_reads)
+    # The coordinator's counters, as its process wrote them at the end: among them, the seconds its
+    # loop waited on each kind of slice command.
+    stats = json.loads((tmp_path / "run" / "coordinator_stats.json").read_text())
+    assert stats["dispatched"] == report.dispatched and stats["switches"] == len(loads)
+    assert {"submit", "load_version", "export", "import_"} <= stats["port_wait_s"].keys()
+    assert all(seconds > 0 for seconds in stats["port_wait_s"].values())
     assert _left_running(tmp_path / "run") == []
 
 

@@ -7,7 +7,8 @@ It waits until every rollout slice has joined and the trainer has published its 
 then dispatches. A workdir that already holds a ledger is resumed from the state the trainer hands
 over (`Resume`); a trainer that registers while the run is going sends the run back to its
 checkpoint: the next generation's coordinator is built from that state. It runs until the
-trainer says it is done (`Finish`) or a stop, then tells the rollout workers to stop.
+trainer says it is done (`Finish`) or a stop, then tells the rollout workers to stop, and
+writes its counters (`CoordinatorStats`) to WORKDIR/coordinator_stats.json.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 
 import dora_jax
 from dora_jax.coordinator.ledger import Ledger, repair_torn_tail
+from dora_jax.coordinator.stats import STATS_FILE
 from dora_jax.coordinator.trace import ConstantScorer
 from dora_jax.core import fs
 from dora_jax.runtime.build import make_tokenizer, vocab_size
@@ -100,7 +102,7 @@ def serve(config, workdir: str, stop: threading.Event, context: Context, trace=N
         log.info("stopping: %s: %s", type(err).__name__, err)
         code = 1
     finally:
-        _close(coord, service, server, ledger, pool)
+        _close(coord, service, server, ledger, pool, workdir)
     return code
 
 
@@ -151,10 +153,16 @@ def _held_out(config, held_out, drawer):
     return HeldOut(tuple((p.prompt_id, tuple(p.prompt_ids)) for p in held_out), config.eval.samples, drawer.leak_counts)
 
 
-def _close(coord, service, server, ledger, pool) -> None:
+def _close(coord, service, server, ledger, pool, workdir: str) -> None:
     if coord is not None:
         coord.closed = True
-        log.info("stats %s", json.dumps(_stats(coord, service)))
+        stats = json.dumps(_stats(coord, service))
+        log.info("stats %s", stats)
+        try:  # the same, for tools (bench modes reads the coordinator's port waits here)
+            with fs.open(fs.join(workdir, STATS_FILE), "w", atomic=True) as f:
+                f.write(stats)
+        except OSError as err:  # the run is over; only this copy of the stats is lost
+            log.info("could not write %s: %s", STATS_FILE, err)
     service.stop("the run is over")
     time.sleep(0.5)  # let the Stop commands reach the workers
     server.stop(grace=2).wait()
