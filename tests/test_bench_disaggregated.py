@@ -62,6 +62,10 @@ def test_bench_modes_runs_each_mode_as_role_processes_on_disjoint_cores(tmp_path
         assert row["audit_ok"] and row["steps"] == 3, mode
         assert 0.0 <= row["bubble_ratio"] < 1.0 and row["generated_tokens"] > 0
         assert 0.0 < row["rollout_only_share"] <= 1.0 and row["train_busy_s"] > 0
+        # the coordinator process's waits on slice commands (its stats file), summed and by command
+        waits = row["coordinator_port_wait_by_call_s"]
+        assert {"submit", "load_version"} <= waits.keys() and all(s > 0 for s in waits.values())
+        assert row["coordinator_port_wait_s"] == pytest.approx(sum(waits.values()))
     assert "disjoint cores" in results["bound"]["how"]
     # the coordinator forced every response to its drawn length
     lengths = LengthDistribution(median=24.0, sigma=1.1, max_len=60)
