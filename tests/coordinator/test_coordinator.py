@@ -331,18 +331,17 @@ class _TimedWorker(FakeWorker):
         return super().import_(items)
 
 
-def test_the_loops_waits_on_slice_commands_are_counted_by_method():
-    """`stats.port_wait_s`: the seconds the loop waited on each kind of command (the coordinator's
-    clock across the port call), which the bench reports per mode."""
+def _timed_run(mode, steps=6):
+    """(coordinator, timed workers, ledger events) after `steps` takes on 3 slices of 4 slots."""
     clock, ref = _Clock(), [None]
     length_of = longtail(0)
     workers = {i: _TimedWorker(clock, i, 4, ref, length_of) for i in range(3)}
     ledger = Ledger(None)
-    coord = Coordinator(config("dora"), workers, prompts(), InstantScorer(), ledger, clock=clock)
+    coord = Coordinator(config(mode), workers, prompts(), InstantScorer(), ledger, clock=clock)
     ref[0] = coord
     coord.start()
     rng, version, ticks = random.Random(0), 0, 0
-    while version < 6:
+    while version < steps:
         ticks += 1
         assert ticks < 20000, "no progress"
         clock.t += 1.0
@@ -352,10 +351,31 @@ def test_the_loops_waits_on_slice_commands_are_counted_by_method():
             version += 1
             coord.post_published(version)
             coord.process()
-    assert audit(ledger.memory).ok
+    return coord, workers, ledger.memory
+
+
+def test_the_loops_waits_on_slice_commands_are_counted_by_method():
+    """`stats.port_wait_s`: the seconds the loop waited on each kind of command (the coordinator's
+    clock across the port call), which the bench reports per mode."""
+    coord, workers, events = _timed_run("dora")
+    assert audit(events).ok
     calls = {m: sum(w.calls[m] for w in workers.values()) for m in _TimedWorker.COST}
     assert calls["load_version"] >= 3 and calls["submit"] > 0 and calls["export"] > 0  # dora migrates
     expected = {m: n * _TimedWorker.COST[m] for m, n in calls.items() if n}
     assert coord.stats.port_wait_s.keys() == expected.keys()
     for method, seconds in expected.items():
         assert coord.stats.port_wait_s[method] == pytest.approx(seconds), method
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout"])
+def test_a_backlog_goes_to_each_slice_in_one_submit(mode):
+    """The modes that switch idle slices send their backlog with one submit per slice and pass
+    (a submit returns once the worker has queued it: one per request spread a batch over as many
+    of the worker's steps)."""
+    coord, workers, events = _timed_run(mode)
+    assert audit(events).ok
+    submits = sum(w.calls["submit"] for w in workers.values())
+    dispatches = sum(e["ev"] == "dispatch" for e in events)
+    assert dispatches >= 6 * 8  # 6 batches of 8
+    # at most one submit per slice for each pass that dispatched: far fewer than the dispatches
+    assert submits <= dispatches // 2, (submits, dispatches)
