@@ -382,6 +382,7 @@ class Coordinator:
                 self._load(sid, version)
         old = switching.by_old_version(self.backlog, self.latest)
         sent: set[str] = set()
+        by_slice: dict[int, list[Request]] = {}
         for version, requests in sorted(old.items()):
             serving = self._serving(version)
             if not serving and version not in self.draining.values():
@@ -396,10 +397,14 @@ class Coordinator:
                 serving = self._serving(version)
             for request in requests:
                 if serving:
-                    self._send([request], switching.least_loaded(serving, self.slice_trajs, self._slots))
+                    sid = switching.least_loaded(serving, self.slice_trajs, self._slots)
+                    self._assign([request], sid)  # one submit per slice below, as `_switch_idle`
+                    by_slice.setdefault(sid, []).append(request)
                     sent.add(request.traj_id)
         if sent:
             self.backlog = [r for r in self.backlog if r.traj_id not in sent]
+        for sid, requests in by_slice.items():
+            self._port_call(sid, "submit", requests)
 
     def _serving(self, version: int) -> list[int]:
         return [
