@@ -115,11 +115,21 @@ def _lengths(traj: Trajectory, request: Request) -> str | None:
     return None
 
 
+def _reduce(values, name: str):
+    """`min`, `max` or `sum` of `values`: the sequence's own method where it has one (an array, or
+    the simulator's constant run `sim.rollout_slice.Repeated`, whose reductions cost O(1)), else the
+    builtin, which loops in C (a worker's tuple; what arrives over gRPC is decoded into those)."""
+    own = getattr(values, name, None)
+    if callable(own):
+        return own()
+    return {"min": min, "max": max, "sum": sum}[name](values)
+
+
 def _tokens(ids, vocab_size: int) -> str | None:
     if not ids:
         return None
-    try:  # min and max loop in C: a response may hold thousands of tokens (the sim's, millions)
-        low, high = min(ids), max(ids)
+    try:  # a response may hold thousands of tokens (the simulator's runs, millions in all)
+        low, high = _reduce(ids, "min"), _reduce(ids, "max")
     except TypeError:
         return "a response token id that is not a number"
     if low < 0 or (vocab_size and high >= vocab_size):
@@ -132,13 +142,13 @@ def _logprobs(logprobs) -> str | None:
     if not logprobs:
         return None
     try:
-        total = sum(logprobs)  # any NaN or infinity makes the sum one (a C loop: a hot path)
+        total = _reduce(logprobs, "sum")  # any NaN or infinity makes the sum one (a hot path)
     except TypeError:
         return "a log-prob that is not a number"
     if not math.isfinite(total):
         bad = next((x for x in logprobs if not math.isfinite(x)), None)
         return f"log-prob {bad}; expected finite" if bad is not None else "log-probs below the float range"
-    if (top := max(logprobs)) > LOGPROB_TOLERANCE:
+    if (top := _reduce(logprobs, "max")) > LOGPROB_TOLERANCE:
         return f"log-prob {top:.6g} > 0 (tolerance {LOGPROB_TOLERANCE:g})"
     return None
 

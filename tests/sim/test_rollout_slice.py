@@ -4,6 +4,7 @@ without its KV cache, partial-rollout re-prefill, weight loads, lending to a col
 import collections
 import dataclasses
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -206,3 +207,20 @@ def test_count_sorted_inverts_expand():
     counts = {0: 3, 2: 1, 5: 4}
     assert _count_sorted(_expand(counts)) == counts
     assert _count_sorted(()) == {} and _count_sorted((7,)) == {7: 1}
+
+
+@pytest.mark.parametrize("value, n", [(0, 3000), (7, 1), (-1, 5), (0.0, 2400), (-0.5, 10), (float("nan"), 4)])
+def test_a_repeated_run_reduces_in_o1_as_the_builtins_do_and_the_intake_checks_it_the_same(value, n):
+    """The coordinator's intake checks every finished trajectory's tokens and log-probs; the
+    simulator's constant runs give it O(1) reductions (intake._reduce), with the builtins' answers
+    and so the same verdicts as on a tuple."""
+    from dora_jax.coordinator import intake
+    from dora_jax.sim.rollout_slice import Repeated
+
+    run, plain = Repeated(value, n), (value,) * n
+    for name, builtin in (("min", min), ("max", max), ("sum", sum)):
+        got, want = intake._reduce(run, name), builtin(plain)
+        assert got == want or (math.isnan(got) and math.isnan(want)), name
+    if isinstance(value, int):
+        assert intake._tokens(run, 8) == intake._tokens(plain, 8)
+    assert intake._logprobs(run) == intake._logprobs(plain)
