@@ -111,6 +111,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
     # deadline rarely admits a group (docs/performance.md)
     c.coordinator.legacy_fill = False
+    # the loop applies finished results while a slice submits or loads a version (coordinator/port_calls.py);
+    # False: it waits for the command, and a switch holds up the other slices' results and the trainer
+    c.coordinator.apply_results_during_calls = True
 
     c.trainer = ml_collections.ConfigDict()
     c.trainer.lr = 1e-6  # AdamW learning rate

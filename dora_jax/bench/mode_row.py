@@ -16,6 +16,7 @@ VARIANTS = {
     "rollout_scored": {"trainer.behaviour_logps": "rollout"},
     "sampler_logps": {"trainer.behaviour_logps": "sampler"},
     "grad_ahead": {"trainer.grad_ahead": True},
+    "inline_calls": {"coordinator.apply_results_during_calls": False},
 }
 
 

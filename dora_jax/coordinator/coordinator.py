@@ -35,6 +35,7 @@ from dora_jax.coordinator import (
     intake,
     legacy_fill,
     orchestrator,
+    port_calls,
     snapshot,
     switching,
 )
@@ -106,6 +107,11 @@ class Coordinator:
         self._committed: tuple[int, set[str]] = (-1, set())  # (trainer version, groups committed to its batch)
         self._evaluation = evaluation.Rounds(config, ledger, self._count_eval)
         self._inbox: queue.SimpleQueue[events.Event] = queue.SimpleQueue()  # C-implemented: a hot path
+        # Events taken from the inbox mid-pass that only the loop may apply (`_absorb`, port calls
+        # that apply results): applied first by the next `process`, in their order.
+        self._held: collections.deque[events.Event] = collections.deque()
+        self._apply_during_calls = config.apply_results_during_calls  # dora_jax.coordinator.port_calls
+        self._applied_in_calls: set[type] = set()  # kinds of events applied during port calls, for `process`
         self._rewards = Rewards(scorer, self._inbox.put)
         self._filter_budget = dynamic_sampling.FilterBudget(config)  # groups filtered since the last take
         self._replaced = False  # a filtered group was replaced since the last switching pass (sync, one_step_off)
@@ -186,9 +192,11 @@ class Coordinator:
 
     def process(self, timeout: float = 0.0) -> int:
         """Applies pending events (waiting up to `timeout` for the first) and runs the triggers."""
-        handled, kinds = 0, set()
         with self._cond:  # events are taken only under the lock, so `_absorb` sees every one
-            if timeout > 0 and self._inbox.empty():
+            # Results applied during the last pass's port calls trigger as if applied here.
+            kinds, self._applied_in_calls = self._applied_in_calls, set()
+            handled = len(kinds)
+            if timeout > 0 and not handled and not self._held and self._inbox.empty():
                 self._cond.wait(timeout)  # posters do not notify (they must never block): poll
             while (event := self._next_event()) is not None:
                 self._handle(event)
@@ -239,10 +247,14 @@ class Coordinator:
                     result.set_result(self._snapshot(extra))
                 except Exception as err:  # the asking thread gets the error, the loop goes on
                     result.set_exception(err)
+            case events.CallDone():
+                pass  # a port call's, left in the inbox when an error cut its wait short
             case _:
                 raise TypeError(f"unknown coordinator event {event!r}")
 
     def _next_event(self) -> events.Event | None:
+        if self._held:
+            return self._held.popleft()
         try:
             return self._inbox.get_nowait()
         except queue.Empty:
@@ -255,15 +267,24 @@ class Coordinator:
     def _absorb(self) -> None:
         """Applies finished/scored events already in the inbox, without triggers. A worker posts
         what finished before it executes the next command, so after an export returns this makes
-        the coordinator's view of that slice exact. Publishes are put back for `process`."""
-        deferred = []
+        the coordinator's view of that slice exact. Other events are held for `process`, in order."""
+        held = []
         while (event := self._next_event()) is not None:
             if isinstance(event, events.Finished | events.Scored):
                 self._handle(event)
             else:
-                deferred.append(event)
-        for event in deferred:
-            self._inbox.put(event)
+                held.append(event)
+        self._held.extend(held)
+
+    def _apply_result(self, event: events.Event) -> None:
+        """During a port call (`apply_results_during_calls`): a result is applied, and the
+        trainer woken; any other event is held for `process`."""
+        if isinstance(event, events.Finished | events.Scored):
+            self._handle(event)
+            self._applied_in_calls.add(type(event))
+            self._cond.notify_all()
+        else:
+            self._held.append(event)
 
     def _supply(self, *, initial: bool = False, after_publish: bool = False, after_take: bool = False) -> list[Request]:
         cfg, supply = self.config, self.policy.supply
@@ -523,17 +544,24 @@ class Coordinator:
         if slice_id in self._failing:
             return default
         port = self.ports[slice_id]
-        self._cond.release()  # never hold the lock across I/O (the trainer's take waits on it)
-        start = self._clock()
+        start, err = self._clock(), None
         try:
-            result = getattr(port, method)(*args)
-        except Exception as err:
-            self._failing[slice_id] = f"{method} failed: {type(err).__name__}: {err}"
-            return default
+            if self._apply_during_calls and method in port_calls.CALLS:
+                result, err = port_calls.call(port, method, args, self._inbox, self._cond, self._apply_result)
+            else:
+                self._cond.release()  # never hold the lock across I/O (the trainer's take waits on it)
+                try:
+                    result = getattr(port, method)(*args)
+                except Exception as raised:
+                    err = raised
+                finally:
+                    self._cond.acquire()
         finally:
-            self._cond.acquire()
             waits = self.stats.port_wait_s
             waits[method] = waits.get(method, 0.0) + self._clock() - start
+        if err is not None:
+            self._failing[slice_id] = f"{method} failed: {type(err).__name__}: {err}"
+            return default
         return True if result is None else result
 
     def _on_slice_failed(self, slice_id: int, reason: str) -> None:

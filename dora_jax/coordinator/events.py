@@ -90,6 +90,14 @@ class EvalRequested:
     result: Future[dict]
 
 
+@dataclasses.dataclass(frozen=True)
+class CallDone:
+    """A slice command run off the loop thread has returned (dora_jax.coordinator.port_calls);
+    `token` is that call's own, compared by identity."""
+
+    token: object
+
+
 Event = (
     Finished
     | Scored
@@ -100,4 +108,5 @@ Event = (
     | SliceJoined
     | SnapshotRequested
     | EvalRequested
+    | CallDone
 )

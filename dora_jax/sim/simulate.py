@@ -113,6 +113,9 @@ def coordinator_config(
         max_new_tokens=workload.max_response,
         rebalance_period_s=rebalance_period_s,
         legacy_fill=legacy_fill,
+        # The simulated ports answer at once, in virtual time: a thread per call would only cost CPU
+        # and make the event order depend on the host's scheduler.
+        apply_results_during_calls=False,
     )
 
 
