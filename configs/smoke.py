@@ -103,8 +103,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # still take them within K (coordinator/legacy_fill.py); off by default: with long tails its
     # deadline rarely admits a group (docs/performance.md)
     c.coordinator.legacy_fill = False
-    # the loop applies finished results while a slice submits or loads a version (coordinator/port_calls.py);
-    # False: it waits for the command, and a switch holds up the other slices' results and the trainer
+    # the loop applies finished results while a slice runs a command: a submit, a version load, a migration's
+    # export or import (coordinator/port_calls.py); False: it waits, and a switch holds up the trainer
     c.coordinator.apply_results_during_calls = True
     # with trainer.dynamic_sampling: most batches' worth of groups filtered between two takes before the
     # run stops as saturated (0: no limit; docs/dynamic_sampling.md)

@@ -47,10 +47,11 @@ class CoordinatorConfig:
     # Where the trainer takes behaviour log-probs from (trainer.behaviour_logps): under "sampler" every
     # consumed row's are its trajectory's own sampling log-probs, and the ledger records so.
     behaviour_logps: str = "trainer"
-    # A submit or a version load runs on a thread of its own while the coordinator's loop applies the
-    # results that arrive meanwhile (dora_jax/coordinator/port_calls.py); False: the loop waits for it
+    # A slice command (submit, version load, a migration's export and import) runs on a thread of its own
+    # while the coordinator's loop applies the results that arrive (dora_jax/coordinator/port_calls.py);
+    # False: the loop waits for it
     apply_results_during_calls: bool = setting(
-        "the loop applies results while a slice submits or loads a version (False: it waits)", True
+        "the loop applies results while a slice runs a command (False: it waits for the command)", True
     )
 
     def validate(self, num_slices: int) -> None:

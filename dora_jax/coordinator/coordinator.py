@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -276,10 +277,10 @@ class Coordinator:
                 held.append(event)
         self._held.extend(held)
 
-    def _apply_result(self, event: events.Event) -> None:
+    def _apply_result(self, hold: int | None, event: events.Event) -> None:
         """During a port call (`apply_results_during_calls`): a result is applied, and the
-        trainer woken; any other event is held for `process`."""
-        if isinstance(event, events.Finished | events.Scored):
+        trainer woken, unless it is slice `hold`'s; any other event is held for `process`."""
+        if isinstance(event, events.Scored) or (isinstance(event, events.Finished) and event.slice_id != hold):
             self._handle(event)
             self._applied_in_calls.add(type(event))
             self._cond.notify_all()
@@ -547,7 +548,9 @@ class Coordinator:
         start, err = self._clock(), None
         try:
             if self._apply_during_calls and method in port_calls.CALLS:
-                result, err = port_calls.call(port, method, args, self._inbox, self._cond, self._apply_result)
+                hold = slice_id if method == "import_" else None  # its results follow the migrate lines
+                apply = functools.partial(self._apply_result, hold)
+                result, err = port_calls.call(port, method, args, self._inbox, self._cond, apply)
             else:
                 self._cond.release()  # never hold the lock across I/O (the trainer's take waits on it)
                 try:

@@ -4,16 +4,19 @@ A port call returns once the worker has done the command, at its next step bound
 switch first reads and digests the version (a tenth of a second for the bench's tiny model, seconds
 for billions of parameters on a pod). The loop used to wait for it: the results other slices
 finished meanwhile stayed in the inbox, and the trainer, waiting for them to complete its batch,
-waited as long. With `Coordinator(apply_results_during_calls=True)` (every real run; the
-simulator's instant ports and the scripted unit tests call inline) a `submit` or `load_version`
-runs on a thread of its own while the loop applies the results that arrive (finished trajectories
-and rewards) and wakes the trainer. Every other event (a publish, a take, a slice's failure) would
-change what the switching pass in progress planned: it waits for the pass to end, in order.
+waited as long. With `coordinator.apply_results_during_calls` (the default; the simulator's
+instant ports call inline) a command runs on a thread of its own while the loop applies the
+results that arrive (finished trajectories and rewards) and wakes the trainer. Every other event
+(a publish, a take, a slice's failure) would change what the switching pass in progress planned:
+it waits for the pass to end, in order.
 
-Only these two commands: neither writes a ledger line that a result of its own slice could
-precede (a load goes to an empty slice; a submit's dispatch lines are written before it). An
-export's result is the pass's next input, and an import's reply decides how its migrations are
-written, after which the moved requests' results may come.
+Which results, and why the ledger stays in order: a load goes to an empty slice, and a submit's
+dispatch lines are written before it. An export returns only what had not finished when the
+worker ran it (it posts what finished first), so a result applied during it is one the pass would
+have applied right after (`Coordinator._absorb`). An import's reply decides how its migrations are
+written, so the destination's own results, which may be those of the requests it just took, wait
+for those lines (`hold`). A snapshot's `progress` is read inline: the snapshot must match the
+ledger as it stands.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from dora_jax.coordinator import events
 
-CALLS = frozenset({"submit", "load_version"})
+CALLS = frozenset({"submit", "load_version", "export", "import_"})
 
 
 def call(

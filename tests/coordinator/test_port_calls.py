@@ -15,8 +15,9 @@ from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail,
 
 
 class _BusyNeighbourWorker(FakeWorker):
-    """A slice whose submits and loads take a while, during which the other slices decode (they
-    tick from inside the call, so their results arrive while the loop waits on it)."""
+    """A slice whose commands take a while, during which the other slices decode (they tick from
+    inside the call, so their results arrive while the loop waits on it); after an import it
+    decodes itself too, as a worker does before its reply arrives."""
 
     def __init__(self, *args, workers, rng, **kwargs):
         super().__init__(*args, **kwargs)
@@ -36,6 +37,17 @@ class _BusyNeighbourWorker(FakeWorker):
     def load_version(self, version):
         self._others_decode()
         return super().load_version(version)
+
+    def export(self, traj_ids, kv=True):
+        self._others_decode()
+        return super().export(traj_ids, kv)
+
+    def import_(self, items):
+        self._others_decode()
+        reprefilled = super().import_(items)
+        for _ in range(self.rng.randint(0, 3)):
+            self.tick()
+        return reprefilled
 
 
 def _run(mode, *, apply, steps=8, seed=0):
@@ -71,6 +83,17 @@ def test_results_that_land_during_a_pass_keep_every_invariant(mode):
     assert sum(w.calls for w in workers.values()) > 20
     assert coord.stats.port_wait_s["submit"] > 0
     assert len([e for e in events if e["ev"] == "consume"]) == 8 * 8
+    if mode in ("dora", "partial_rollout"):
+        assert coord.stats.port_wait_s["export"] > 0 and coord.stats.port_wait_s["import_"] > 0
+    # In the ledger each result comes from the slice its request was last sent or moved to.
+    on: dict = {}
+    for e in events:
+        if e["ev"] == "dispatch":
+            on[e["traj"]] = e["slice"]
+        elif e["ev"] == "migrate":
+            on[e["traj"]] = e["to"]
+        elif e["ev"] == "finish":
+            assert on.pop(e["traj"]) == e["slice"], e
 
 
 class _SlowLoadWorker(FakeWorker):
