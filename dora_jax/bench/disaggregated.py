@@ -84,6 +84,7 @@ def read_run(workdir: str, num_slots: int) -> dict:
             # one token per busy slot-step: the heartbeat counters in the rows lag the end
             "generated_tokens": int(round(slot_steps - idle)),
             "trainer_wait_s": float(rows[-1].get("trainer_wait_s", 0.0)),
+            "trainer_wait_c3_s": float(rows[-1].get("trainer_wait_c3_s", 0.0)),
             "legacy_groups": len(legacy),
             "port_wait_s": _port_waits(workdir),
             "report": audit(events),

@@ -133,8 +133,11 @@ def mode_row(
     report,
     events: list[dict],
     port_wait_s: Mapping[str, float] | None = None,
+    trainer_wait_c3_s: float | None = None,
 ) -> dict:
     """The figures of one mode's run, however its roles ran (threads or processes).
+    `trainer_wait_c3_s`: of `trainer_wait_s`, the seconds C3 held a queued batch for older samples
+    still decoding (`CoordinatorStats.trainer_wait_c3_s`; None where the run did not say).
     `port_wait_s`: the coordinator's loop seconds waiting on slices' commands, by method
     (`CoordinatorStats.port_wait_s`; None where the run did not say)."""
     rollout = busy_union(rollout_intervals)
@@ -153,6 +156,7 @@ def mode_row(
         "rollout_only_s_per_step": rollout_only / steps,
         "bubble_ratio": idle_slot_steps / slot_steps if slot_steps else 0.0,
         "trainer_wait_s": trainer_wait_s,
+        "trainer_wait_c3_s": trainer_wait_c3_s,
         "train_busy_s": train_busy_s,
         "max_staleness": report.max_staleness,
         "audit_ok": report.ok,

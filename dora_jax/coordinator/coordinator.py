@@ -905,15 +905,21 @@ class Coordinator:
     def try_take_batch(self, trainer_version: int) -> list[Group] | None:
         """TBS samples, oldest version first, if the version window lets the trainer advance from
         `trainer_version` to `trainer_version + 1`; None otherwise. Caller holds no lock."""
+        return self._try_take(trainer_version)[0]
+
+    def _try_take(self, trainer_version: int) -> tuple[list[Group] | None, str]:
+        """`try_take_batch`, and why it took nothing: "publish" (the trainer's last publish is not
+        applied yet), "results" (fewer than a batch of whole groups queued) or "c3" (C3 holds a
+        queued batch: older samples still decoding would be too stale after it)."""
         with self._cond:
             if trainer_version != self.latest:
-                return None  # its publish is still in the inbox: supplies would use a stale version
+                return None, "publish"  # its publish is still in the inbox: supplies would use a stale version
             need = self.config.train_batch_size // self.config.group_size
             if len(self.queue) < need:
-                return None
+                return None, "results"
             rest = self._groups.unconsumed_by_version(itertools.islice(self.queue.versions(), need, None))
             if not window_allows(rest, trainer_version, self.config.window, self.config.train_batch_size):
-                return None  # older trajectories are still unconsumed: wait for them (never drop them)
+                return None, "c3"  # older trajectories are still unconsumed: wait for them (never drop them)
             batch = self.queue.take_oldest(need)
             self._peeked.difference_update(s.trajectory.traj_id for g in batch for s in g.samples)
             if self._committed[0] == trainer_version:
@@ -934,7 +940,7 @@ class Coordinator:
                     )
                     self.stats.consumed += 1
             self._inbox.put(events.Taken(trainer_version))  # supply and switching follow on the loop
-            return batch
+            return batch, ""
 
     def peek_batch(self, trainer_version: int, committed: bool = False) -> list[Group]:
         """What the trainer can work on while it waits for the batch of `trainer_version`
@@ -995,30 +1001,36 @@ class Coordinator:
         cancel: threading.Event | None = None,
         idle: Callable[[], bool] | None = None,
     ) -> list[Group] | None:
-        """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s.
-        None once the coordinator is closed or `cancel` is set (nothing is taken then). Between
-        tries it calls `idle()` (no lock held), which returns whether it did work (then it tries
-        again at once) or not (then it waits a little); its time is work, not waiting."""
-        start, working = time.monotonic(), 0.0
+        """Blocks until `try_take_batch` succeeds; the wait is added to stats.trainer_wait_s (and
+        the part of it C3 held a queued batch to stats.trainer_wait_c3_s). None once the
+        coordinator is closed or `cancel` is set (nothing is taken then). Between tries it calls
+        `idle()` (no lock held), which returns whether it did work (then it tries again at once)
+        or not (then it waits a little); its time is work, not waiting."""
+        start, working, held = time.monotonic(), 0.0, 0.0
         try:
             while True:
-                batch = self.try_take_batch(trainer_version)
+                tried = time.monotonic()
+                batch, why = self._try_take(trainer_version)
                 if batch is not None or self.closed or (cancel is not None and cancel.is_set()):
                     return batch
-                if timeout is not None and time.monotonic() - start > timeout:
+                if timeout is not None and tried - start > timeout:
                     raise TimeoutError(f"no batch for trainer version {trainer_version} after {timeout}s")
-                worked = False
+                worked, spent = False, 0.0
                 if idle is not None:
                     t0 = time.monotonic()
                     try:
                         worked = idle()
                     finally:
-                        working += time.monotonic() - t0
+                        spent = time.monotonic() - t0
+                        working += spent
                 if not worked:
                     with self._cond:
                         self._cond.wait(0.05)
+                if why == "c3":
+                    held += time.monotonic() - tried - spent
         finally:
             self.stats.trainer_wait_s += time.monotonic() - start - working
+            self.stats.trainer_wait_c3_s += held
 
 
 def _behaviour_source(traj: Trajectory, source: str) -> dict:

@@ -27,6 +27,9 @@ class CoordinatorStats:
     # Posts of finished trajectories refused (dora_jax/coordinator/intake.py): each failed its slice.
     result_violations: int = 0
     trainer_wait_s: float = 0.0
+    # Of trainer_wait_s, the seconds a whole batch was queued but C3 held the take: older samples
+    # still decoding would be more than K versions stale after it (the rest is waiting for results).
+    trainer_wait_c3_s: float = 0.0
     max_versions_in_flight: int = 0
     eval_dispatched: int = 0  # evaluation requests (counted apart from the training samples above)
     eval_finished: int = 0
@@ -39,7 +42,7 @@ class CoordinatorStats:
     # Of those, groups a take left out after all: an older group that started later (legacy fill)
     # sorted ahead of them. The take stays oldest first; the trainer drops what it computed for them.
     commitments_broken: int = 0
-    # Seconds the coordinator's loop spent waiting on slices' command calls, by method (submit,
-    # load_version, export, import_, ...). Each call returns once the worker has done it, and the
-    # loop applies no other event meanwhile (finishes, scores and publishes wait in its inbox).
+    # Seconds the coordinator's loop spent in slices' command calls, by method (submit, load_version,
+    # export, import_, ...). Each call returns once the worker has done it; meanwhile the loop applies
+    # the results that arrive (coordinator.apply_results_during_calls) and holds other events.
     port_wait_s: dict[str, float] = dataclasses.field(default_factory=dict)

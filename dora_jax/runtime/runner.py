@@ -433,6 +433,7 @@ class CoordinatorSource:
             "generated_tokens": generated,
             "kv_preemptions": preemptions,
             "trainer_wait_s": self._coord.stats.trainer_wait_s,
+            "trainer_wait_c3_s": self._coord.stats.trainer_wait_c3_s,
             "versions_in_flight": len(self._coord.versions_in_flight()),
             "migrations_kv": self._coord.stats.migrations_kv,
             "migrations_reprefill": self._coord.stats.migrations_reprefill,

@@ -39,7 +39,7 @@ DYNAMIC_SAMPLING_COUNTERS = ("scored_groups", "filtered_groups", "filtered_sampl
 @dataclasses.dataclass(frozen=True)
 class TakenBatch:
     groups: Sequence[Group]
-    stats: Mapping[str, float]  # at the take: trainer_wait_s, versions_in_flight, migrations_kv, COUNTERS
+    stats: Mapping[str, float]  # at the take: trainer_wait_s(_c3_s), versions_in_flight, migrations_kv, COUNTERS
 
 
 class BatchSource(Protocol):
@@ -220,6 +220,7 @@ def step_row(
         "staleness_max": int(max(metrics.staleness)),
         "versions_in_flight": stats.get("versions_in_flight", 0),
         "trainer_wait_s": stats.get("trainer_wait_s", 0.0),
+        "trainer_wait_c3_s": stats.get("trainer_wait_c3_s", 0.0),  # of it, C3 holding a queued batch
         "take_batch_s": wait_s,
         "bubble_ratio": delta["idle_slot_steps"] / delta["slot_steps"] if delta["slot_steps"] else 0.0,
         "generated_tokens": delta["generated_tokens"],

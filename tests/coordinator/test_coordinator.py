@@ -379,3 +379,37 @@ def test_a_backlog_goes_to_each_slice_in_one_submit(mode):
     assert dispatches >= 6 * 8  # 6 batches of 8
     # at most one submit per slice for each pass that dispatched: far fewer than the dispatches
     assert submits <= dispatches // 2, (submits, dispatches)
+
+
+def test_the_trainers_wait_says_when_c3_held_a_queued_batch():
+    """`stats.trainer_wait_c3_s`: the part of the trainer's wait during which a whole batch was
+    queued but C3 held the take, because an older group still decoding would be more than K
+    versions stale after it; none of a wait for results counts."""
+    # K = 1, batches of 2 groups of 4: version 0's fourth group (g3) decodes for ever, the rest finish
+    # in one token.
+    ref = [None]
+    workers = {i: FakeWorker(i, 4, ref, lambda traj_id: 150 if traj_id.startswith("g3/") else 1) for i in range(3)}
+    coord = Coordinator(config("dora", k_max=1, tbs=8, rbs=16, g=4), workers, prompts(), InstantScorer(), Ledger(None))
+    ref[0] = coord
+    coord.start()
+    with pytest.raises(TimeoutError):
+        coord.take_batch(0, timeout=0.2)  # nothing finished yet: waiting for results
+    assert coord.stats.trainer_wait_s >= 0.2 and coord.stats.trainer_wait_c3_s == 0.0
+    for _ in range(2):
+        for w in workers.values():
+            w.tick()
+        coord.process()
+    assert [g.group_id for g in coord.take_batch(0, timeout=5.0)] == ["g0", "g1"]
+    coord.post_published(1)
+    coord.process()
+    for _ in range(2):
+        for w in workers.values():
+            w.tick()
+        coord.process()
+    # Queued: g2 (v0) and version 1's groups; a take of two would leave g3 (v0) for trainer version 2.
+    assert len(coord.queue) >= 2 and "g3" in coord.groups
+    waited = coord.stats.trainer_wait_s
+    with pytest.raises(TimeoutError):
+        coord.take_batch(1, timeout=0.3)
+    assert coord.stats.trainer_wait_c3_s == pytest.approx(coord.stats.trainer_wait_s - waited, abs=0.06)
+    assert coord.stats.trainer_wait_c3_s >= 0.25
