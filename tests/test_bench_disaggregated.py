@@ -66,6 +66,8 @@ def test_bench_modes_runs_each_mode_as_role_processes_on_disjoint_cores(tmp_path
         waits = row["coordinator_port_wait_by_call_s"]
         assert {"submit", "load_version"} <= waits.keys() and all(s > 0 for s in waits.values())
         assert row["coordinator_port_wait_s"] == pytest.approx(sum(waits.values()))
+        # the part of the trainer's wait C3 held a queued batch (from the trainer's metrics rows)
+        assert 0.0 <= row["trainer_wait_c3_s"] <= row["trainer_wait_s"]
     assert "disjoint cores" in results["bound"]["how"]
     # the coordinator forced every response to its drawn length
     lengths = LengthDistribution(median=24.0, sigma=1.1, max_len=60)
