@@ -145,12 +145,24 @@ def test_rollout_scored_behaviour_logps_travel_over_grpc(tmp_path):
 def test_behaviour_logps_scored_ahead_over_grpc(tmp_path):
     """trainer.score_ahead across processes: the trainer's TakeBatch polls bring the finished groups
     of its next batch (`peek`), whose behaviour log-probs it computes while it waits; every stale
-    row of a step is scored ahead or recomputed, and the audit (digests included) is clean."""
-    proc = _launch(tmp_path / "run", "--config.trainer.score_ahead=True", "--config.rollout.num_slices=1")
+    row of a step is scored ahead or recomputed, and the audit (digests included) is clean.
+    The trainer must wait for rows to score ahead: while it compiles its first step the rollout
+    fills the window (K + 1 batches), so the first steps find their batch ready. One slot on one
+    slice and 10 steps leave it several waits (6 steps on two slots found every later batch ready
+    in one CI run on fca4515; on one slot, with two CPU-bound processes beside it, 4 of 10 steps
+    scored rows ahead)."""
+    steps = 10
+    proc = _launch(
+        tmp_path / "run",
+        "--config.trainer.score_ahead=True",
+        "--config.rollout.num_slices=1",
+        "--config.rollout.slots=1",
+        f"--config.num_steps={steps}",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = list(read_ledger(str(tmp_path / "run" / "ledger.jsonl")))
     report = audit(events)
-    assert report.ok and report.consumed == STEPS * TBS, report.summary()
+    assert report.ok and report.consumed == steps * TBS, report.summary()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     consumed = [e for e in events if e["ev"] == "consume"]
     for step, row in enumerate(rows):
