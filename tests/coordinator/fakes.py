@@ -265,6 +265,23 @@ def prompts():
     return next_prompt
 
 
+def drive(coord, workers, rng, steps, each_pass=None) -> None:
+    """Scheduling rounds (`tick_some`, then `process`) until the trainer has taken `steps` batches,
+    publishing a version after each take; `each_pass()` first in every round."""
+    version, passes = 0, 0
+    while version < steps:
+        passes += 1
+        assert passes < 20000, "no progress"
+        if each_pass is not None:
+            each_pass()
+        tick_some(workers, rng)
+        coord.process()
+        if coord.try_take_batch(version) is not None:
+            version += 1
+            coord.post_published(version)
+            coord.process()
+
+
 def tick_some(workers, rng) -> None:
     """One scheduling round: a random non-empty subset of the slices decodes a token, in random order."""
     order = list(workers.values())

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.coordinator import Coordinator, CoordinatorConfig
 from dora_jax.coordinator.ledger import Ledger
-from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts, tick_some
+from tests.coordinator.fakes import FakeWorker, InstantScorer, config, drive, longtail, prompts, tick_some
 
 
 def run(
@@ -340,17 +340,11 @@ def _timed_run(mode, steps=6):
     coord = Coordinator(config(mode), workers, prompts(), InstantScorer(), ledger, clock=clock)
     ref[0] = coord
     coord.start()
-    rng, version, ticks = random.Random(0), 0, 0
-    while version < steps:
-        ticks += 1
-        assert ticks < 20000, "no progress"
+
+    def a_second_passes():
         clock.t += 1.0
-        tick_some(workers, rng)
-        coord.process()
-        if coord.try_take_batch(version) is not None:
-            version += 1
-            coord.post_published(version)
-            coord.process()
+
+    drive(coord, workers, random.Random(0), steps, each_pass=a_second_passes)
     return coord, workers, ledger.memory
 
 

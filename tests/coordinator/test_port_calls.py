@@ -11,7 +11,7 @@ import pytest
 from dora_jax.coordinator.audit import audit
 from dora_jax.coordinator.coordinator import Coordinator
 from dora_jax.coordinator.ledger import Ledger
-from tests.coordinator.fakes import FakeWorker, InstantScorer, config, longtail, prompts, tick_some
+from tests.coordinator.fakes import FakeWorker, InstantScorer, config, drive, longtail, prompts, tick_some
 
 
 class _BusyNeighbourWorker(FakeWorker):
@@ -61,16 +61,7 @@ def _run(mode, *, apply, steps=8, seed=0):
     coord = Coordinator(cfg, workers, prompts(), InstantScorer(), ledger)
     ref[0] = coord
     coord.start()
-    version, passes = 0, 0
-    while version < steps:
-        passes += 1
-        assert passes < 20000, "no progress"
-        tick_some(workers, rng)
-        coord.process()
-        if coord.try_take_batch(version) is not None:
-            version += 1
-            coord.post_published(version)
-            coord.process()
+    drive(coord, workers, rng, steps)
     return coord, workers, ledger.memory
 
 
@@ -133,16 +124,7 @@ def test_another_slices_results_are_applied_while_a_slice_loads(apply):
     coord = Coordinator(cfg, workers, prompts(), InstantScorer(), Ledger(None))
     ref[0] = coord
     coord.start()
-    rng, version, passes = random.Random(1), 0, 0
-    while version < 6:
-        passes += 1
-        assert passes < 20000, "no progress"
-        tick_some(workers, rng)
-        coord.process()
-        if coord.try_take_batch(version) is not None:
-            version += 1
-            coord.post_published(version)
-            coord.process()
+    drive(coord, workers, random.Random(1), 6)
     assert w1.applied_during_load, "slice 1 never loaded while slice 0 decoded"
     assert all(w1.applied_during_load) if apply else not any(w1.applied_during_load)
     assert audit(coord.ledger.memory).ok
