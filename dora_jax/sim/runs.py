@@ -9,6 +9,7 @@ another on the next core reads the same cost as a run alone.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -69,6 +70,9 @@ def run_tasks(sc: Scenario, tasks: Sequence[RunTask], jobs: int = 1) -> list[Mod
     if jobs == 1 or len(tasks) < 2:
         return [simulate_task(sc, task) for task in tasks]
     order = sorted(range(len(tasks)), key=lambda i: -tasks[i].weight)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+    # Workers forked from a fresh server process, not from this one: a caller that has started
+    # threads (jax's, in a notebook or a test process) cannot hand a held lock to a forked child.
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context) as pool:
         futures = {i: pool.submit(simulate_task, sc, tasks[i]) for i in order}
         return [futures[i].result() for i in range(len(tasks))]

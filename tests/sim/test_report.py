@@ -4,6 +4,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -108,11 +109,19 @@ def _simulated(block):
 
 def test_results_are_deterministic_and_the_same_in_worker_processes(tmp_path):
     """Two runs of a scenario agree on every simulated field, whether the runs go one after the
-    other here or spread over two worker processes; the host-measured costs are present."""
+    other here or spread over two worker processes; the host-measured costs are present. The
+    workers are not forked from a process whose jax threads run (a notebook's, a test's): such a
+    child may deadlock on a lock a thread held, and Python warns when it happens."""
+    import jax.numpy as jnp
+
+    jnp.ones(4).sum().block_until_ready()  # jax's threads are running in this process
     sc = from_config(small_config())
     serial = json.loads(json.dumps(run_all(sc, str(tmp_path / "serial"))))
     again = json.loads(json.dumps(run_all(sc, str(tmp_path / "again"))))
-    spread = json.loads(json.dumps(run_all(sc, str(tmp_path / "spread"), jobs=2)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spread = json.loads(json.dumps(run_all(sc, str(tmp_path / "spread"), jobs=2)))
+    assert not [w for w in caught if "fork" in str(w.message)], [str(w.message) for w in caught]
     assert _simulated(serial) == _simulated(again) == _simulated(spread)
     assert json.loads((tmp_path / "spread" / "results.json").read_text()) == spread
     for setting in [*spread["settings"].values(), *spread["scaling"]["accelerators"].values()]:
