@@ -39,6 +39,12 @@ ESTIMATE_LENGTHS = flags.DEFINE_list(
     "2 unrolled blocks); default: the width nearest 4096",
 )
 ROLES = flags.DEFINE_list("roles", ["trainer", "rollout"], "roles to compile")
+PROGRAMS = flags.DEFINE_list(
+    "programs",
+    None,
+    "compile only the programs of these names (the part before '[', e.g. recompute,grad): a quick look at "
+    "their memory and estimates; no role's fit is judged then",
+)
 JOBS = flags.DEFINE_integer(
     "jobs", 2, "roles compiled at once, each in its own process (1: one after the other in this process)"
 )
@@ -99,6 +105,7 @@ def main(argv):
             on_role=write,
             probes_in=PROBES_IN.value,
             probes_out=PROBES_OUT.value,
+            programs=PROGRAMS.value,
         )
     except (ValueError, RuntimeError) as err:
         print(f"tpu_compile: {err}", file=sys.stderr)

@@ -152,16 +152,18 @@ def _target_config(cfg, target: RoleTarget):
 
 
 def probe_costs(
-    config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, log=print
+    config: RunConfig, target: RoleTarget, cfg, *, train_lengths=(), estimate_lengths=None, only=None, log=print
 ) -> dict:
     """XLA's [flops, bytes, seconds] of the trainer's cost probes, {program name: [1 block, 2
     blocks]}: the part of the trainer role that `compile_role(probes_from=...)` takes from another
     process (tpu_compile --jobs=2 has the rollout role's process compile them after its own)."""
     cfg = _target_config(cfg, target)
     trainer = _abstract_trainer(cfg, target.mesh, config.trainer)
-    programs = trainer_programs(config, trainer, cfg, int(target.mesh.devices.size), train_lengths)
+    programs = _selected(trainer_programs(config, trainer, cfg, int(target.mesh.devices.size), train_lengths), only)
     costs = {}
     for name, (_, pair) in _layer_probes(config, target, cfg, programs, train_lengths, estimate_lengths).items():
+        if not any(p.name == name for p in programs):
+            continue
         start = time.perf_counter()
         costs[name] = [list(probe()) for probe in pair]
         log(f"  {name}: cost probes (1 and 2 blocks) compiled in {time.perf_counter() - start:.1f} s")
@@ -177,12 +179,14 @@ def compile_role(
     estimate_lengths=None,
     log=print,
     probes_from: Callable[[str], list] | None = None,
+    only=None,
 ) -> dict:
     """One role's record. With `model.scan_layers`, the trainer programs at `estimate_lengths`
     (default: the one width nearest 4096) get cost estimates from unrolled 1- and 2-block probe
     compiles; the other scanned programs are compiled for their memory only (estimate None).
     `probes_from(name)`: those probes' costs from elsewhere (`probe_costs`, in another process;
-    may wait for them), asked for after every other program has compiled."""
+    may wait for them), asked for after every other program has compiled. `only`: the names (before
+    "[") of the programs to compile, the rest left out; the record then judges no fit (fits None)."""
     log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
     cfg = _target_config(cfg, target)
     chips = int(target.mesh.devices.size)
@@ -199,7 +203,7 @@ def compile_role(
             # versions are published in the compute dtype (Trainer.serve_dtype)
             f"param_versions_x{versions}": bytes_per_chip(_in_dtype(trainer.state.params, cfg.dtype)) * versions,
         }
-        programs = trainer_programs(config, trainer, cfg, chips, train_lengths)
+        programs = _selected(trainer_programs(config, trainer, cfg, chips, train_lengths), only, log)
         probes = {
             name: (
                 layers,
@@ -229,6 +233,7 @@ def compile_role(
         slots = engine.config.num_slots
         programs = [rollout_program(name, lowered, cfg, chips, slots) for name, lowered in engine.lower_programs()]
         programs += _scoring_programs(config, engine, _abstract(served, engine.param_shardings), cfg, chips)
+        programs = _selected(programs, only, log)
     records = {}
     # Probes from another process are waited for last: everything else compiles meanwhile.
     order = sorted(range(len(programs)), key=lambda i: probes_from is not None and programs[i].name in probes)
@@ -239,10 +244,24 @@ def compile_role(
             program = dataclasses.replace(program, cost=False)  # XLA would count one block only
         records[i] = compile_program(program, target.chip, log, probes.get(program.name))
     records = [records[i] for i in range(len(programs))]
-    if kv and target.role == "rollout":
+    if kv and target.role == "rollout" and only is None:
         kv |= _kernel_reads(engine, kv, records, target.chip)
         kv["migration_rule"] = migration_rule(config, engine, records)
-    return _role_record(target, resident, records) | kv
+    record = _role_record(target, resident, records) | kv
+    if only is not None:  # some programs left out: their memory is unknown
+        record.update(fits=None, programs_selected=sorted(only))
+    return record
+
+
+def _selected(programs: list[Program], only, log=None) -> list[Program]:
+    """The programs named in `only` (by their name before "["); all of them when `only` is None."""
+    if only is None:
+        return programs
+    chosen = [p for p in programs if p.name.split("[")[0] in only]
+    if log is not None and len(chosen) < len(programs):
+        names = sorted({p.name.split("[")[0] for p in programs} - set(only))
+        log(f"  left out (--programs={','.join(sorted(only))}): {', '.join(names)}")
+    return chosen
 
 
 def _scoring_programs(config: RunConfig, engine: RolloutEngine, params, cfg, chips: int) -> list[Program]:
@@ -419,12 +438,15 @@ def compile_roles(
     on_role=None,
     probes_in: str | None = None,
     probes_out: str | None = None,
+    programs=None,
 ):
     """compile.json's content (without "config") for `config` on `target` (see `plan_roles`).
     `on_role(partial_result)` is called after each role (big models compile for many minutes).
     Two processes can share the trainer's work: the one given `probes_out` compiles the trainer's
     cost probes after its own roles and writes their costs there (`write_probe_costs`); the one
-    given `probes_in` takes them from there, waiting for the file once everything else has compiled."""
+    given `probes_in` takes them from there, waiting for the file once everything else has compiled.
+    `programs`: compile only the programs of these names (before "["), e.g. ("recompute",): a quick
+    look at their memory and estimates; no role's fit is judged then (fits None)."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     cfg = model_config(config)
     plans = plan_roles(config, pod, target)
@@ -444,6 +466,7 @@ def compile_roles(
                     estimate_lengths=estimate_lengths,
                     log=log,
                     probes_from=costs_in,
+                    only=None if programs is None else frozenset(programs),
                 )
             )
             if on_role is not None:
@@ -451,7 +474,13 @@ def compile_roles(
         if probes_out is not None:
             (trainer,) = [p for p in plans if p.role == "trainer"]
             costs = probe_costs(
-                config, trainer, cfg, train_lengths=train_lengths, estimate_lengths=estimate_lengths, log=log
+                config,
+                trainer,
+                cfg,
+                train_lengths=train_lengths,
+                estimate_lengths=estimate_lengths,
+                only=None if programs is None else frozenset(programs),
+                log=log,
             )
             write_probe_costs(probes_out, costs=costs)
     except BaseException as err:

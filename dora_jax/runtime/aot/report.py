@@ -7,7 +7,10 @@ from dora_jax.runtime.aot.topology import GiB
 
 
 def result_of(records: list[dict]) -> dict:
-    """compile.json's content (without "config") for these role records."""
+    """compile.json's content (without "config") for these role records; "fits" None when some
+    programs were left out (`--programs`): nothing is known of their memory."""
+    if any("programs_selected" in r for r in records):
+        return {"roles": records, "fits": None}
     return {"roles": records, "fits": all(r["fits"] is not False for r in records)}
 
 
