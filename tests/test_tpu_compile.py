@@ -194,6 +194,11 @@ def test_programs_compiles_only_the_named_programs_and_judges_no_fit():
     assert result["fits"] is None and rollout["fits"] is None and rollout["programs_selected"] == ["generate"]
     assert any(line.startswith("  left out (--programs=generate): ") and "prefill" in line for line in lines), lines
     assert aot.does_not_fit(result) == []
+    assert aot.unknown_programs(result, ["generate"]) is None
+    wrong = aot.unknown_programs(result, ["generate", "genrate"])
+    assert (
+        wrong.startswith("--programs: genrate is no program of the roles compiled; they have ") and "prefill" in wrong
+    )
 
 
 def test_what_would_fit_names_the_fields_and_the_share():

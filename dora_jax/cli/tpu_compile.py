@@ -51,6 +51,11 @@ JOBS = flags.DEFINE_integer(
 PROBES_OUT = flags.DEFINE_string(
     "probes_out", None, "after its roles, compile the trainer's cost probes and write their costs to this file"
 )
+ROLE_PROCESS = flags.DEFINE_bool(
+    "role_process",
+    False,
+    "set by --jobs for the processes it starts: one role of several (--programs is checked by the parent)",
+)
 PROBES_IN = flags.DEFINE_string(
     "probes_in", None, "take the trainer's cost probes from this file (written by another tpu_compile process)"
 )
@@ -117,6 +122,13 @@ def main(argv):
 def _finish(result: dict, path: str, aot) -> None:
     print(aot.table(result))
     print(f"wrote {path}")
+    if (
+        PROGRAMS.value is not None
+        and not ROLE_PROCESS.value
+        and (wrong := aot.unknown_programs(result, PROGRAMS.value))
+    ):
+        print(f"tpu_compile: {wrong}", file=sys.stderr)
+        sys.exit(2)
     problems = aot.does_not_fit(result)
     for line in problems:
         print(f"tpu_compile: {line}", file=sys.stderr)
@@ -130,7 +142,7 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
     error has been printed)."""
     from dora_jax.runtime import aot
 
-    base = [a for a in sys.argv[1:] if not a.startswith(("--roles", "--out", "--jobs", "--probes_"))]
+    base = [a for a in sys.argv[1:] if not a.startswith(("--roles", "--out", "--jobs", "--probes_", "--role_process"))]
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # each process loads libtpu
     records: dict[str, list] = {}
     failed = []
@@ -146,7 +158,16 @@ def _roles_in_processes(roles: list[str], jobs: int, write) -> dict | None:
 
     def compile_one(role: str) -> None:
         out = os.path.join(cli.OUT.value, f"role-{role}")
-        argv = [sys.executable, "-m", "dora_jax.tpu_compile", *base, f"--roles={role}", f"--out={out}", "--jobs=1"]
+        argv = [
+            sys.executable,
+            "-m",
+            "dora_jax.tpu_compile",
+            *base,
+            f"--roles={role}",
+            f"--out={out}",
+            "--jobs=1",
+            "--role_process",
+        ]
         argv += handover.get(role, [])
         child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         verdicts = []  # its own "tpu_compile: ..." lines: a failure's are printed, a misfit's the merge reports

@@ -70,6 +70,7 @@ from dora_jax.runtime.aot.report import (  # noqa: F401
     does_not_fit,
     result_of,
     table,
+    unknown_programs,
 )
 from dora_jax.runtime.aot.topology import (  # noqa: F401
     CHIPS,

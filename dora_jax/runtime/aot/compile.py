@@ -159,10 +159,11 @@ def probe_costs(
     process (tpu_compile --jobs=2 has the rollout role's process compile them after its own)."""
     cfg = _target_config(cfg, target)
     trainer = _abstract_trainer(cfg, target.mesh, config.trainer)
-    programs = _selected(trainer_programs(config, trainer, cfg, int(target.mesh.devices.size), train_lengths), only)
+    programs = trainer_programs(config, trainer, cfg, int(target.mesh.devices.size), train_lengths)
+    wanted = {p.name for p in _selected(programs, only)}
     costs = {}
     for name, (_, pair) in _layer_probes(config, target, cfg, programs, train_lengths, estimate_lengths).items():
-        if not any(p.name == name for p in programs):
+        if name not in wanted:
             continue
         start = time.perf_counter()
         costs[name] = [list(probe()) for probe in pair]
@@ -203,7 +204,7 @@ def compile_role(
             # versions are published in the compute dtype (Trainer.serve_dtype)
             f"param_versions_x{versions}": bytes_per_chip(_in_dtype(trainer.state.params, cfg.dtype)) * versions,
         }
-        programs = _selected(trainer_programs(config, trainer, cfg, chips, train_lengths), only, log)
+        programs = trainer_programs(config, trainer, cfg, chips, train_lengths)
         probes = {
             name: (
                 layers,
@@ -233,7 +234,8 @@ def compile_role(
         slots = engine.config.num_slots
         programs = [rollout_program(name, lowered, cfg, chips, slots) for name, lowered in engine.lower_programs()]
         programs += _scoring_programs(config, engine, _abstract(served, engine.param_shardings), cfg, chips)
-        programs = _selected(programs, only, log)
+    names = {p.name.split("[")[0] for p in programs}
+    programs = _selected(programs, only, log)
     records = {}
     # Probes from another process are waited for last: everything else compiles meanwhile.
     order = sorted(range(len(programs)), key=lambda i: probes_from is not None and programs[i].name in probes)
@@ -249,7 +251,7 @@ def compile_role(
         kv["migration_rule"] = migration_rule(config, engine, records)
     record = _role_record(target, resident, records) | kv
     if only is not None:  # some programs left out: their memory is unknown
-        record.update(fits=None, programs_selected=sorted(only))
+        record.update(fits=None, programs_selected=sorted(only), program_names=sorted(names))
     return record
 
 

@@ -14,6 +14,16 @@ def result_of(records: list[dict]) -> dict:
     return {"roles": records, "fits": all(r["fits"] is not False for r in records)}
 
 
+def unknown_programs(result: dict, names) -> str | None:
+    """What is wrong with `--programs=names` when some name is no program of the roles compiled
+    (a typo compiles nothing and would pass for a success); None when every name is one."""
+    known = {name for role in result["roles"] for name in role.get("program_names", ())}
+    unknown = sorted(set(names) - known)
+    if not unknown:
+        return None
+    return f"--programs: {', '.join(unknown)} is no program of the roles compiled; they have {', '.join(sorted(known))}"
+
+
 def does_not_fit(result: dict) -> list[str]:
     """One line per role that does not fit: the program, its bytes and the capacity."""
     lines = []
