@@ -182,9 +182,10 @@ def test_a_huge_model_does_not_fit_and_the_program_is_named():
 
 
 @pytest.mark.slow  # the TPU compiler
-def test_programs_compiles_only_the_named_programs_and_judges_no_fit():
+def test_programs_compiles_only_the_named_programs_and_claims_no_fit_only_a_misfit():
     """`programs`: the named programs alone (by the name before "["), every one of that name; with
-    programs left out nothing is known of the role's peak, so no fit is claimed either way."""
+    programs left out the role's peak is not known, so no fit is claimed, only a misfit: programs
+    that already exceed the chip."""
     config = run_config.parse(_config())
     lines = []
     result = aot.compile_roles(config, None, "v5e:2x2", roles=("rollout",), programs=["generate"], log=lines.append)
@@ -199,6 +200,14 @@ def test_programs_compiles_only_the_named_programs_and_judges_no_fit():
     assert (
         wrong.startswith("--programs: genrate is no program of the roles compiled; they have ") and "prefill" in wrong
     )
+    # 2 layers of 3.5B params each: 28 GB of fp32 weights for one 16 GiB chip, whatever else compiles
+    huge = _config(hidden_size=16384, intermediate_size=65536, num_heads=128, num_kv_heads=16, head_dim=128)
+    result = aot.compile_roles(
+        run_config.parse(huge), None, "v5e:2x2", roles=("rollout",), programs=["prefill"], log=lambda _: None
+    )
+    assert result["fits"] is False and result["roles"][0]["fits"] is False
+    (line,) = aot.does_not_fit(result)
+    assert line.startswith("rollout on v5e:2x2 does not fit: prefill[")
 
 
 def test_what_would_fit_names_the_fields_and_the_share():

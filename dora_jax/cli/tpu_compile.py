@@ -43,7 +43,7 @@ PROGRAMS = flags.DEFINE_list(
     "programs",
     None,
     "compile only the programs of these names (the part before '[', e.g. recompute,grad): a quick look at "
-    "their memory and estimates; no role's fit is judged then",
+    "their memory and estimates; a role is then found not to fit, or nothing is said of its fit",
 )
 JOBS = flags.DEFINE_integer(
     "jobs", 2, "roles compiled at once, each in its own process (1: one after the other in this process)"

@@ -187,7 +187,8 @@ def compile_role(
     compiles; the other scanned programs are compiled for their memory only (estimate None).
     `probes_from(name)`: those probes' costs from elsewhere (`probe_costs`, in another process;
     may wait for them), asked for after every other program has compiled. `only`: the names (before
-    "[") of the programs to compile, the rest left out; the record then judges no fit (fits None)."""
+    "[") of the programs to compile, the rest left out; the record then claims no fit (fits None),
+    only a misfit (False: the programs compiled already exceed the chip, or one failed)."""
     log(f"{target.role} on {target.topology} ({target.mesh.devices.size} chips, mesh {dict(target.mesh.shape)}):")
     cfg = _target_config(cfg, target)
     chips = int(target.mesh.devices.size)
@@ -250,8 +251,9 @@ def compile_role(
         kv |= _kernel_reads(engine, kv, records, target.chip)
         kv["migration_rule"] = migration_rule(config, engine, records)
     record = _role_record(target, resident, records) | kv
-    if only is not None:  # some programs left out: their memory is unknown
-        record.update(fits=None, programs_selected=sorted(only), program_names=sorted(names))
+    if only is not None:  # programs left out: their memory is unknown, so a fit is not known; a misfit is
+        fits = None if record["fits"] is True else record["fits"]
+        record.update(fits=fits, programs_selected=sorted(only), program_names=sorted(names))
     return record
 
 
@@ -448,7 +450,7 @@ def compile_roles(
     cost probes after its own roles and writes their costs there (`write_probe_costs`); the one
     given `probes_in` takes them from there, waiting for the file once everything else has compiled.
     `programs`: compile only the programs of these names (before "["), e.g. ("recompute",): a quick
-    look at their memory and estimates; no role's fit is judged then (fits None)."""
+    look at their memory and estimates; a role is then found not to fit (False) or nothing (None)."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     cfg = model_config(config)
     plans = plan_roles(config, pod, target)

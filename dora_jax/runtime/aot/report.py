@@ -8,10 +8,12 @@ from dora_jax.runtime.aot.topology import GiB
 
 def result_of(records: list[dict]) -> dict:
     """compile.json's content (without "config") for these role records; "fits" None when some
-    programs were left out (`--programs`): nothing is known of their memory."""
-    if any("programs_selected" in r for r in records):
+    programs were left out (`--programs`: nothing is known of their memory) and no role is known
+    not to fit."""
+    fits = all(r["fits"] is not False for r in records)
+    if fits and any("programs_selected" in r for r in records):
         return {"roles": records, "fits": None}
-    return {"roles": records, "fits": all(r["fits"] is not False for r in records)}
+    return {"roles": records, "fits": fits}
 
 
 def unknown_programs(result: dict, names) -> str | None:
