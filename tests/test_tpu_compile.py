@@ -210,6 +210,31 @@ def test_programs_compiles_only_the_named_programs_and_claims_no_fit_only_a_misf
     assert line.startswith("rollout on v5e:2x2 does not fit: prefill[")
 
 
+@pytest.mark.slow  # two processes that load libtpu
+def test_the_command_takes_programs_through_its_role_processes_and_names_a_typo(tmp_path):
+    """--programs reaches both role processes (--jobs=2): the rollout's generate programs compile, the
+    trainer's none; a name that is neither role's program exits 2 naming it once (the parent's check)."""
+    from tests.helpers import CONFIG
+
+    small = ["--config.rollout.num_slices=2", "--config.rollout.cache_length=32"]
+    small += ["--config.rollout.max_prefill_length=16", "--config.rollout.max_new_tokens=24"]
+    result = subprocess.run(
+        [sys.executable, "-m", "dora_jax.tpu_compile", f"--config={CONFIG}", f"--out={tmp_path}", "--target=v5e:2x2"]
+        + small
+        + ["--programs=generate,genrate"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("tpu_compile: --programs: genrate is no program of the roles compiled") == 1
+    with open(tmp_path / "compile.json") as f:
+        written = json.load(f)
+    assert written["fits"] is None
+    programs = {r["role"]: [p["name"].split("[")[0] for p in r["programs"]] for r in written["roles"]}
+    assert programs["trainer"] == [] and programs["rollout"] and set(programs["rollout"]) == {"generate"}
+
+
 def test_what_would_fit_names_the_fields_and_the_share():
     gib = 2**30
     program = {"name": "grad[rows=16,T=9216]", "temp_bytes": 160 * gib, "output_bytes": 0, "alias_bytes": 0}
