@@ -44,6 +44,10 @@ PROGRAM_KEYS = {
 }
 
 
+# 2 layers of 3.5B params each: 28 GB of fp32 weights, more than one 16 GiB v5e chip holds
+HUGE = {"hidden_size": 16384, "intermediate_size": 65536, "num_heads": 128, "num_kv_heads": 16, "head_dim": 128}
+
+
 def _config(**model):
     """The smoke config shrunk to a 2-layer model and short rows: 2 trainer chips + 2 rollout chips."""
     c = tiny_config("dora")
@@ -169,8 +173,7 @@ def test_moe_expert_projections_compile_to_the_megablox_kernels():
 
 @pytest.mark.slow  # the TPU compiler takes ~5-45 s a program on 2 cores
 def test_a_huge_model_does_not_fit_and_the_program_is_named():
-    # 2 layers of 3.5B params each: 28 GB of fp32 weights for one 16 GiB chip.
-    c = _config(hidden_size=16384, intermediate_size=65536, num_heads=128, num_kv_heads=16, head_dim=128)
+    c = _config(**HUGE)
     config = run_config.parse(c)
     result = aot.compile_roles(config, None, "v5e:2x2", roles=("rollout",))
     (rollout,) = result["roles"]
@@ -200,8 +203,7 @@ def test_programs_compiles_only_the_named_programs_and_claims_no_fit_only_a_misf
     assert (
         wrong.startswith("--programs: genrate is no program of the roles compiled; they have ") and "prefill" in wrong
     )
-    # 2 layers of 3.5B params each: 28 GB of fp32 weights for one 16 GiB chip, whatever else compiles
-    huge = _config(hidden_size=16384, intermediate_size=65536, num_heads=128, num_kv_heads=16, head_dim=128)
+    huge = _config(**HUGE)  # does not fit, whatever else compiles
     result = aot.compile_roles(
         run_config.parse(huge), None, "v5e:2x2", roles=("rollout",), programs=["prefill"], log=lambda _: None
     )
@@ -342,14 +344,13 @@ def test_the_command_names_a_role_that_does_not_fit_once(tmp_path):
     merged result, not again by its process)."""
     from tests.helpers import CONFIG
 
-    huge = {"hidden_size": 16384, "intermediate_size": 65536, "num_heads": 128, "num_kv_heads": 16, "head_dim": 128}
     result = subprocess.run(
         [sys.executable, "-m", "dora_jax.tpu_compile", f"--config={CONFIG}", f"--out={tmp_path}", "--target=v5e:2x2"]
         + ["--jobs=2", "--config.rollout.num_slices=2", "--config.rollout.cache_length=32"]
         # the trainer's grad programs only (no behaviour recompute to compile)
         + ["--config.trainer.behaviour_logps=sampler"]
         + ["--config.rollout.max_prefill_length=16", "--config.rollout.max_new_tokens=24"]
-        + [f"--config.model.{field}={value}" for field, value in huge.items()],
+        + [f"--config.model.{field}={value}" for field, value in HUGE.items()],
         capture_output=True,
         text=True,
         timeout=600,

@@ -235,7 +235,7 @@ def compile_role(
         slots = engine.config.num_slots
         programs = [rollout_program(name, lowered, cfg, chips, slots) for name, lowered in engine.lower_programs()]
         programs += _scoring_programs(config, engine, _abstract(served, engine.param_shardings), cfg, chips)
-    names = {p.name.split("[")[0] for p in programs}
+    names = {_kind(p.name) for p in programs}
     programs = _selected(programs, only, log)
     records = {}
     # Probes from another process are waited for last: everything else compiles meanwhile.
@@ -261,9 +261,9 @@ def _selected(programs: list[Program], only, log=None) -> list[Program]:
     """The programs named in `only` (by their name before "["); all of them when `only` is None."""
     if only is None:
         return programs
-    chosen = [p for p in programs if p.name.split("[")[0] in only]
+    chosen = [p for p in programs if _kind(p.name) in only]
     if log is not None and len(chosen) < len(programs):
-        names = sorted({p.name.split("[")[0] for p in programs} - set(only))
+        names = sorted({_kind(p.name) for p in programs} - set(only))
         log(f"  left out (--programs={','.join(sorted(only))}): {', '.join(names)}")
     return chosen
 
@@ -363,6 +363,11 @@ def _max_prompt_tokens(config: RunConfig) -> int:
     return int(value or 0) or config.rollout.cache_length - config.rollout.max_new_tokens
 
 
+def _kind(name: str) -> str:
+    """The name of a program before its shape: `grad` of `grad[rows=16,T=4096]` (`--programs`)."""
+    return name.split("[")[0]
+
+
 def _width(name: str) -> int | None:
     """The T of a program named like `grad[rows=16,T=4096]`; None for one without rows."""
     found = re.search(r"\bT=(\d+)", name)
@@ -459,6 +464,7 @@ def compile_roles(
     jax.config.update("jax_enable_compilation_cache", target == "local" and cache)
     records = []
     costs_in = None if probes_in is None else read_probe_costs(probes_in)
+    only = None if programs is None else frozenset(programs)
     try:
         for plan in [p for p in plans if p.role in roles]:
             records.append(
@@ -470,7 +476,7 @@ def compile_roles(
                     estimate_lengths=estimate_lengths,
                     log=log,
                     probes_from=costs_in,
-                    only=None if programs is None else frozenset(programs),
+                    only=only,
                 )
             )
             if on_role is not None:
@@ -483,7 +489,7 @@ def compile_roles(
                 cfg,
                 train_lengths=train_lengths,
                 estimate_lengths=estimate_lengths,
-                only=None if programs is None else frozenset(programs),
+                only=only,
                 log=log,
             )
             write_probe_costs(probes_out, costs=costs)
